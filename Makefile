@@ -1,0 +1,26 @@
+# The two commands of the README: `make bench` and `make test`. Each creates .venv if missing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.vmcache-installed
+
+.PHONY: bench test lint gpu-check clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	# Without an NVIDIA GPU take the CPU build first, so no multi-GB CUDA build is pulled.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch==2.13.0; fi
+	$(PIP) install -q -e '.[test,bench,hf]'
+	touch $(STAMP)
+
+bench: $(STAMP)
+	$(PY) benchmarks/run.py
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest
+
+lint: $(STAMP)
+	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

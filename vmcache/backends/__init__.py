@@ -1,0 +1,36 @@
+"""Physical memory behind one small protocol, chosen once at construction."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Backend, round_up
+from .host import HostBackend
+
+
+def make_backend(device: torch.device | str) -> Backend:
+    """The real backend for ``device``: host mmap for ``cpu``, CUDA VMM for ``cuda``."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return HostBackend()
+    if dev.type == "cuda":
+        from .cuda import CudaBackend
+
+        return CudaBackend(dev)
+    raise ValueError(f"no virtual-memory backend for device {dev}; expected 'cpu' or 'cuda'")
+
+
+def cuda_vmm_available() -> bool:
+    """True when a CUDA device and a working cuda-python driver binding are present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from .cuda import load_driver
+
+        load_driver()
+    except Exception:  # noqa: BLE001 - any failure means "not available"
+        return False
+    return True
+
+
+__all__ = ["Backend", "HostBackend", "make_backend", "cuda_vmm_available", "round_up"]

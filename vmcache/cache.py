@@ -1,0 +1,186 @@
+"""VMKVCache: every sequence owns one contiguous virtual range per K/V tensor; physical pages
+are mapped into it on demand (vAttention's design), refcounted and shared copy-on-write.
+
+layer_major (default): per layer, K and V tensors ``[max_seqs, max_seq_len, N_KV, d_h]``:
+
+    reservation: | L0.K | L0.V | L1.K | L1.V | ...          table t = 2·layer + (0 K | 1 V)
+    tensor t:    | row 0 (seq 0) | row 1 | ... | row S-1 |  each row = pages_per_row pages
+    address(s, t, j) = base + (t·S + s)·row_bytes + j·page_size
+
+token_major ("megacache"): one K and one V tensor ``[max_seqs, max_seq_len, N_L, N_KV, d_h]``
+(tables 0 and 1); a page then holds every layer of fewer tokens, and a layer's view is strided.
+
+Rows are padded to whole pages, so a page never spans two sequences. Only pages a sequence's
+length needs are mapped; reading past that faults (host) or is an illegal address (CUDA).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backends import Backend, make_backend, round_up
+from .pagestore import VMPageStore
+from .pool import PagePool
+from .seqcache import SequenceCache, _check_int
+from .spec import KVSpec
+
+LAYOUTS = ("layer_major", "token_major")
+
+
+class VMKVCache(SequenceCache):
+    def __init__(
+        self,
+        spec: KVSpec,
+        max_seqs: int,
+        max_seq_len: int,
+        device: torch.device | str = "cpu",
+        page_size: int | None = None,
+        pool_bytes: int | None = None,
+        layout: str = "layer_major",
+        *,
+        backend: Backend | None = None,
+        scrub_on_reuse: bool = True,
+        swap_bytes: int | None = None,
+    ) -> None:
+        if not isinstance(spec, KVSpec):
+            raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
+        for name, value in (("max_seqs", max_seqs), ("max_seq_len", max_seq_len)):
+            if _check_int(name, value) <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        self._owns_backend = backend is None
+        self.backend = backend if backend is not None else make_backend(device)
+        try:
+            self._setup(spec, max_seqs, max_seq_len, page_size, pool_bytes, layout,
+                        scrub_on_reuse, swap_bytes)  # fmt: skip
+        except BaseException:
+            if self._owns_backend:
+                self.backend.close()
+            raise
+
+    def _setup(self, spec, max_seqs, max_seq_len, page_size, pool_bytes, layout, scrub, swap):
+        be = self.backend
+        P = be.default_page_size if page_size is None else _check_int("page_size", page_size)
+        if P <= 0 or P % be.granularity:
+            raise ValueError(
+                f"page_size must be a positive multiple of the backend granularity "
+                f"{be.granularity} bytes, got {P}"
+            )
+        self.layout = layout
+        self.page_size = P
+        n_tables = 2 * spec.num_layers if layout == "layer_major" else 2
+        token_bytes = spec.bytes_per_token_per_layer * (2 * spec.num_layers // n_tables)
+        self.token_bytes = token_bytes  # bytes of one token in one tensor row
+        self.row_bytes = round_up(max_seq_len * token_bytes, P)
+        self.pages_per_row = self.row_bytes // P
+        capacity = n_tables * max_seqs * self.pages_per_row
+        num_pages = capacity
+        if pool_bytes is not None:
+            _check_int("pool_bytes", pool_bytes)
+            if pool_bytes < P:
+                raise ValueError(f"pool_bytes ({pool_bytes}) is smaller than one page ({P})")
+            num_pages = min(capacity, pool_bytes // P)
+        self.store = VMPageStore(be, P, num_pages)
+        pool = PagePool(num_pages, self.store, scrub_on_reuse=scrub)
+        super().__init__(
+            spec, max_seqs, max_seq_len, pool,
+            num_tables=n_tables, units_per_token=token_bytes, units_per_page=P,
+            page_bytes=P, device=be.device, swap_bytes=swap,
+        )  # fmt: skip
+        self._reserved = n_tables * max_seqs * self.row_bytes
+        self.base = be.reserve(self._reserved)
+        self._bytes = be.view(self.base, self._reserved)  # uint8 over the whole reservation
+        el = spec.dtype_bytes
+        row, H, D, NL = self.row_bytes // el, spec.num_kv_heads, spec.head_dim, spec.num_layers
+        flat = self._bytes.view(spec.dtype)
+        if layout == "layer_major":
+            shape, strides = (max_seqs, max_seq_len, H, D), (row, H * D, D, 1)
+        else:
+            shape, strides = (max_seqs, max_seq_len, NL, H, D), (row, NL * H * D, H * D, D, 1)
+        self._tensors = [
+            flat.as_strided(shape, strides, t * max_seqs * row) for t in range(n_tables)
+        ]
+        self.closed = False
+
+    # --- kernel-facing views -----------------------------------------------------------
+    def k_cache(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s whole virtual K tensor ``[max_seqs, max_seq_len, N_KV, d_h]``
+        (strided in ``token_major``). Only each sequence's first ``seq_len`` rows are mapped."""
+        return self._layer_view(self._check_layer(layer), 0)
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        return self._layer_view(self._check_layer(layer), 1)
+
+    def _layer_view(self, layer: int, kv: int) -> torch.Tensor:
+        if self.layout == "layer_major":
+            return self._tensors[2 * layer + kv]
+        return self._tensors[kv][:, :, layer]
+
+    def kv(self, layer: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero-copy views ``[seq_len, N_KV, d_h]`` of sequence ``s``'s valid K and V."""
+        layer, s = self._check_layer(layer), self._check_seq(s)
+        n = self._lens[s]
+        return self._layer_view(layer, 0)[s, :n], self._layer_view(layer, 1)[s, :n]
+
+    # --- physical hooks ----------------------------------------------------------------
+    def _va(self, s: int, t: int, j: int) -> int:
+        return self.base + (t * self.max_seqs + s) * self.row_bytes + j * self.page_size
+
+    def _attach(self, s: int, t: int, j0: int, pages: list[int]) -> None:
+        handles = [self.store.handle(p) for p in pages]
+        self.backend.map(self._va(s, t, j0), handles, self.page_size)
+
+    def _detach(self, s: int, t: int, j0: int, n: int) -> None:
+        self.backend.unmap(self._va(s, t, j0), n, self.page_size)
+
+    def _copy_page(self, src: int, dst: int, used_units: int) -> None:
+        self.store.view(dst)[:used_units].copy_(self.store.view(src)[:used_units])
+
+    def _tables_of_layer(self, layer: int) -> list[int]:
+        return [2 * layer, 2 * layer + 1] if self.layout == "layer_major" else [0, 1]
+
+    def _store(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        n = k.shape[0]
+        self._layer_view(layer, 0)[s, start : start + n].copy_(k)
+        self._layer_view(layer, 1)[s, start : start + n].copy_(v)
+
+    def _row(self, s: int, t: int, nbytes: int) -> torch.Tensor:
+        off = (t * self.max_seqs + s) * self.row_bytes
+        return self._bytes[off : off + nbytes]
+
+    def _export(self, s: int, length: int) -> list[torch.Tensor]:
+        pin = self.device.type == "cuda"
+        out = []
+        for t in range(self._T):
+            row = self._row(s, t, length * self.token_bytes)
+            out.append(torch.empty(row.shape, dtype=torch.uint8, pin_memory=pin).copy_(row))
+        return out
+
+    def _import(self, s: int, payload: list[torch.Tensor]) -> None:
+        for t, data in enumerate(payload):
+            self._row(s, t, data.numel()).copy_(data)
+
+    def _sync(self) -> None:
+        self.backend.synchronize()
+
+    # --- lifetime ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Unmap everything and release pages, reservations and (if owned) the backend."""
+        if getattr(self, "closed", True):
+            return
+        for s in self.sequences:
+            self.free(s)
+        self._tensors = []
+        self._bytes = None
+        self.store.close()
+        self.backend.release_reservation(self.base, self._reserved)
+        if self._owns_backend:
+            self.backend.close()
+        self.closed = True
+
+    def __enter__(self) -> VMKVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

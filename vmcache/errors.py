@@ -1,0 +1,36 @@
+"""Typed errors shared by every cache.
+
+Tiers (see DESIGN.md): bad input raises ``ValueError``/``TypeError``/``KeyError``;
+exhaustion raises :class:`CacheFull`; driver failures raise :class:`DriverError`
+carrying the failing call's name; internal invariants are asserts.
+"""
+
+from __future__ import annotations
+
+
+class CacheFull(RuntimeError):
+    """The pool (or the slot table, or the host tier) cannot satisfy a request.
+
+    Nothing was changed by the call that raised it.
+    """
+
+    def __init__(self, message: str, *, wanted: int = 0, free: int = 0) -> None:
+        super().__init__(message)
+        self.wanted = wanted
+        self.free = free
+
+
+class DriverError(RuntimeError):
+    """A memory-mapping call failed; ``call`` names it, ``code`` is the driver's error name."""
+
+    def __init__(self, call: str, code: str, detail: str = "") -> None:
+        msg = f"{call} failed: {code}"
+        if detail:
+            msg += f" ({detail})"
+        super().__init__(msg)
+        self.call = call
+        self.code = code
+
+
+class MapLimitError(DriverError):
+    """The process ran out of memory mappings (Linux ``vm.max_map_count``)."""

@@ -1,0 +1,389 @@
+"""SequenceCache: the sequence bookkeeping both caches share (slots, lengths, page tables,
+grow / fork / copy-on-write / free / swap), written once over a few physical hooks.
+
+A sequence owns ``T`` page tables (VMKVCache: one per virtual K/V tensor; PagedKVCache: one
+block table). Page ``j`` of a table covers units ``[j·P, (j+1)·P)`` of the row, where a token
+is ``u`` units (VMKVCache: u = bytes per token row, P = page bytes; paged: u = 1, P = B):
+
+    row:   | page 0          | page 1          | page 2 (tail) |
+    units: 0                 P                 2P     L·u      3P
+                                                      ^ length: page 2 is partly used
+
+Every public call validates first, then allocates all pages it needs (``CacheFull`` here
+changes nothing), then runs the fallible physical steps with an undo log, then commits
+bookkeeping that cannot fail. The caches alone change page tables; the pool alone refcounts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .errors import CacheFull
+from .pool import PagePool
+from .spec import KVSpec
+from .stats import CacheStats
+
+
+@dataclass(eq=False)
+class SwapHandle:
+    """K/V of a swapped-out sequence, held in host memory until :meth:`swap_in`."""
+
+    length: int
+    nbytes: int
+    payload: list[torch.Tensor] = field(repr=False)
+    owner: int = field(repr=False)  # id() of the cache that made it
+    consumed: bool = False
+
+
+def _check_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return value
+
+
+class SequenceCache:
+    def __init__(
+        self,
+        spec: KVSpec,
+        max_seqs: int,
+        max_seq_len: int,
+        pool: PagePool,
+        *,
+        num_tables: int,
+        units_per_token: int,
+        units_per_page: int,
+        page_bytes: int,
+        device: torch.device,
+        swap_bytes: int | None,
+    ) -> None:
+        self.spec = spec
+        self.max_seqs = max_seqs
+        self.max_seq_len = max_seq_len
+        self.pool = pool
+        self.device = device
+        self.page_bytes = page_bytes
+        self._T = num_tables
+        self._u = units_per_token
+        self._P = units_per_page
+        self._swap_limit = swap_bytes
+        self._swapped_bytes = 0  # host bytes held by live swap handles
+        self._lens = [0] * max_seqs
+        self._tables: list[list[list[int]] | None] = [None] * max_seqs  # owned by the cache
+        self._free_slots = list(range(max_seqs - 1, -1, -1))
+        self._lens_tensor: torch.Tensor | None = None
+
+    # --- hooks a cache implements ------------------------------------------------------
+    def _attach(self, s: int, t: int, j0: int, pages: list[int]) -> None:
+        raise NotImplementedError
+
+    def _detach(self, s: int, t: int, j0: int, n: int) -> None:
+        raise NotImplementedError
+
+    def _copy_page(self, src: int, dst: int, used_units: int) -> None:
+        raise NotImplementedError
+
+    def _tables_of_layer(self, layer: int) -> list[int]:
+        raise NotImplementedError
+
+    def _store(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _export(self, s: int, length: int) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def _import(self, s: int, payload: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def _sync(self) -> None:
+        pass
+
+    # --- queries -----------------------------------------------------------------------
+    def _pages_for(self, length: int) -> int:
+        return -(-length * self._u // self._P)
+
+    def _used_units(self, j: int, length: int) -> int:
+        return max(0, min(self._P, length * self._u - j * self._P))
+
+    def _check_seq(self, s: Any) -> int:
+        _check_int("sequence id", s)
+        if not 0 <= s < self.max_seqs or self._tables[s] is None:
+            raise KeyError(f"sequence {s} is not live (unknown, freed or swapped out)")
+        return s
+
+    def _check_layer(self, layer: Any) -> int:
+        _check_int("layer", layer)
+        if not 0 <= layer < self.spec.num_layers:
+            raise ValueError(f"layer must be in [0, {self.spec.num_layers}), got {layer}")
+        return layer
+
+    def seq_len(self, s: int) -> int:
+        return self._lens[self._check_seq(s)]
+
+    @property
+    def sequences(self) -> list[int]:
+        return [s for s in range(self.max_seqs) if self._tables[s] is not None]
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """``[max_seqs]`` int32 on the cache's device; 0 for slots not in use."""
+        if self._lens_tensor is None:
+            self._lens_tensor = torch.tensor(self._lens, dtype=torch.int32, device=self.device)
+        return self._lens_tensor
+
+    def page_table(self, s: int) -> list[list[int]]:
+        """A copy of sequence ``s``'s page tables (``T`` lists of page ids)."""
+        return [list(t) for t in self._tables[self._check_seq(s)]]
+
+    def _splits(self, s: int, tables: list[int], j_lo: int, j_hi: int) -> list[tuple[int, int]]:
+        tab = self._tables[s]
+        return [
+            (t, j)
+            for t in tables
+            for j in range(j_lo, min(j_hi, len(tab[t])))
+            if self.pool.refcount(tab[t][j]) > 1
+        ]
+
+    def _grow_plan(self, s: int, n: int) -> tuple[list[tuple[int, int]], int, int]:
+        length = self._lens[s]
+        p_old, p_new = self._pages_for(length), self._pages_for(length + n)
+        splits = []
+        if n > 0 and (length * self._u) % self._P:  # new tokens land in the partly used tail
+            splits = self._splits(s, list(range(self._T)), p_old - 1, p_old)
+        return splits, p_old, p_new
+
+    def can_grow(self, s: int, n: int) -> bool:
+        """Whether ``grow(s, n)`` would succeed now (for schedulers; raises nothing for n)."""
+        s = self._check_seq(s)
+        if not isinstance(n, int) or n < 0 or self._lens[s] + n > self.max_seq_len:
+            return False
+        splits, p_old, p_new = self._grow_plan(s, n)
+        return self.pool.can_allocate(len(splits) + self._T * (p_new - p_old))
+
+    # --- sequence lifecycle ------------------------------------------------------------
+    def new_sequence(self) -> int:
+        if not self._free_slots:
+            raise CacheFull(f"all {self.max_seqs} sequence slots are in use", wanted=1, free=0)
+        s = self._free_slots.pop()
+        self._tables[s] = [[] for _ in range(self._T)]
+        self._set_len(s, 0)
+        return s
+
+    def grow(self, s: int, n: int) -> None:
+        """Length += n: map the pages the new length needs; split a shared tail page."""
+        s = self._check_seq(s)
+        _check_int("n", n)
+        if n < 0:
+            raise ValueError(f"grow needs n >= 0, got {n}")
+        if self._lens[s] + n > self.max_seq_len:
+            raise ValueError(
+                f"grow({s}, {n}) would reach {self._lens[s] + n} tokens, past max_seq_len "
+                f"{self.max_seq_len}"
+            )
+        if n == 0:
+            return
+        splits, p_old, p_new = self._grow_plan(s, n)
+        self._split_and_extend(s, splits, p_old, p_new)
+        self._set_len(s, self._lens[s] + n)
+
+    def write(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``, ``v`` (each ``[T, N_KV, d_h]``, the cache's dtype and device) at
+        positions ``[start, start+T)`` of sequence ``s``, which must be within its length.
+        Pages still shared with another sequence are copied first (copy-on-write)."""
+        layer = self._check_layer(layer)
+        s = self._check_seq(s)
+        _check_int("start", start)
+        spec = self.spec
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            if x.dim() != 3 or tuple(x.shape[1:]) != (spec.num_kv_heads, spec.head_dim):
+                raise ValueError(
+                    f"{name} must have shape [T, {spec.num_kv_heads}, {spec.head_dim}], "
+                    f"got {list(x.shape)}"
+                )
+            if x.dtype != spec.dtype:
+                raise TypeError(f"{name} must have dtype {spec.dtype}, got {x.dtype}")
+            if x.device.type != self.device.type:
+                raise ValueError(f"{name} must be on {self.device}, got {x.device}")
+        if k.shape[0] != v.shape[0]:
+            raise ValueError(f"k and v hold different token counts: {k.shape[0]} vs {v.shape[0]}")
+        n = k.shape[0]
+        if start < 0 or start + n > self._lens[s]:
+            raise ValueError(
+                f"write of {n} tokens at {start} is outside sequence {s}'s length "
+                f"{self._lens[s]}; grow it first"
+            )
+        if n == 0:
+            return
+        j_lo, j_hi = start * self._u // self._P, self._pages_for(start + n)
+        splits = self._splits(s, self._tables_of_layer(layer), j_lo, j_hi)
+        if splits:
+            p = self._pages_for(self._lens[s])
+            self._split_and_extend(s, splits, p, p)
+        self._store(layer, s, start, k, v)
+
+    def fork(self, s: int, n: int = 1) -> list[int]:
+        """``n`` children sharing every page of ``s`` (refcounts += n, no K/V copied)."""
+        s = self._check_seq(s)
+        _check_int("n", n)
+        if n < 1:
+            raise ValueError(f"fork needs n >= 1, got {n}")
+        if n > len(self._free_slots):
+            raise CacheFull(
+                f"fork of {n} needs {n} free sequence slots, {len(self._free_slots)} free",
+                wanted=n,
+                free=len(self._free_slots),
+            )
+        tab = self._tables[s]
+        children = [self._free_slots.pop() for _ in range(n)]
+        undo: list[Callable[[], None]] = []
+        try:
+            for c in children:
+                for t in range(self._T):
+                    if tab[t]:
+                        self._attach(c, t, 0, tab[t])
+                        undo.append(lambda c=c, t=t: self._detach(c, t, 0, len(tab[t])))
+        except BaseException:
+            for f in reversed(undo):
+                f()
+            self._free_slots.extend(reversed(children))
+            raise
+        self.pool.incref([p for t in tab for p in t], n)
+        for c in children:
+            self._tables[c] = [list(t) for t in tab]
+            self._set_len(c, self._lens[s])
+        return children
+
+    def free(self, s: int) -> None:
+        """Drop the sequence: unmap its pages, refcounts −1, pages at 0 return to the pool."""
+        s = self._check_seq(s)
+        tab = self._tables[s]
+        self._sync()
+        for t in range(self._T):
+            self._detach(s, t, 0, len(tab[t]))
+        self.pool.decref([p for t in tab for p in t])
+        self._tables[s] = None
+        self._set_len(s, 0)
+        self._free_slots.append(s)
+
+    def swap_out(self, s: int) -> SwapHandle:
+        """Copy the sequence's K/V to host memory and free its pages."""
+        s = self._check_seq(s)
+        length = self._lens[s]
+        nbytes = self.spec.kv_bytes(length)
+        if self._swap_limit is not None and self._swapped_bytes + nbytes > self._swap_limit:
+            raise CacheFull(
+                f"host swap tier full: {nbytes} bytes wanted, "
+                f"{self._swap_limit - self._swapped_bytes} free of {self._swap_limit}",
+                wanted=nbytes,
+                free=self._swap_limit - self._swapped_bytes,
+            )
+        payload = self._export(s, length)
+        self.free(s)
+        self._swapped_bytes += nbytes
+        return SwapHandle(length, nbytes, payload, id(self))
+
+    def swap_in(self, handle: SwapHandle) -> int:
+        """Restore a swapped-out sequence (byte-identical) into a free slot; returns it."""
+        if not isinstance(handle, SwapHandle):
+            raise TypeError(f"swap_in needs a SwapHandle, got {type(handle).__name__}")
+        if handle.owner != id(self):
+            raise ValueError("this SwapHandle was made by another cache")
+        if handle.consumed:
+            raise ValueError("this SwapHandle was already swapped in")
+        s = self.new_sequence()
+        try:
+            self.grow(s, handle.length)
+            self._import(s, handle.payload)
+        except BaseException:
+            self.free(s)
+            raise
+        handle.consumed = True
+        handle.payload = []
+        self._swapped_bytes -= handle.nbytes
+        return s
+
+    # --- the transactional core --------------------------------------------------------
+    def _split_and_extend(
+        self, s: int, splits: list[tuple[int, int]], j_from: int, j_to: int
+    ) -> None:
+        """Copy-on-write ``splits`` (table, page index) and map pages ``[j_from, j_to)`` in
+        every table: all of it, or (after an exception) none of it."""
+        tab = self._tables[s]
+        length = self._lens[s]
+        fresh = self.pool.allocate(len(splits) + self._T * (j_to - j_from))
+        undo: list[Callable[[], None]] = []
+        replaced: list[tuple[int, int, int, int]] = []
+        try:
+            it = iter(fresh)
+            for t, j in splits:
+                old, new = tab[t][j], next(it)
+                self._copy_page(old, new, self._used_units(j, length))
+                self._detach(s, t, j, 1)
+                undo.append(lambda t=t, j=j, old=old: self._attach(s, t, j, [old]))
+                self._attach(s, t, j, [new])
+                undo.append(lambda t=t, j=j: self._detach(s, t, j, 1))
+                replaced.append((t, j, old, new))
+            extension = []
+            for t in range(self._T):
+                pages = [next(it) for _ in range(j_to - j_from)]
+                if pages:
+                    self._attach(s, t, j_from, pages)
+                    undo.append(lambda t=t, n=len(pages): self._detach(s, t, j_from, n))
+                extension.append(pages)
+        except BaseException:
+            for f in reversed(undo):
+                f()
+            self.pool.decref(fresh)
+            raise
+        for t, j, _, new in replaced:
+            tab[t][j] = new
+        self.pool.decref([old for _, _, old, _ in replaced])
+        for t, pages in enumerate(extension):
+            tab[t].extend(pages)
+
+    def _set_len(self, s: int, length: int) -> None:
+        self._lens[s] = length
+        self._lens_tensor = None
+
+    # --- stats -------------------------------------------------------------------------
+    def stats(self) -> CacheStats:
+        live = self.sequences
+        entries = sum(len(t) for s in live for t in self._tables[s])
+        pool = self.pool.stats()
+        tokens = sum(self._lens[s] for s in live)
+        return CacheStats(
+            num_sequences=len(live),
+            num_tokens=tokens,
+            page_bytes=self.page_bytes,
+            mapped_bytes=entries * self.page_bytes,
+            used_bytes=self.spec.kv_bytes(tokens),
+            physical_pages=pool.used_pages,
+            physical_bytes=pool.used_pages * self.page_bytes,
+            shared_pages=pool.shared_pages,
+            free_pages=pool.free_pages,
+            total_pages=pool.num_pages,
+        )
+
+    def check_invariants(self) -> None:
+        """Assert DESIGN.md's invariants 1–2 (for tests and soak runs; O(pages))."""
+        counts: dict[int, int] = {}
+        for s in self.sequences:
+            tab = self._tables[s]
+            assert len(tab) == self._T
+            for t in tab:
+                assert len(t) == self._pages_for(self._lens[s]), (s, len(t), self._lens[s])
+                for p in t:
+                    counts[p] = counts.get(p, 0) + 1
+        pool = self.pool
+        for p in range(pool.num_pages):
+            assert pool.refcount(p) == counts.get(p, 0), (p, pool.refcount(p), counts.get(p))
+        free = set(pool._free)
+        assert len(free) == len(pool._free), "a page is twice on the free list"
+        for p in range(pool._created):
+            assert (p in free) == (pool.refcount(p) == 0), p
+        assert pool.num_used == len(counts)
+        assert sorted(self._free_slots + self.sequences) == list(range(self.max_seqs))

@@ -1,0 +1,132 @@
+"""KVSpec: the model shape a KV cache stores, and the byte arithmetic derived from it.
+
+    M_KV(L) = 2 · N_L · N_KV · d_h · L · b        (K and V, every layer, L tokens)
+
+Every figure in the docs, tests and benchmarks comes from these properties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.bfloat16
+    num_q_heads: int | None = None  # known for real models; None = same as num_kv_heads
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"KVSpec.{name} must be an int, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"KVSpec.{name} must be positive, got {value}")
+        if not isinstance(self.dtype, torch.dtype) or self.dtype not in _FLOAT_DTYPES:
+            raise ValueError(
+                f"KVSpec.dtype must be a floating torch dtype "
+                f"(float16, bfloat16, float32, float64), got {self.dtype!r}"
+            )
+        if self.num_q_heads is not None:
+            q = self.num_q_heads
+            if isinstance(q, bool) or not isinstance(q, int) or q <= 0:
+                raise ValueError(f"KVSpec.num_q_heads must be a positive int, got {q!r}")
+            if q % self.num_kv_heads:
+                raise ValueError(
+                    f"KVSpec.num_q_heads ({q}) must be a multiple of num_kv_heads "
+                    f"({self.num_kv_heads})"
+                )
+
+    # --- derived arithmetic -------------------------------------------------------------
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def q_heads(self) -> int:
+        return self.num_q_heads or self.num_kv_heads
+
+    @property
+    def gqa_group(self) -> int:
+        """Query heads per KV head."""
+        return self.q_heads // self.num_kv_heads
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        """Bytes of K (or of V) of one token in one layer: N_KV · d_h · b."""
+        return self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token over all layers: 2 · N_L · N_KV · d_h · b."""
+        return 2 * self.num_layers * self.bytes_per_token_per_layer
+
+    def kv_bytes(self, num_tokens: int) -> int:
+        """M_KV(L): bytes of K and V for ``num_tokens`` tokens."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        return num_tokens * self.bytes_per_token
+
+    def block_bytes(self, block_size: int, per_layer: bool = True) -> int:
+        """Bytes of one paged block of ``block_size`` tokens.
+
+        ``per_layer=True``: one layer's K and V blocks (65,536 B for B=16, 8 heads, d_h 128,
+        bf16). ``per_layer=False``: K and V of every layer that one block id stands for.
+        """
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if per_layer:
+            return 2 * block_size * self.bytes_per_token_per_layer
+        return block_size * self.bytes_per_token
+
+    # --- constructors -------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, dtype: torch.dtype = torch.bfloat16) -> KVSpec:
+        try:
+            layers, kv_heads, head_dim, q_heads = _PRESETS[name.lower()]
+        except (KeyError, AttributeError):
+            raise ValueError(
+                f"unknown KVSpec preset {name!r}; expected one of {sorted(_PRESETS)}"
+            ) from None
+        return cls(layers, kv_heads, head_dim, dtype, q_heads)
+
+    @classmethod
+    def from_hf_config(cls, config: Any, dtype: torch.dtype | None = None) -> KVSpec:
+        """Read a transformers config (Llama, Mistral, Qwen2, ... and their text sub-configs)."""
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config()
+        try:
+            layers = int(config.num_hidden_layers)
+            q_heads = int(config.num_attention_heads)
+            hidden = int(config.hidden_size)
+        except (AttributeError, TypeError) as exc:
+            raise ValueError(
+                "config must define num_hidden_layers, num_attention_heads and hidden_size "
+                f"(got {type(config).__name__}: {exc})"
+            ) from None
+        kv_heads = getattr(config, "num_key_value_heads", None) or q_heads  # missing = MHA
+        head_dim = getattr(config, "head_dim", None) or hidden // q_heads
+        if dtype is None:
+            dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+            if isinstance(dtype, str):
+                dtype = getattr(torch, dtype, None)
+            if dtype is None:
+                dtype = torch.float32
+        return cls(layers, int(kv_heads), int(head_dim), dtype, q_heads)
+
+
+# name: (num_layers, num_kv_heads, head_dim, num_q_heads)
+_PRESETS: dict[str, tuple[int, int, int, int]] = {
+    "llama-3-8b": (32, 8, 128, 32),
+    "llama-3-70b": (80, 8, 128, 64),
+    "llama-2-70b": (80, 64, 128, 64),
+    "llama-3.2-1b": (16, 8, 64, 32),
+}
