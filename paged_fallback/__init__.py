@@ -1,0 +1,5 @@
+"""Block-table paged KV cache (vLLM-style), the A/B twin of VMKVCache."""
+
+from .cache import PagedKVCache, block_address
+
+__all__ = ["PagedKVCache", "block_address"]

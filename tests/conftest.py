@@ -1,4 +1,7 @@
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))  # test helpers (caches.py); not the repo root
 
 # Triton kernels run on CPU tensors through the interpreter; it is read when kernels are
 # decorated, so it must be set before vmcache.kernels is imported.

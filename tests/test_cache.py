@@ -8,7 +8,10 @@ from vmcache.backends.host import process_map_count
 def rand_kv(spec, n, seed=0):
     g = torch.Generator().manual_seed(seed)
     shape = (n, spec.num_kv_heads, spec.head_dim)
-    return (torch.randn(shape, generator=g).to(spec.dtype), torch.randn(shape, generator=g).to(spec.dtype))
+    return (
+        torch.randn(shape, generator=g).to(spec.dtype),
+        torch.randn(shape, generator=g).to(spec.dtype),
+    )
 
 
 def fill(cache, s, n, seed=0):
@@ -65,7 +68,9 @@ def test_fork_shares_prompt_and_splits_only_tail(make_cache, layout):
     for i, ch in enumerate(children):
         for layer in range(2):
             k, v = c.kv(layer, ch)
-            assert torch.equal(k[:1000], prompt[layer][0]) and torch.equal(v[:1000], prompt[layer][1])
+            assert torch.equal(k[:1000], prompt[layer][0]) and torch.equal(
+                v[:1000], prompt[layer][1]
+            )
             assert (k[1000] == i + 1).all() and (v[1000] == -(i + 1)).all()
     assert c.seq_len(s) == 1000
     c.check_invariants()

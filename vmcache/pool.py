@@ -11,8 +11,9 @@ and to scrub pages that change owner.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Protocol
 
 from .errors import CacheFull, DriverError
 
@@ -85,8 +86,7 @@ class PagePool:
             raise ValueError(f"allocate needs a non-negative int, got {n!r}")
         if n > self.num_free:
             raise CacheFull(
-                f"page pool exhausted: {n} pages wanted, {self.num_free} free "
-                f"of {self.num_pages}",
+                f"page pool exhausted: {n} pages wanted, {self.num_free} free of {self.num_pages}",
                 wanted=n,
                 free=self.num_free,
             )

@@ -16,8 +16,9 @@ bookkeeping that cannot fail. The caches alone change page tables; the pool alon
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

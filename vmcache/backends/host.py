@@ -72,9 +72,7 @@ class HostBackend:
     def reserve(self, nbytes: int) -> int:
         self._check_open()
         nbytes = round_up(nbytes, self.granularity)
-        va = _libc.mmap(
-            None, nbytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0
-        )
+        va = _libc.mmap(None, nbytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
         if va in (None, _MAP_FAILED):
             raise self._error("mmap(PROT_NONE reserve)", f"{nbytes} bytes")
         self._reservations[va] = nbytes

@@ -1,0 +1,225 @@
+"""Both caches behind one interface: the same bad-input sweep and the same state machine
+against a plain-Python shadow model (DESIGN.md invariants 1-4 after every step)."""
+
+import caches
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from vmcache import CacheFull
+
+
+@pytest.fixture(params=sorted(caches.FACTORIES))
+def cache(request):
+    c = caches.FACTORIES[request.param]()
+    yield c
+    c.close()
+
+
+def state(c):
+    return (
+        c.stats(),
+        {s: (c.seq_len(s), c.page_table(s)) for s in c.sequences},
+        {s: [torch.cat(c.kv(layer, s)).clone() for layer in range(2)] for s in c.sequences},
+    )
+
+
+def kv(n, dtype=torch.float32, heads=2, dim=16, device="cpu"):
+    return torch.randn(n, heads, dim, dtype=dtype, device=device)
+
+
+BAD_CALLS = [
+    ("grow unknown seq", lambda c, s: c.grow(99, 1), KeyError),
+    ("grow non-int seq", lambda c, s: c.grow("a", 1), TypeError),
+    ("grow n<0", lambda c, s: c.grow(s, -1), ValueError),
+    ("grow float n", lambda c, s: c.grow(s, 1.0), TypeError),
+    ("grow past max_seq_len", lambda c, s: c.grow(s, 1000), ValueError),
+    (
+        "write wrong shape",
+        lambda c, s: c.write(0, s, 0, kv(2, heads=3), kv(2, heads=3)),
+        ValueError,
+    ),
+    (
+        "write wrong dtype",
+        lambda c, s: c.write(0, s, 0, kv(2, torch.float16), kv(2, torch.float16)),
+        TypeError,
+    ),
+    (
+        "write wrong device",
+        lambda c, s: c.write(0, s, 0, kv(2, device="meta"), kv(2, device="meta")),
+        ValueError,
+    ),
+    ("write beyond length", lambda c, s: c.write(0, s, 19, kv(2), kv(2)), ValueError),
+    ("write negative start", lambda c, s: c.write(0, s, -1, kv(2), kv(2)), ValueError),
+    ("write k/v mismatch", lambda c, s: c.write(0, s, 0, kv(2), kv(3)), ValueError),
+    ("write not a tensor", lambda c, s: c.write(0, s, 0, [1], [1]), TypeError),
+    ("write bad layer", lambda c, s: c.write(5, s, 0, kv(1), kv(1)), ValueError),
+    ("kv bad layer", lambda c, s: c.kv(-1, s), ValueError),
+    ("fork n<1", lambda c, s: c.fork(s, 0), ValueError),
+    ("fork too many", lambda c, s: c.fork(s, 50), CacheFull),
+    ("free unknown", lambda c, s: c.free(7), KeyError),
+    ("swap_in not a handle", lambda c, s: c.swap_in("h"), TypeError),
+    ("pool exhausted", lambda c, s: [c.grow(c.new_sequence(), 250) for _ in range(8)], CacheFull),
+]
+
+
+@pytest.mark.parametrize("name,call,exc", BAD_CALLS, ids=[b[0] for b in BAD_CALLS])
+def test_bad_input_typed_error_state_unchanged(cache, name, call, exc):
+    s = cache.new_sequence()
+    cache.grow(s, 20)
+    for layer in range(2):
+        cache.write(layer, s, 0, kv(20), kv(20))
+    cache.fork(s, 1)
+    live = set(cache.sequences)
+    before = state(cache)
+    with pytest.raises(exc):
+        call(cache, s)
+    for extra in set(cache.sequences) - live:  # sequences the failing call made on purpose
+        cache.free(extra)
+    after = state(cache)
+    assert before[0] == after[0] and before[1] == after[1]
+    for x in before[2]:
+        assert all(torch.equal(a, b) for a, b in zip(before[2][x], after[2][x]))
+    cache.check_invariants()
+
+
+def test_freed_sequence_and_double_free(cache):
+    s = cache.new_sequence()
+    cache.grow(s, 3)
+    cache.free(s)
+    for call in (lambda: cache.free(s), lambda: cache.grow(s, 1), lambda: cache.kv(0, s),
+                 lambda: cache.fork(s, 1), lambda: cache.swap_out(s)):  # fmt: skip
+        with pytest.raises(KeyError, match="not live"):
+            call()
+
+
+def test_swap_handle_from_another_cache_rejected(cache):
+    other = caches.paged()
+    s = other.new_sequence()
+    other.grow(s, 2)
+    h = other.swap_out(s)
+    with pytest.raises(ValueError, match="another cache"):
+        cache.swap_in(h)
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Random grow/write/fork/free/swap against a shadow dict of token rows."""
+
+    factory = None
+
+    def __init__(self):
+        super().__init__()
+        self.c = type(self).factory()
+        self.shadow: dict[int, list[torch.Tensor]] = {}  # seq -> per layer [len, 2, 2, 16]
+        self.swapped: list[tuple[object, list[torch.Tensor]]] = []
+        self.counter = 0
+
+    def teardown(self):
+        for s in list(self.shadow):
+            self.c.free(s)
+        st_ = self.c.stats()
+        assert st_.physical_pages == 0 and st_.free_pages == st_.total_pages
+        self.c.check_invariants()
+        self.c.close()
+
+    def _value(self, n):
+        self.counter += 1
+        return torch.full((n, 2, 2, 16), float(self.counter))
+
+    seqs = property(lambda self: sorted(self.shadow))
+
+    @rule()
+    def new(self):
+        try:
+            s = self.c.new_sequence()
+        except CacheFull:
+            assert len(self.shadow) == self.c.max_seqs
+            return
+        self.shadow[s] = [torch.empty(0, 2, 2, 16) for _ in range(2)]
+
+    @precondition(lambda self: self.shadow)
+    @rule(data=st.data(), n=st.integers(0, 70))
+    def grow(self, data, n):
+        s = data.draw(st.sampled_from(self.seqs))
+        if len(self.shadow[s][0]) + n > self.c.max_seq_len:
+            return
+        try:
+            self.c.grow(s, n)
+        except CacheFull:
+            return
+        for layer in range(2):
+            zeros = torch.zeros(n, 2, 2, 16)  # new positions never expose old bytes
+            self.shadow[s][layer] = torch.cat([self.shadow[s][layer], zeros])
+
+    @precondition(lambda self: any(len(v[0]) for v in self.shadow.values()))
+    @rule(data=st.data())
+    def write(self, data):
+        s = data.draw(st.sampled_from([s for s in self.seqs if len(self.shadow[s][0])]))
+        length = len(self.shadow[s][0])
+        start = data.draw(st.integers(0, length - 1))
+        n = data.draw(st.integers(1, length - start))
+        layer = data.draw(st.integers(0, 1))
+        val = self._value(n)
+        try:
+            self.c.write(layer, s, start, val[:, 0], val[:, 1])
+        except CacheFull:
+            return
+        self.shadow[s][layer][start : start + n] = val
+
+    @precondition(lambda self: self.shadow)
+    @rule(data=st.data(), n=st.integers(1, 3))
+    def fork(self, data, n):
+        s = data.draw(st.sampled_from(self.seqs))
+        try:
+            kids = self.c.fork(s, n)
+        except CacheFull:
+            return
+        for k in kids:
+            self.shadow[k] = [t.clone() for t in self.shadow[s]]
+
+    @precondition(lambda self: self.shadow)
+    @rule(data=st.data())
+    def free(self, data):
+        s = data.draw(st.sampled_from(self.seqs))
+        self.c.free(s)
+        del self.shadow[s]
+
+    @precondition(lambda self: self.shadow)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        s = data.draw(st.sampled_from(self.seqs))
+        self.swapped.append((self.c.swap_out(s), self.shadow.pop(s)))
+
+    @precondition(lambda self: self.swapped)
+    @rule()
+    def swap_in(self):
+        h, content = self.swapped[0]
+        try:
+            s = self.c.swap_in(h)
+        except CacheFull:
+            return
+        self.swapped.pop(0)
+        self.shadow[s] = content
+
+    @invariant()
+    def contents_match_shadow(self):
+        for s, layers in self.shadow.items():
+            assert self.c.seq_len(s) == len(layers[0])
+            for layer in range(2):
+                assert torch.equal(torch.stack(self.c.kv(layer, s), 1), layers[layer])
+        self.c.check_invariants()
+
+
+def _machine(name):
+    make = lambda: caches.FACTORIES[name](max_seqs=6, max_seq_len=160)
+    cls = type(f"{name}Machine", (CacheMachine,), {"factory": staticmethod(make)})
+    case = cls.TestCase
+    case.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+    return case
+
+
+TestVMMachine = _machine("vm")
+TestVMTokenMajorMachine = _machine("vm_token_major")
+TestPagedMachine = _machine("paged")
