@@ -1,0 +1,71 @@
+"""Validation and the per-sequence SDPA path shared by both caches' attention."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def check_inputs(cache, layer: int, q: torch.Tensor, seq_ids, q_lens=None) -> list[int]:
+    """Validate a decode/prefill call; returns ``seq_ids`` as a list of live sequence ids."""
+    if isinstance(seq_ids, torch.Tensor):
+        seq_ids = seq_ids.tolist()
+    seq_ids = list(seq_ids)
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be a 3-D tensor [tokens, N_Q, d_h], got {getattr(q, 'shape', q)}")
+    spec = cache.spec
+    if q.shape[2] != spec.head_dim or q.shape[1] % spec.num_kv_heads:
+        raise ValueError(
+            f"q must be [tokens, N_Q, {spec.head_dim}] with N_Q a multiple of "
+            f"{spec.num_kv_heads}, got {list(q.shape)}"
+        )
+    if q.device.type != cache.device.type:
+        raise ValueError(f"q must be on {cache.device}, got {q.device}")
+    if len(set(seq_ids)) != len(seq_ids):
+        raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
+    lens = [cache.seq_len(s) for s in seq_ids]
+    want = len(seq_ids) if q_lens is None else sum(q_lens)
+    if q.shape[0] != want:
+        raise ValueError(f"q holds {q.shape[0]} tokens, expected {want}")
+    if q_lens is not None:
+        if len(q_lens) != len(seq_ids):
+            raise ValueError("q_lens and seq_ids must have the same length")
+        for s, n, ql in zip(seq_ids, lens, q_lens):
+            if not 1 <= ql <= n:
+                raise ValueError(f"sequence {s}: q_len {ql} must be in [1, seq_len={n}]")
+    elif any(n < 1 for n in lens):
+        raise ValueError("decode needs every sequence to hold at least one token")
+    cache._check_layer(layer)
+    return seq_ids
+
+
+def causal_lower_right(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """``[q_len, kv_len]`` bool: query i sees keys ``[0, kv_len − q_len + i]``."""
+    i = torch.arange(q_len, device=device)[:, None]
+    j = torch.arange(kv_len, device=device)[None, :]
+    return j <= i + (kv_len - q_len)
+
+
+def sdpa_per_sequence(
+    q: torch.Tensor,
+    q_lens: Sequence[int],
+    kvs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    scale: float | None,
+) -> torch.Tensor:
+    """One SDPA call per sequence on its own ``[len, N_KV, d_h]`` views (no padding, so no
+    byte past a sequence's length is read). q: packed ``[Σ q_lens, N_Q, d_h]``."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out = torch.empty_like(q)
+    start = 0
+    for ql, (k, v) in zip(q_lens, kvs):
+        qi = q[start : start + ql].transpose(0, 1).unsqueeze(0)  # [1, N_Q, ql, d]
+        ki, vi = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        mask = None if ql == 1 else causal_lower_right(ql, k.shape[0], q.device)
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)  # fmt: skip
+        out[start : start + ql] = o[0].transpose(0, 1)
+        start += ql
+    return out

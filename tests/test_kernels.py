@@ -1,0 +1,166 @@
+"""Attention on both caches against the plain reference (Triton under TRITON_INTERPRET=1)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from vmcache.kernels.reference import dense_attention, paged_decode_reference
+from vmcache.paged_fallback import PagedKVCache, block_address
+
+from vmcache import KVSpec, VMKVCache, kernels
+
+MIXED = [1, 15, 16, 17, 257, 1000]
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def make(kind, spec, max_seq_len=1024, max_seqs=8, block_size=16):
+    if kind == "paged":
+        blocks = max_seqs * -(-max_seq_len // block_size)
+        return PagedKVCache(spec, num_blocks=blocks, block_size=block_size,
+                            max_seq_len=max_seq_len, max_seqs=max_seqs)  # fmt: skip
+    layout = "token_major" if kind == "vm_token_major" else "layer_major"
+    return VMKVCache(spec, max_seqs, max_seq_len, page_size=4096, layout=layout)
+
+
+def fill(cache, lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    spec = cache.spec
+    seqs = []
+    for n in lens:
+        s = cache.new_sequence()
+        cache.grow(s, n)
+        for layer in range(spec.num_layers):
+            k, v = (torch.randn(n, spec.num_kv_heads, spec.head_dim, generator=g).to(spec.dtype)
+                    for _ in range(2))  # fmt: skip
+            cache.write(layer, s, 0, k, v)
+        seqs.append(s)
+    return seqs
+
+
+def expected_decode(cache, layer, q, seqs):
+    return torch.stack([dense_attention(q[i : i + 1], *cache.kv(layer, s))[0]
+                        for i, s in enumerate(seqs)])  # fmt: skip
+
+
+KINDS = ["vm", "vm_token_major", "paged"]
+SHAPES = [(1, 64), (4, 96), (8, 64)]  # (GQA ratio, head_dim)
+
+
+@pytest.mark.parametrize("impl", ["triton", "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group,head_dim", SHAPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_matches_reference(kind, group, head_dim, dtype, impl):
+    spec = KVSpec(2, 2, head_dim, dtype, num_q_heads=2 * group)
+    cache = make(kind, spec)
+    seqs = fill(cache, MIXED)
+    q = torch.randn(len(seqs), spec.q_heads, head_dim).to(dtype)
+    if kind == "paged" and impl == "sdpa":
+        impl = "torch"
+    out = kernels.decode(cache, 1, q, seqs, impl=impl)
+    assert out.shape == q.shape and out.dtype == dtype
+    torch.testing.assert_close(
+        out.float(), expected_decode(cache, 1, q, seqs).float(), **TOL[dtype]
+    )
+    cache.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_long_sequence(kind):
+    spec = KVSpec(1, 2, 64, torch.float32, num_q_heads=8)
+    cache = make(kind, spec, max_seq_len=4100, max_seqs=2, block_size=64)
+    seqs = fill(cache, [4097, 3])
+    q = torch.randn(2, 8, 64)
+    out = kernels.decode(cache, 0, q, seqs)
+    torch.testing.assert_close(out, expected_decode(cache, 0, q, seqs), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_causal_over_cached_prefix(kind):
+    spec = KVSpec(2, 2, 64, torch.float32, num_q_heads=8)
+    cache = make(kind, spec)
+    seqs = fill(cache, [5, 40, 100, 17])
+    q_lens = [5, 3, 1, 17]  # a fresh prompt, chunked continuations, a decode row
+    q = torch.randn(sum(q_lens), 8, 64)
+    out = kernels.prefill(cache, 0, q, seqs, q_lens)
+    start = 0
+    for s, ql in zip(seqs, q_lens):
+        ref = dense_attention(q[start : start + ql], *cache.kv(0, s))
+        torch.testing.assert_close(out[start : start + ql], ref, rtol=1e-4, atol=1e-5)
+        start += ql
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_after_fork_and_swap(kind):
+    spec = KVSpec(1, 2, 64, torch.float32, num_q_heads=4)
+    cache = make(kind, spec)
+    (s,) = fill(cache, [70])
+    kids = cache.fork(s, 2)
+    cache.grow(kids[0], 1)
+    cache.write(0, kids[0], 70, torch.ones(1, 2, 64), torch.ones(1, 2, 64))
+    h = cache.swap_out(kids[1])
+    back = cache.swap_in(h)
+    seqs = [s, kids[0], back]
+    q = torch.randn(3, 4, 64)
+    out = kernels.decode(cache, 0, q, seqs)
+    torch.testing.assert_close(out, expected_decode(cache, 0, q, seqs), rtol=1e-4, atol=1e-5)
+    assert torch.equal(cache.kv(0, s)[0], cache.kv(0, back)[0])
+
+
+def test_paged_reference_equals_dense():
+    spec = KVSpec(1, 2, 32, torch.float32, num_q_heads=8)
+    cache = make("paged", spec)
+    seqs = fill(cache, [1, 33, 80])
+    q = torch.randn(3, 8, 32)
+    ref = paged_decode_reference(q, cache.k_pool(0), cache.v_pool(0), cache.block_tables(seqs),
+                                 cache.seq_lens[seqs])  # fmt: skip
+    torch.testing.assert_close(ref, expected_decode(cache, 0, q, seqs), rtol=1e-5, atol=1e-6)
+
+
+def test_seed_address_arithmetic():
+    assert block_address(38, 16) == (2, 6)
+    assert block_address(0, 16) == (0, 0)
+    assert block_address(15, 16) == (0, 15)
+    assert block_address(16, 16) == (1, 0)
+
+
+def test_contiguous_decode_never_reads_past_length():
+    """Pages after each sequence's length are unmapped; touching them would SIGSEGV. Decode
+    (Triton tiles of 64 tokens, and SDPA) still succeeds; a direct read past the end faults."""
+    spec = KVSpec(1, 1, 32, torch.float32, num_q_heads=1)  # 128 B per token: 32 tokens per page
+    cache = make("vm", spec, max_seq_len=512, max_seqs=3)
+    seqs = fill(cache, [32, 33, 64])  # lengths ending on and just past page boundaries
+    q = torch.randn(3, 1, 32)
+    ref = expected_decode(cache, 0, q, seqs)
+    for impl in ("triton", "sdpa"):
+        torch.testing.assert_close(kernels.decode(cache, 0, q, seqs, impl=impl), ref,
+                                   rtol=1e-4, atol=1e-5)  # fmt: skip
+    code = (
+        "import torch\nfrom vmcache import KVSpec, VMKVCache\n"
+        "c = VMKVCache(KVSpec(1, 1, 32, torch.float32), 2, 512, page_size=4096)\n"
+        "s = c.new_sequence(); c.grow(s, 32)\n"
+        "print(float(c.k_cache(0)[s, 31].sum()), flush=True)\n"
+        "print(float(c.k_cache(0)[s, 32].sum()), flush=True)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip().splitlines() == ["0.0"] and r.returncode != 0
+
+
+@pytest.mark.parametrize("bad", ["shape", "tokens", "dupes", "empty_seq", "cache"])
+def test_kernel_bad_input(bad):
+    spec = KVSpec(1, 2, 16, torch.float32, num_q_heads=4)
+    cache = make("vm", spec, max_seq_len=64)
+    seqs = fill(cache, [3, 4])
+    q = torch.randn(2, 4, 16)
+    if bad == "shape":
+        q = torch.randn(2, 3, 16)
+    elif bad == "tokens":
+        q = torch.randn(3, 4, 16)
+    elif bad == "dupes":
+        seqs = [seqs[0], seqs[0]]
+    elif bad == "empty_seq":
+        seqs = [seqs[0], cache.new_sequence()]
+    exc = TypeError if bad == "cache" else ValueError
+    with pytest.raises(exc):
+        kernels.decode(object() if bad == "cache" else cache, 0, q, seqs)
