@@ -1,0 +1,118 @@
+"""Decode A/B: contiguous kernels on vmcache memory vs the same kernel on an ordinary tensor
+(the upper bound), Triton paged, and the torch reference; latency and effective bandwidth.
+
+    python benchmarks/bench_attention.py [--device cpu|cuda] [--quick]
+
+Effective bandwidth = bytes of K/V read (Σ len · 2 · N_KV · d_h · b) / time. On the CPU, Triton
+runs only in its interpreter, whose timings mean nothing, so the CPU grid times the torch paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import save, table, time_fn
+
+from vmcache import KVSpec, VMKVCache, kernels
+from vmcache.kernels import contiguous, triton_decode
+from vmcache.kernels.common import sdpa_per_sequence
+from vmcache.paged_fallback import PagedKVCache
+
+
+def run_point(dev, spec, batch, ctx, iters) -> list[dict]:
+    max_len = ctx + 1
+    vm = VMKVCache(spec, batch, max_len, device=dev, page_size=None if dev.type == "cuda" else 1 << 20)
+    pg = PagedKVCache(spec, num_blocks=batch * -(-max_len // 16), block_size=16, device=dev,
+                      max_seq_len=max_len, max_seqs=batch)  # fmt: skip
+    # the upper bound: the same [S, L, H, D] layout in one ordinary torch allocation
+    k_plain = torch.randn(batch, max_len, spec.num_kv_heads, spec.head_dim, device=dev).to(spec.dtype)
+    v_plain = torch.randn_like(k_plain)
+    seqs = []
+    for c in (vm, pg):
+        ids = []
+        for b in range(batch):
+            s = c.new_sequence()
+            c.grow(s, ctx)
+            c.write(0, s, 0, k_plain[b, :ctx], v_plain[b, :ctx])
+            ids.append(s)
+        seqs.append(ids)
+    q = torch.randn(batch, spec.q_heads, spec.head_dim, device=dev).to(spec.dtype)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    slots = torch.arange(batch, dtype=torch.int32, device=dev)
+    kv_bytes = batch * ctx * 2 * spec.bytes_per_token_per_layer
+    cands = {}
+    for impl in contiguous.available_impls(q):
+        if impl == "triton" and dev.type == "cpu":
+            continue
+        cands[f"contiguous/{impl} on vmcache"] = lambda i=impl: kernels.decode(vm, 0, q, seqs[0], impl=i)
+    if dev.type == "cuda":
+        cands["contiguous/triton on torch.empty"] = lambda: triton_decode.decode(
+            q, k_plain, v_plain, slots, lens, paged=False, block=64)
+        cands["paged/triton"] = lambda: kernels.decode(pg, 0, q, seqs[1], impl="triton")
+    kvs = [(k_plain[b, :ctx], v_plain[b, :ctx]) for b in range(batch)]
+    cands["contiguous/sdpa on torch.empty"] = lambda: sdpa_per_sequence(q, [1] * batch, kvs, None)
+    cands["paged/torch (gather+sdpa)"] = lambda: kernels.decode(pg, 0, q, seqs[1], impl="torch")
+    rows = []
+    for name, fn in cands.items():
+        t = time_fn(fn, dev, iters=iters)
+        rows.append({"impl": name, "batch": batch, "context": ctx, "us": t * 1e6,
+                     "GB_s": kv_bytes / t / 1e9})  # fmt: skip
+    base = {r["impl"].split(" on ")[0]: r["us"] for r in rows if r["impl"].endswith("torch.empty")}
+    for r in rows:
+        key = r["impl"].split(" on ")[0]
+        if r["impl"].endswith("on vmcache") and key in base:
+            r["vs_plain"] = r["us"] / base[key]
+    vm.close()
+    return rows
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    batch = max(r["batch"] for r in rows)
+    for impl in sorted({r["impl"] for r in rows}):
+        pts = sorted((r["context"], r["us"]) for r in rows if r["impl"] == impl and r["batch"] == batch)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+    ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="decode µs / layer",
+           title=f"decode latency, batch {batch}")  # fmt: skip
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        spec = KVSpec(1, 8, 128, torch.bfloat16, num_q_heads=32)
+        grid = [(b, c) for b in (1, 8, 32, 64) for c in (512, 2048, 8192, 32768)]
+        iters = 50
+    else:
+        spec = KVSpec(1, 8, 128, torch.float32, num_q_heads=32)
+        grid = [(b, c) for b in (1, 8) for c in (512, 2048)]
+        iters = 5 if args.quick else 10
+    if args.quick and dev.type == "cuda":
+        grid = [(1, 2048), (32, 8192)]
+    rows = []
+    for b, c in grid:
+        rows += run_point(dev, spec, b, c, iters)
+    print(table(rows, ["impl", "batch", "context", "us", "GB_s", "vs_plain"]))
+    path = save("bench_attention", dev, rows, {"spec": str(spec)})
+    png = plot(rows, path.with_suffix(".png"))
+    print(f"wrote {path}" + (f" and {png}" if png else ""))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# GPU check, one go, offline: install the project against the machine's own packages, run the
+# GPU tests (CUDA backend, kernels) and the GPU benchmarks, write everything under $OUT.
+#   OUT=/some/dir bash scripts/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.csv" 2>&1
+$PY -m pip install --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || true
+export VMCACHE_RESULTS="$OUT"
+status=0
+# GPU-marked tests first (the CUDA backend), then the kernel suite on CUDA tensors.
+timeout 240 $PY -m pytest tests/test_cuda.py -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" \
+  > "$OUT/gpu-tests.log" 2>&1 || status=1
+timeout 120 $PY benchmarks/bench_vmm.py --device cuda > "$OUT/bench_vmm.log" 2>&1 || status=1
+timeout 240 $PY benchmarks/bench_attention.py --device cuda > "$OUT/bench_attention.log" 2>&1 || status=1
+tail -n 5 "$OUT"/*.log
+exit $status
