@@ -9,24 +9,26 @@ runs only in its interpreter, whose timings mean nothing, so the CPU grid times 
 
 from __future__ import annotations
 
-import argparse
-
 import torch
-from common import save, table, time_fn
-
-from vmcache import KVSpec, VMKVCache, kernels
+from common import parse_args, save, table, time_fn
 from vmcache.kernels import contiguous, triton_decode
 from vmcache.kernels.common import sdpa_per_sequence
 from vmcache.paged_fallback import PagedKVCache
 
+from vmcache import KVSpec, VMKVCache, kernels
+
 
 def run_point(dev, spec, batch, ctx, iters) -> list[dict]:
     max_len = ctx + 1
-    vm = VMKVCache(spec, batch, max_len, device=dev, page_size=None if dev.type == "cuda" else 1 << 20)
+    vm = VMKVCache(
+        spec, batch, max_len, device=dev, page_size=None if dev.type == "cuda" else 1 << 20
+    )
     pg = PagedKVCache(spec, num_blocks=batch * -(-max_len // 16), block_size=16, device=dev,
                       max_seq_len=max_len, max_seqs=batch)  # fmt: skip
     # the upper bound: the same [S, L, H, D] layout in one ordinary torch allocation
-    k_plain = torch.randn(batch, max_len, spec.num_kv_heads, spec.head_dim, device=dev).to(spec.dtype)
+    k_plain = torch.randn(batch, max_len, spec.num_kv_heads, spec.head_dim, device=dev).to(
+        spec.dtype
+    )
     v_plain = torch.randn_like(k_plain)
     seqs = []
     for c in (vm, pg):
@@ -45,10 +47,13 @@ def run_point(dev, spec, batch, ctx, iters) -> list[dict]:
     for impl in contiguous.available_impls(q):
         if impl == "triton" and dev.type == "cpu":
             continue
-        cands[f"contiguous/{impl} on vmcache"] = lambda i=impl: kernels.decode(vm, 0, q, seqs[0], impl=i)
+        cands[f"contiguous/{impl} on vmcache"] = lambda i=impl: kernels.decode(
+            vm, 0, q, seqs[0], impl=i
+        )
     if dev.type == "cuda":
         cands["contiguous/triton on torch.empty"] = lambda: triton_decode.decode(
-            q, k_plain, v_plain, slots, lens, paged=False, block=64)
+            q, k_plain, v_plain, slots, lens, paged=False, block=64
+        )
         cands["paged/triton"] = lambda: kernels.decode(pg, 0, q, seqs[1], impl="triton")
     kvs = [(k_plain[b, :ctx], v_plain[b, :ctx]) for b in range(batch)]
     cands["contiguous/sdpa on torch.empty"] = lambda: sdpa_per_sequence(q, [1] * batch, kvs, None)
@@ -78,7 +83,9 @@ def plot(rows, path):
     fig, ax = plt.subplots(figsize=(7, 4))
     batch = max(r["batch"] for r in rows)
     for impl in sorted({r["impl"] for r in rows}):
-        pts = sorted((r["context"], r["us"]) for r in rows if r["impl"] == impl and r["batch"] == batch)
+        pts = sorted(
+            (r["context"], r["us"]) for r in rows if r["impl"] == impl and r["batch"] == batch
+        )
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
     ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="decode µs / layer",
            title=f"decode latency, batch {batch}")  # fmt: skip
@@ -89,11 +96,7 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args(argv)
-    dev = torch.device(args.device)
+    args, dev = parse_args(__doc__, argv)
     if dev.type == "cuda":
         spec = KVSpec(1, 8, 128, torch.bfloat16, num_q_heads=32)
         grid = [(b, c) for b in (1, 8, 32, 64) for c in (512, 2048, 8192, 32768)]

@@ -1,15 +1,14 @@
 """Virtual-memory costs: map+unmap per page size, grow, fork vs copying the prompt, scrubbing.
 
-    python benchmarks/bench_vmm.py [--device cpu|cuda] [--quick]
+python benchmarks/bench_vmm.py [--device cpu|cuda] [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
-from common import save, table, time_fn
+from common import parse_args, save, table, time_fn
 
 from vmcache import KVSpec, VMKVCache
 from vmcache.backends import make_backend
@@ -78,11 +77,7 @@ def cache_ops(device: torch.device, page_size: int, prompt: int) -> list[dict]:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args(argv)
-    dev = torch.device(args.device)
+    args, dev = parse_args(__doc__, argv)
     if dev.type == "cuda":
         g = make_backend(dev).granularity
         sizes = [g, 2 * g, 4 * g]
@@ -92,7 +87,7 @@ def main(argv=None) -> list[dict]:
     rows = map_unmap(dev, sizes, n)
     print(table(rows, ["op", "page_size", "map_us", "unmap_us"]))
     ops = []
-    for P in ([sizes[0]] if dev.type == "cuda" else [65536, 2 << 20]):
+    for P in [sizes[0]] if dev.type == "cuda" else [65536, 2 << 20]:
         ops += cache_ops(dev, P, 1000 if not args.quick else 300)
     print(table(ops, ["op", "page_size", "us", "fork_vs_copy"]))
     path = save("bench_vmm", dev, rows + ops)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -22,7 +23,9 @@ def device_name(device: torch.device) -> str:
     return f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
 
 
-def time_fn(fn: Callable[[], object], device: torch.device, iters: int = 20, warmup: int = 3) -> float:
+def time_fn(
+    fn: Callable[[], object], device: torch.device, iters: int = 20, warmup: int = 3
+) -> float:
     """Median seconds per call: CUDA events on the GPU, perf_counter on the CPU."""
     for _ in range(warmup):
         fn()
@@ -75,3 +78,12 @@ def table(rows: list[dict], cols: list[str]) -> str:
     widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
     line = lambda xs: "  ".join(x.rjust(w) for x, w in zip(xs, widths))
     return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(x) for x in cells])
+
+
+def parse_args(doc: str, argv=None) -> tuple[argparse.Namespace, torch.device]:
+    """The options every benchmark takes: ``--device`` and ``--quick``."""
+    ap = argparse.ArgumentParser(description=doc)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="a small grid, for CI and the CPU")
+    args = ap.parse_args(argv)
+    return args, torch.device(args.device)

@@ -1,6 +1,6 @@
 """The main job (`make bench`): the A/B benchmarks on a small default workload, as tables.
 
-    python benchmarks/run.py [--device cpu|cuda] [--full]
+python benchmarks/run.py [--device cpu|cuda] [--full]
 """
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-
 import bench_attention  # noqa: E402
 import bench_vmm  # noqa: E402
+import torch  # noqa: E402
 
 
 def main(argv=None):

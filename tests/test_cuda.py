@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-
-from vmcache import KVSpec, VMKVCache, kernels
 from vmcache.kernels import contiguous
 from vmcache.kernels.reference import dense_attention
 from vmcache.paged_fallback import PagedKVCache
+
+from vmcache import KVSpec, VMKVCache, kernels
 
 pytestmark = pytest.mark.gpu
 

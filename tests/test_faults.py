@@ -38,8 +38,10 @@ def snapshot(c):
 
 
 def same(a, b):
-    return a[0] == b[0] and a[1] == b[1] and all(
-        torch.equal(x, y) for s in a[2] for x, y in zip(a[2][s], b[2][s])
+    return (
+        a[0] == b[0]
+        and a[1] == b[1]
+        and all(torch.equal(x, y) for s in a[2] for x, y in zip(a[2][s], b[2][s]))
     )
 
 
