@@ -16,5 +16,6 @@ timeout 240 $PY -m pytest tests/test_cuda.py -q -p no:cacheprovider --junitxml="
   > "$OUT/gpu-tests.log" 2>&1 || status=1
 timeout 120 $PY benchmarks/bench_vmm.py --device cuda > "$OUT/bench_vmm.log" 2>&1 || status=1
 timeout 240 $PY benchmarks/bench_attention.py --device cuda > "$OUT/bench_attention.log" 2>&1 || status=1
+timeout 120 $PY benchmarks/soak.py --device cuda --ops 5000 > "$OUT/soak.log" 2>&1 || status=1
 tail -n 5 "$OUT"/*.log
 exit $status

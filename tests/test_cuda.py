@@ -101,3 +101,15 @@ def test_decode_and_prefill_every_gpu_impl(kind):
         torch.testing.assert_close(out[start : start + ql], ref.float(), rtol=2e-2, atol=2e-2)
         start += ql
     cache.close()
+
+
+def test_soak_on_the_cuda_backend():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import soak
+
+    for name, make in soak.factories("cuda").items():
+        r = soak.soak(make, ops=1500, seed=2, check_every=100)
+        assert r["violations"] == 0 and r["leaked_pages"] == 0, (name, r["first_violations"])

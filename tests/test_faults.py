@@ -11,22 +11,39 @@ import torch
 from vmcache import DriverError, KVSpec, VMKVCache
 from vmcache.backends.host import HostBackend
 
-SPEC = KVSpec(2, 2, 16, torch.float32)  # 128 B per token row: 32 tokens per 4 KiB page
+SPEC = KVSpec(2, 2, 16, torch.float32)
+INJECTED: set[str] = (
+    set()
+)  # kinds of call that failed at least once  # 128 B per token row: 32 tokens per 4 KiB page
 
 
 class FaultyBackend(HostBackend):
-    """Fails the ``fail_at``-th call to ``map`` (counting from 1), once."""
+    """Fails the ``fail_at``-th fallible call (map, create_page or a page copy), once."""
 
     def __init__(self):
         super().__init__()
         self.calls = 0
         self.fail_at = None
 
-    def map(self, va, handles, page_size):
+    def _maybe_fail(self, call):
         self.calls += 1
         if self.calls == self.fail_at:
-            raise DriverError("mmap(MAP_FIXED page)", "EINJECTED", "fault injection")
+            INJECTED.add(call)
+            raise DriverError(call, "EINJECTED", "fault injection")
+
+    def map(self, va, handles, page_size):
+        self._maybe_fail("mmap(MAP_FIXED page)")
         super().map(va, handles, page_size)
+
+    def create_page(self, page_size):
+        self._maybe_fail("ftruncate(memfd)")
+        return super().create_page(page_size)
+
+
+class FaultyCache(VMKVCache):
+    def _copy_page(self, src, dst, used_units):
+        self.backend._maybe_fail("copy page")
+        super()._copy_page(src, dst, used_units)
 
 
 def snapshot(c):
@@ -46,7 +63,7 @@ def same(a, b):
 
 
 def setup(be):
-    c = VMKVCache(SPEC, 8, 512, page_size=4096, backend=be)
+    c = FaultyCache(SPEC, 8, 512, page_size=4096, backend=be, chunk_pages=3)
     s = c.new_sequence()
     c.grow(s, 40)
     for layer in range(2):
@@ -67,7 +84,7 @@ OPS = {
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
-def test_every_map_failure_rolls_back(op):
+def test_every_failure_rolls_back(op):
     injected = 0
     for k in range(1, 40):
         be = FaultyBackend()
@@ -123,3 +140,9 @@ def test_running_out_of_mappings_is_a_clear_error():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "MapLimitError" in r.stdout and "vm.max_map_count" in r.stdout
+
+
+def test_all_three_kinds_were_injected():
+    for op in sorted(OPS):
+        test_every_failure_rolls_back(op)
+    assert INJECTED == {"mmap(MAP_FIXED page)", "ftruncate(memfd)", "copy page"}

@@ -41,6 +41,7 @@ class VMKVCache(SequenceCache):
         backend: Backend | None = None,
         scrub_on_reuse: bool = True,
         swap_bytes: int | None = None,
+        chunk_pages: int = 64,
     ) -> None:
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
@@ -53,13 +54,15 @@ class VMKVCache(SequenceCache):
         self.backend = backend if backend is not None else make_backend(device)
         try:
             self._setup(spec, max_seqs, max_seq_len, page_size, pool_bytes, layout,
-                        scrub_on_reuse, swap_bytes)  # fmt: skip
+                        scrub_on_reuse, swap_bytes, chunk_pages)  # fmt: skip
         except BaseException:
             if self._owns_backend:
                 self.backend.close()
             raise
 
-    def _setup(self, spec, max_seqs, max_seq_len, page_size, pool_bytes, layout, scrub, swap):
+    def _setup(
+        self, spec, max_seqs, max_seq_len, page_size, pool_bytes, layout, scrub, swap, chunk
+    ):
         be = self.backend
         P = be.default_page_size if page_size is None else _check_int("page_size", page_size)
         if P <= 0 or P % be.granularity:
@@ -82,7 +85,7 @@ class VMKVCache(SequenceCache):
                 raise ValueError(f"pool_bytes ({pool_bytes}) is smaller than one page ({P})")
             num_pages = min(capacity, pool_bytes // P)
         self.store = VMPageStore(be, P, num_pages)
-        pool = PagePool(num_pages, self.store, scrub_on_reuse=scrub)
+        pool = PagePool(num_pages, self.store, scrub_on_reuse=scrub, chunk_pages=chunk)
         super().__init__(
             spec, max_seqs, max_seq_len, pool,
             num_tables=n_tables, units_per_token=token_bytes, units_per_page=P,
