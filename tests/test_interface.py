@@ -216,7 +216,7 @@ def _machine(name):
     make = lambda: caches.FACTORIES[name](max_seqs=6, max_seq_len=160)
     cls = type(f"{name}Machine", (CacheMachine,), {"factory": staticmethod(make)})
     case = cls.TestCase
-    case.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+    case.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
     return case
 
 
