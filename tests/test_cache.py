@@ -262,3 +262,16 @@ def test_constructor_rejects_bad_arguments(small_spec):
         VMKVCache("llama", 4, 64)
     with pytest.raises(ValueError, match="device"):
         VMKVCache(small_spec, 4, 64, device="mps")
+
+
+def test_a_live_view_keeps_memory_mapped_after_the_cache_is_dropped(small_spec):
+    import gc
+
+    c = VMKVCache(small_spec, max_seqs=2, max_seq_len=64, page_size=4096)
+    s = c.new_sequence()
+    fill(c, s, 10)
+    k, _ = c.kv(0, s)
+    expected = k.clone()
+    del c
+    gc.collect()
+    assert torch.equal(k, expected)  # no SIGSEGV: the view holds the backend alive

@@ -169,7 +169,10 @@ class VMKVCache(SequenceCache):
 
     # --- lifetime ----------------------------------------------------------------------
     def close(self) -> None:
-        """Unmap everything and release pages, reservations and (if owned) the backend."""
+        """Unmap everything and release pages, reservations and (if owned) the backend.
+
+        Views returned by :meth:`kv`, :meth:`k_cache` and :meth:`v_cache` are invalid after
+        this (their memory is unmapped). Without ``close()``, a live view keeps the memory."""
         if getattr(self, "closed", True):
             return
         for s in self.sequences:

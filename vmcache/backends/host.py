@@ -147,6 +147,7 @@ class HostBackend:
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         buf = (ctypes.c_char * nbytes).from_address(va)
+        buf.owner = self  # a live view keeps the backend (and so its mappings) from collection
         return torch.frombuffer(buf, dtype=torch.uint8)
 
     def synchronize(self) -> None:
