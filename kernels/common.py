@@ -69,3 +69,9 @@ def sdpa_per_sequence(
         out[start : start + ql] = o[0].transpose(0, 1)
         start += ql
     return out
+
+
+def attend_cache_views(cache, layer: int, q: torch.Tensor, seq_ids, q_lens, scale):
+    """:func:`sdpa_per_sequence` over each sequence's ``cache.kv`` (zero-copy views on
+    VMKVCache, gathers on PagedKVCache): the fallback path of both caches."""
+    return sdpa_per_sequence(q, q_lens, [cache.kv(layer, s) for s in seq_ids], scale)

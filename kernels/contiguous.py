@@ -23,7 +23,7 @@ import math
 import torch
 
 from . import triton_decode
-from .common import sdpa_per_sequence
+from .common import attend_cache_views
 
 IMPLS = ("flash_attn", "aten_fa2", "triton", "sdpa")
 
@@ -126,9 +126,7 @@ def decode(cache, layer, q, seq_ids, scale=None, impl=None):
             paged=False, block=64, scale=scale,
         )  # fmt: skip
     if impl == "sdpa":
-        return sdpa_per_sequence(
-            q, [1] * len(seq_ids), [cache.kv(layer, s) for s in seq_ids], scale
-        )
+        return attend_cache_views(cache, layer, q, seq_ids, [1] * len(seq_ids), scale)
     raise ValueError(f"unknown contiguous impl {impl!r}; expected one of {IMPLS}")
 
 
@@ -140,5 +138,5 @@ def prefill(cache, layer, q, seq_ids, q_lens, scale=None, impl=None):
     if impl == "aten_fa2":
         return _aten_fa2(cache, layer, q, seq_ids, list(q_lens), scale)
     if impl == "sdpa":
-        return sdpa_per_sequence(q, q_lens, [cache.kv(layer, s) for s in seq_ids], scale)
+        return attend_cache_views(cache, layer, q, seq_ids, q_lens, scale)
     raise ValueError(f"unknown contiguous prefill impl {impl!r}; expected 'aten_fa2' or 'sdpa'")

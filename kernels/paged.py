@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import triton_decode
-from .common import sdpa_per_sequence
+from .common import attend_cache_views
 
 
 def decode(cache, layer: int, q: torch.Tensor, seq_ids: list[int], scale=None, impl=None):
@@ -19,13 +19,11 @@ def decode(cache, layer: int, q: torch.Tensor, seq_ids: list[int], scale=None, i
             paged=True, block=cache.block_size, scale=scale,
         )  # fmt: skip
     if impl == "torch":
-        return sdpa_per_sequence(
-            q, [1] * len(seq_ids), [cache.kv(layer, s) for s in seq_ids], scale
-        )
+        return attend_cache_views(cache, layer, q, seq_ids, [1] * len(seq_ids), scale)
     raise ValueError(f"unknown paged decode impl {impl!r}; expected 'triton' or 'torch'")
 
 
 def prefill(cache, layer, q, seq_ids, q_lens, scale=None, impl=None):
     if impl not in (None, "torch"):
         raise ValueError(f"unknown paged prefill impl {impl!r}; expected 'torch'")
-    return sdpa_per_sequence(q, q_lens, [cache.kv(layer, s) for s in seq_ids], scale)
+    return attend_cache_views(cache, layer, q, seq_ids, q_lens, scale)
