@@ -4,9 +4,9 @@ block-table paged cache beside it for A/B measurements."""
 from .cache import VMKVCache
 from .errors import CacheFull, DriverError, MapLimitError
 from .pool import PagePool
-from .seqcache import SwapHandle
 from .spec import KVSpec
 from .stats import CacheStats
+from .swap import SwapHandle
 
 __all__ = [
     "KVSpec",

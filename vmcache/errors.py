@@ -7,6 +7,8 @@ carrying the failing call's name; internal invariants are asserts.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CacheFull(RuntimeError):
     """The pool (or the slot table, or the host tier) cannot satisfy a request.
@@ -34,3 +36,9 @@ class DriverError(RuntimeError):
 
 class MapLimitError(DriverError):
     """The process ran out of memory mappings (Linux ``vm.max_map_count``)."""
+
+
+def check_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return value

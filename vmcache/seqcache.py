@@ -17,35 +17,21 @@ bookkeeping that cannot fail. The caches alone change page tables; the pool alon
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .errors import CacheFull
+from .errors import CacheFull, check_int
 from .pool import PagePool
+from .sharing import SharingOps
 from .spec import KVSpec
 from .stats import CacheStats
+from .swap import SwapOps
+
+_check_int = check_int  # the name cache.py and paged_fallback import
 
 
-@dataclass(eq=False)
-class SwapHandle:
-    """K/V of a swapped-out sequence, held in host memory until :meth:`swap_in`."""
-
-    length: int
-    nbytes: int
-    payload: list[torch.Tensor] = field(repr=False)
-    owner: int = field(repr=False)  # id() of the cache that made it
-    consumed: bool = False
-
-
-def _check_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    return value
-
-
-class SequenceCache:
+class SequenceCache(SharingOps, SwapOps):
     def __init__(
         self,
         spec: KVSpec,
@@ -75,6 +61,8 @@ class SequenceCache:
         self._tables: list[list[list[int]] | None] = [None] * max_seqs  # owned by the cache
         self._free_slots = list(range(max_seqs - 1, -1, -1))
         self._lens_tensor: torch.Tensor | None = None
+        self.cow_copies = 0  # pages copied on write since construction (owned by the cache)
+        self.cow_bytes_copied = 0  # bytes those copies moved (used part of each page only)
 
     # --- hooks a cache implements ------------------------------------------------------
     def _attach(self, s: int, t: int, j0: int, pages: list[int]) -> None:
@@ -164,7 +152,17 @@ class SequenceCache:
         return self.pool.can_allocate(len(splits) + self._T * (p_new - p_old))
 
     # --- sequence lifecycle ------------------------------------------------------------
-    def new_sequence(self) -> int:
+    def new_sequence(self, slot: int | None = None) -> int:
+        """A new empty sequence; ``slot`` asks for that particular free slot (callers that
+        keep batch row i in slot i, like :mod:`vmcache.hf`)."""
+        if slot is not None:
+            _check_int("slot", slot)
+            if slot not in self._free_slots:
+                raise ValueError(f"slot {slot} is not free (max_seqs={self.max_seqs})")
+            self._free_slots.remove(slot)
+            self._tables[slot] = [[] for _ in range(self._T)]
+            self._set_len(slot, 0)
+            return slot
         if not self._free_slots:
             raise CacheFull(f"all {self.max_seqs} sequence slots are in use", wanted=1, free=0)
         s = self._free_slots.pop()
@@ -193,6 +191,30 @@ class SequenceCache:
         """Store ``k``, ``v`` (each ``[T, N_KV, d_h]``, the cache's dtype and device) at
         positions ``[start, start+T)`` of sequence ``s``, which must be within its length.
         Pages still shared with another sequence are copied first (copy-on-write)."""
+        layer, s, n = self._check_write(layer, s, start, k, v)
+        if n == 0:
+            return
+        j_lo, j_hi = start * self._u // self._P, self._pages_for(start + n)
+        splits = self._splits(s, self._tables_of_layer(layer), j_lo, j_hi)
+        if splits:
+            p = self._pages_for(self._lens[s])
+            self._split_and_extend(s, splits, p, p)
+        self._store(layer, s, start, k, v)
+
+    def free(self, s: int) -> None:
+        """Drop the sequence: unmap its pages, refcounts −1, pages at 0 return to the pool."""
+        s = self._check_seq(s)
+        tab = self._tables[s]
+        self._sync()
+        for t in range(self._T):
+            self._detach(s, t, 0, len(tab[t]))
+        self.pool.decref([p for t in tab for p in t])
+        self._tables[s] = None
+        self._set_len(s, 0)
+        self._free_slots.append(s)
+
+    def _check_write(self, layer, s, start, k, v) -> tuple[int, int, int]:
+        """Validate a write; returns (layer, sequence, token count)."""
         layer = self._check_layer(layer)
         s = self._check_seq(s)
         _check_int("start", start)
@@ -217,95 +239,7 @@ class SequenceCache:
                 f"write of {n} tokens at {start} is outside sequence {s}'s length "
                 f"{self._lens[s]}; grow it first"
             )
-        if n == 0:
-            return
-        j_lo, j_hi = start * self._u // self._P, self._pages_for(start + n)
-        splits = self._splits(s, self._tables_of_layer(layer), j_lo, j_hi)
-        if splits:
-            p = self._pages_for(self._lens[s])
-            self._split_and_extend(s, splits, p, p)
-        self._store(layer, s, start, k, v)
-
-    def fork(self, s: int, n: int = 1) -> list[int]:
-        """``n`` children sharing every page of ``s`` (refcounts += n, no K/V copied)."""
-        s = self._check_seq(s)
-        _check_int("n", n)
-        if n < 1:
-            raise ValueError(f"fork needs n >= 1, got {n}")
-        if n > len(self._free_slots):
-            raise CacheFull(
-                f"fork of {n} needs {n} free sequence slots, {len(self._free_slots)} free",
-                wanted=n,
-                free=len(self._free_slots),
-            )
-        tab = self._tables[s]
-        children = [self._free_slots.pop() for _ in range(n)]
-        undo: list[Callable[[], None]] = []
-        try:
-            for c in children:
-                for t in range(self._T):
-                    if tab[t]:
-                        self._attach(c, t, 0, tab[t])
-                        undo.append(lambda c=c, t=t: self._detach(c, t, 0, len(tab[t])))
-        except BaseException:
-            for f in reversed(undo):
-                f()
-            self._free_slots.extend(reversed(children))
-            raise
-        self.pool.incref([p for t in tab for p in t], n)
-        for c in children:
-            self._tables[c] = [list(t) for t in tab]
-            self._set_len(c, self._lens[s])
-        return children
-
-    def free(self, s: int) -> None:
-        """Drop the sequence: unmap its pages, refcounts −1, pages at 0 return to the pool."""
-        s = self._check_seq(s)
-        tab = self._tables[s]
-        self._sync()
-        for t in range(self._T):
-            self._detach(s, t, 0, len(tab[t]))
-        self.pool.decref([p for t in tab for p in t])
-        self._tables[s] = None
-        self._set_len(s, 0)
-        self._free_slots.append(s)
-
-    def swap_out(self, s: int) -> SwapHandle:
-        """Copy the sequence's K/V to host memory and free its pages."""
-        s = self._check_seq(s)
-        length = self._lens[s]
-        nbytes = self.spec.kv_bytes(length)
-        if self._swap_limit is not None and self._swapped_bytes + nbytes > self._swap_limit:
-            raise CacheFull(
-                f"host swap tier full: {nbytes} bytes wanted, "
-                f"{self._swap_limit - self._swapped_bytes} free of {self._swap_limit}",
-                wanted=nbytes,
-                free=self._swap_limit - self._swapped_bytes,
-            )
-        payload = self._export(s, length)
-        self.free(s)
-        self._swapped_bytes += nbytes
-        return SwapHandle(length, nbytes, payload, id(self))
-
-    def swap_in(self, handle: SwapHandle) -> int:
-        """Restore a swapped-out sequence (byte-identical) into a free slot; returns it."""
-        if not isinstance(handle, SwapHandle):
-            raise TypeError(f"swap_in needs a SwapHandle, got {type(handle).__name__}")
-        if handle.owner != id(self):
-            raise ValueError("this SwapHandle was made by another cache")
-        if handle.consumed:
-            raise ValueError("this SwapHandle was already swapped in")
-        s = self.new_sequence()
-        try:
-            self.grow(s, handle.length)
-            self._import(s, handle.payload)
-        except BaseException:
-            self.free(s)
-            raise
-        handle.consumed = True
-        handle.payload = []
-        self._swapped_bytes -= handle.nbytes
-        return s
+        return layer, s, n
 
     # --- the transactional core --------------------------------------------------------
     def _split_and_extend(
@@ -342,6 +276,8 @@ class SequenceCache:
             raise
         for t, j, _, new in replaced:
             tab[t][j] = new
+            self.cow_bytes_copied += self._used_units(j, length) * self.page_bytes // self._P
+        self.cow_copies += len(replaced)
         self.pool.decref([old for _, _, old, _ in replaced])
         for t, pages in enumerate(extension):
             tab[t].extend(pages)
@@ -367,6 +303,8 @@ class SequenceCache:
             shared_pages=pool.shared_pages,
             free_pages=pool.free_pages,
             total_pages=pool.num_pages,
+            cow_copies=self.cow_copies,
+            cow_bytes_copied=self.cow_bytes_copied,
         )
 
     def check_invariants(self) -> None:

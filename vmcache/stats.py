@@ -17,6 +17,8 @@ class CacheStats:
     shared_pages: int  # pages with refcount > 1
     free_pages: int
     total_pages: int
+    cow_copies: int = 0  # pages copied on write so far
+    cow_bytes_copied: int = 0  # bytes those copies moved
 
     @property
     def internal_waste(self) -> float:

@@ -1,0 +1,127 @@
+"""fork / assign / truncate / write_group on both caches: page accounting and contents."""
+
+import pytest
+import torch
+from caches import FACTORIES
+
+CACHES = list(FACTORIES)
+
+
+def _fill(c, s, n, value):
+    start = c.seq_len(s)
+    c.grow(s, n)
+    for layer in range(c.spec.num_layers):
+        x = torch.full((n, 2, 16), float(value))
+        c.write(layer, s, start, x, x)
+
+
+def _pages(c, s):
+    return [p for t in c.page_table(s) for p in t]
+
+
+@pytest.mark.parametrize("name", CACHES)
+def test_assign_remaps_only_differing_entries_and_copies_nothing(name):
+    c = FACTORIES[name]()
+    a = c.new_sequence()
+    _fill(c, a, 40, 1)
+    b, d = c.fork(a, 2)
+    _fill(c, b, 60, 2)  # b = a's 40 tokens + 60 of its own (its tail page was split)
+    shared_before = set(_pages(c, a)) & set(_pages(c, b))
+    copies_before = c.stats().cow_copies  # b's tail split, one page per table
+    assert copies_before == len(c.page_table(b))
+    c.assign([d, a], [b, b])  # both become copies of b
+    for s in (d, a):
+        assert c.seq_len(s) == 100
+        assert _pages(c, s) == _pages(c, b)
+        k, _ = c.kv(1, s)
+        assert (k[:40] == 1).all() and (k[40:] == 2).all()
+    assert c.stats().cow_copies == copies_before  # assign copied nothing
+    assert shared_before <= set(_pages(c, a))  # the common history was never unmapped
+    c.check_invariants()
+    for s in (a, b, d):
+        c.free(s)
+    assert c.stats().physical_pages == 0
+
+
+@pytest.mark.parametrize("name", CACHES)
+def test_assign_validates_before_changing_anything(name):
+    c = FACTORIES[name]()
+    a = c.new_sequence()
+    _fill(c, a, 5, 1)
+    before = c.page_table(a)
+    with pytest.raises(ValueError, match="distinct"):
+        c.assign([a, a], [a, a])
+    with pytest.raises(ValueError, match="as many"):
+        c.assign([a], [a, a])
+    with pytest.raises(KeyError):
+        c.assign([a], [7])
+    assert c.page_table(a) == before
+
+
+@pytest.mark.parametrize("name", CACHES)
+def test_truncate_releases_pages_and_regrowth_copies_a_shared_tail(name):
+    c = FACTORIES[name]()
+    a = c.new_sequence()
+    _fill(c, a, 100, 3)
+    b = c.fork(a)[0]
+    full = c.stats().physical_pages
+    c.truncate(b, 20)
+    assert c.seq_len(b) == 20 and c.stats().physical_pages == full  # a still holds them all
+    c.truncate(a, 0)
+    assert c.stats().physical_pages == len(_pages(c, b)) > 0
+    _fill(c, b, 5, 4)  # b's tail page is private now: no copy
+    assert c.stats().cow_copies == 0
+    k, _ = c.kv(0, b)
+    assert (k[:20] == 3).all() and (k[20:] == 4).all()
+    with pytest.raises(ValueError, match="truncate length"):
+        c.truncate(b, 26)
+    c.free(a)
+    c.free(b)
+    c.check_invariants()
+    assert c.stats().physical_pages == 0
+
+
+@pytest.mark.parametrize("name", CACHES)
+def test_write_group_writes_shared_pages_once_in_place(name):
+    c = FACTORIES[name]()
+    a = c.new_sequence()
+    c.grow(a, 30)
+    group = [a] + c.fork(a, 3)
+    x = torch.arange(30 * 32, dtype=torch.float32).reshape(30, 2, 16)
+    for layer in range(2):
+        c.write_group(layer, group, 0, x, -x)
+    st = c.stats()
+    assert st.cow_copies == 0 and st.physical_pages == len(_pages(c, a))
+    for s in group:
+        k, v = c.kv(1, s)
+        assert torch.equal(k, x) and torch.equal(v, -x)
+    # an outsider holding the same pages keeps its bytes: the group copies first
+    outsider = c.fork(a)[0]
+    c.write_group(0, group[:2], 0, x + 1, x + 1)
+    assert torch.equal(c.kv(0, outsider)[0], x) and torch.equal(c.kv(0, group[2])[0], x)
+    assert torch.equal(c.kv(0, group[0])[0], x + 1) and torch.equal(c.kv(0, group[1])[0], x + 1)
+    assert c.stats().cow_copies > 0
+    c.check_invariants()
+
+
+@pytest.mark.parametrize("name", CACHES)
+def test_new_sequence_in_a_chosen_slot(name):
+    c = FACTORIES[name]()
+    assert c.new_sequence(slot=5) == 5
+    with pytest.raises(ValueError, match="not free"):
+        c.new_sequence(slot=5)
+    with pytest.raises(ValueError, match="not free"):
+        c.new_sequence(slot=99)
+    assert c.new_sequence() != 5
+    c.check_invariants()
+
+
+@pytest.mark.parametrize("name", CACHES)
+def test_cow_bytes_count_only_the_used_part_of_a_split_page(name):
+    c = FACTORIES[name]()
+    a = c.new_sequence()
+    _fill(c, a, 3, 1)
+    b = c.fork(a)[0]
+    _fill(c, b, 1, 2)  # splits b's tail: 3 tokens in use, in every table of the page
+    st = c.stats()
+    assert st.cow_copies == len(c.page_table(b)) and st.cow_bytes_copied == c.spec.kv_bytes(3)
