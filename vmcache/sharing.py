@@ -137,8 +137,9 @@ class SharingOps:
             return [(t, j, tab[t][j]) for t in tables for j in range(j_lo, j_hi)]
 
         uses = Counter(p for s in seqs for _, _, p in entries(s))
+        # decided for every member before any split changes a refcount
         plan = {s: [(t, j) for t, j, p in entries(s) if self.pool.refcount(p) > uses[p]]
-                for s in seqs}  # fmt: skip  (decided before any split changes refcounts)
+                for s in seqs}  # fmt: skip
         for s, splits in plan.items():
             if splits:
                 last = self._pages_for(self._lens[s])
