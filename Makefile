@@ -17,7 +17,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/run.py
 
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest
+	# the pytest script, not `python -m`, keeps the repository root off sys.path (see kernels/)
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest
 
 lint: $(STAMP)
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

@@ -6,38 +6,14 @@ K/V are already written) → ``[B, N_Q, d_h]``.
 last ``q_lens[i]`` positions of sequence i are the queries' own; causal → same shape as q.
 """
 
-from __future__ import annotations
+if __name__ == "vmcache.kernels":
+    from .api import decode, prefill
+    from .reference import dense_attention, paged_decode_reference
 
-import torch
-
-from . import contiguous, paged
-from .common import check_inputs
-from .reference import dense_attention, paged_decode_reference
-
-
-def _module(cache):
-    from vmcache.paged_fallback import PagedKVCache
-
-    from vmcache.cache import VMKVCache
-
-    if isinstance(cache, VMKVCache):
-        return contiguous
-    if isinstance(cache, PagedKVCache):
-        return paged
-    raise TypeError(f"cache must be a VMKVCache or PagedKVCache, got {type(cache).__name__}")
-
-
-def decode(cache, layer: int, q: torch.Tensor, seq_ids, scale=None, impl=None) -> torch.Tensor:
-    mod = _module(cache)
-    seq_ids = check_inputs(cache, layer, q, seq_ids)
-    return mod.decode(cache, layer, q, seq_ids, scale=scale, impl=impl)
-
-
-def prefill(cache, layer: int, q, seq_ids, q_lens, scale=None, impl=None) -> torch.Tensor:
-    mod = _module(cache)
-    q_lens = [int(x) for x in q_lens]
-    seq_ids = check_inputs(cache, layer, q, seq_ids, q_lens)
-    return mod.prefill(cache, layer, q, seq_ids, q_lens, scale=scale, impl=impl)
-
-
-__all__ = ["decode", "prefill", "dense_attention", "paged_decode_reference"]
+    __all__ = ["decode", "prefill", "dense_attention", "paged_decode_reference"]
+else:
+    # Imported as a top-level "kernels": the repository root is on sys.path (``python -c`` or
+    # ``python -m`` run from it) and transformers probed that name for the unrelated Hub
+    # package. Run nothing, expose nothing, no ``__version__``: transformers then reports the
+    # Hub package as unavailable and our modules are never loaded twice under two names.
+    __all__ = []

@@ -12,7 +12,7 @@ $PY -m pip install --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1
 export VMCACHE_RESULTS="$OUT"
 status=0
 # GPU-marked tests first (the CUDA backend), then the kernel suite on CUDA tensors.
-timeout 240 $PY -m pytest tests/test_cuda.py -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" \
+timeout 240 $PY -P -m pytest tests/test_cuda.py -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" \
   > "$OUT/gpu-tests.log" 2>&1 || status=1
 timeout 120 $PY benchmarks/bench_vmm.py --device cuda > "$OUT/bench_vmm.log" 2>&1 || status=1
 timeout 240 $PY benchmarks/bench_attention.py --device cuda > "$OUT/bench_attention.log" 2>&1 || status=1

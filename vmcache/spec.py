@@ -115,7 +115,9 @@ class KVSpec:
         kv_heads = getattr(config, "num_key_value_heads", None) or q_heads  # missing = MHA
         head_dim = getattr(config, "head_dim", None) or hidden // q_heads
         if dtype is None:
-            dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+            # 5.x names it ``dtype`` (reading ``torch_dtype`` there only warns); 4.x ``torch_dtype``
+            name = "dtype" if "dtype" in vars(config) else "torch_dtype"
+            dtype = getattr(config, name, None)
             if isinstance(dtype, str):
                 dtype = getattr(torch, dtype, None)
             if dtype is None:

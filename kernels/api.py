@@ -1,0 +1,33 @@
+"""decode / prefill entry points: validate, then dispatch on the cache type."""
+
+from __future__ import annotations
+
+import torch
+
+from . import contiguous, paged
+from .common import check_inputs
+
+
+def _module(cache):
+    from vmcache.paged_fallback import PagedKVCache
+
+    from vmcache.cache import VMKVCache
+
+    if isinstance(cache, VMKVCache):
+        return contiguous
+    if isinstance(cache, PagedKVCache):
+        return paged
+    raise TypeError(f"cache must be a VMKVCache or PagedKVCache, got {type(cache).__name__}")
+
+
+def decode(cache, layer: int, q: torch.Tensor, seq_ids, scale=None, impl=None) -> torch.Tensor:
+    mod = _module(cache)
+    seq_ids = check_inputs(cache, layer, q, seq_ids)
+    return mod.decode(cache, layer, q, seq_ids, scale=scale, impl=impl)
+
+
+def prefill(cache, layer: int, q, seq_ids, q_lens, scale=None, impl=None) -> torch.Tensor:
+    mod = _module(cache)
+    q_lens = [int(x) for x in q_lens]
+    seq_ids = check_inputs(cache, layer, q, seq_ids, q_lens)
+    return mod.prefill(cache, layer, q, seq_ids, q_lens, scale=scale, impl=impl)

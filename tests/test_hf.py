@@ -1,0 +1,223 @@
+"""VMCache / PagedCache inside transformers' generate: token-identical to DynamicCache, memory
+mapped as tokens arrive, prompts shared across beams and samples, beams reordered by remapping."""
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from vmcache.hf import PagedCache, VMCache
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             max_position_embeddings=1024)  # fmt: skip
+MODELS = {
+    "llama_gqa": (
+        LlamaForCausalLM,
+        LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **SMALL),
+    ),  # fmt: skip
+    "llama_mha": (
+        LlamaForCausalLM,
+        LlamaConfig(num_attention_heads=4, num_key_value_heads=4, **SMALL),
+    ),  # fmt: skip
+    "qwen2": (
+        Qwen2ForCausalLM,
+        Qwen2Config(num_attention_heads=4, num_key_value_heads=2, **SMALL),
+    ),  # fmt: skip
+}
+CACHES = {
+    "vm": lambda m, n, **kw: VMCache(config=m.config, max_cache_len=n, page_size=4096, **kw),
+    "paged": lambda m, n, **kw: PagedCache(config=m.config, max_cache_len=n, **kw),
+}
+_models: dict = {}
+
+
+def model(name, attn="sdpa"):
+    if (name, attn) not in _models:
+        cls, cfg = MODELS[name]
+        cfg = copy.deepcopy(cfg)  # each model owns its config (attn_implementation lives there)
+        torch.manual_seed(0)
+        base = cls(cfg).eval()
+        if attn == "sdpa":
+            _models[name, attn] = base
+        else:
+            m = cls._from_config(copy.deepcopy(cfg), attn_implementation=attn).eval()
+            m.load_state_dict(base.state_dict())
+            _models[name, attn] = m
+            assert base.config._attn_implementation == "sdpa"
+    return _models[name, attn]
+
+
+def prompts(lengths, seed=1):
+    """Left-padded batch of random prompts of the given lengths: (ids, attention_mask)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, width - n :] = torch.randint(1, 128, (n,), generator=g)
+        mask[i, width - n :] = 1
+    return ids, mask
+
+
+def gen(m, cache=None, seed=None, **kw):
+    if seed is not None:
+        torch.manual_seed(seed)
+    return (
+        m.generate(cache=cache, pad_token_id=0, **kw) if cache else m.generate(pad_token_id=0, **kw)
+    )
+
+
+MODES = {
+    "greedy_1": lambda: dict(input_ids=prompts([11])[0], max_new_tokens=20, do_sample=False),
+    "greedy_padded_3": lambda: dict(
+        zip(("input_ids", "attention_mask"), prompts([5, 17, 9])),
+        max_new_tokens=16,
+        do_sample=False,
+    ),  # fmt: skip
+    "beam_4": lambda: dict(
+        input_ids=prompts([13])[0], max_new_tokens=12, num_beams=4, do_sample=False
+    ),  # fmt: skip
+    "sample_3": lambda: dict(
+        input_ids=prompts([10])[0],
+        max_new_tokens=14,
+        do_sample=True,
+        num_return_sequences=3,
+        seed=7,
+    ),  # fmt: skip
+}
+CASES = [("llama_gqa", mode, c, attn) for mode in MODES for c in CACHES
+         for attn in ("sdpa", "vmcache")]  # fmt: skip
+CASES += [(m, mode, "vm", attn) for m in ("llama_mha", "qwen2")
+          for mode in ("greedy_padded_3", "beam_4") for attn in ("sdpa", "vmcache")]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,mode,kind,attn", CASES)
+def test_token_identical_to_dynamic_cache(name, mode, kind, attn):
+    kw = MODES[mode]()
+    want = gen(model(name), **kw)  # DynamicCache, SDPA
+    cache = CACHES[kind](model(name, attn), 64)
+    got = gen(model(name, attn), cache=cache, **kw)
+    assert torch.equal(got, want)
+    assert cache.get_seq_length() == want.shape[1] - 1  # the last token is never fed back
+    cache.kv.check_invariants()
+
+
+@pytest.mark.parametrize("kind", CACHES)
+def test_past_key_values_crop_continue_and_reset(kind):
+    m = model("llama_gqa")
+    ids = prompts([12])[0]
+    cache = CACHES[kind](m, 128)
+    with pytest.warns(FutureWarning):
+        out = m.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    more = m.generate(out, cache=cache, max_new_tokens=8, do_sample=False)  # continue
+    assert torch.equal(more, gen(m, input_ids=ids, max_new_tokens=16, do_sample=False))
+    # prompt-lookup decoding crops rejected drafts with negative counts every step
+    want = gen(m, input_ids=ids, max_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=3)
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.stats().physical_pages == 0
+    got = gen(m, cache, input_ids=ids, max_new_tokens=20, do_sample=False,
+              prompt_lookup_num_tokens=3)  # fmt: skip
+    assert torch.equal(got, want)
+    cache.kv.check_invariants()
+    with pytest.raises(ValueError, match="negative"):
+        cache.crop(3)
+
+
+def test_mapped_memory_follows_tokens():
+    m = model("llama_gqa")
+    ids, mask = prompts([100, 60, 80])
+    cache = VMCache(config=m.config, max_cache_len=1024, page_size=4096)
+    gen(m, cache, input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    st, spec = cache.stats(), cache.spec
+    slack = 2 * spec.num_layers * 3 * 4096  # one page per (layer, K/V, row)
+    assert st.used_bytes == spec.kv_bytes(3 * 139) and st.mapped_bytes <= st.used_bytes + slack
+    assert st.mapped_bytes < spec.kv_bytes(3 * 1024) / 5  # not reserved for max_cache_len
+
+
+@pytest.mark.parametrize("mode", ["num_return_sequences", "num_beams"])
+@pytest.mark.parametrize("kind", CACHES)
+def test_prompt_stored_once_for_four_rows(kind, mode):
+    m = model("llama_gqa")
+    ids = prompts([300])[0]
+    cache = CACHES[kind](m, 512)
+    kw = dict(do_sample=True, num_return_sequences=4) if mode == "num_return_sequences" else {
+        "num_beams": 4, "do_sample": False}  # fmt: skip
+    gen(m, cache, seed=3, input_ids=ids, max_new_tokens=8, **kw)
+    kv = cache.kv
+    st = kv.stats()
+    # four private copies would need 4 × the prompt's pages; the prompt's full pages are shared
+    four_copies = 4 * kv._T * kv._pages_for(300)
+    saved = 1 - st.physical_pages / four_copies
+    print(f"{kind} {mode}: {st.physical_pages} physical pages vs {four_copies} for four copies "
+          f"({saved:.0%} saved), {st.shared_pages} shared")  # fmt: skip
+    assert st.physical_pages <= 0.5 * four_copies
+    kv.check_invariants()
+
+
+@pytest.mark.parametrize("kind", CACHES)
+def test_beam_reorder_copies_only_tail_pages(kind):
+    m = model("llama_gqa")
+    ids = prompts([200])[0]
+    cache = CACHES[kind](m, 512)
+    new, beams = 16, 4
+    gen(m, cache, input_ids=ids, max_new_tokens=new, num_beams=beams, do_sample=False)
+    kv, spec = cache.kv, cache.spec
+    moved = kv.stats().cow_bytes_copied
+    # DynamicCache/StaticCache gather every beam's whole K/V at each reorder
+    gathered = sum(beams * spec.kv_bytes(200 + t) for t in range(new - 1))
+    bound = (new - 1) * beams * kv._T * kv.page_bytes  # one tail page per table per beam step
+    print(f"{kind}: reorders moved {moved} B vs {gathered} B for a full gather "
+          f"({moved / gathered:.2%})")  # fmt: skip
+    assert moved <= bound and moved < 0.1 * gathered
+
+
+def test_bad_use_raises_clear_errors():
+    m = model("llama_gqa")
+    ids = prompts([5, 6, 7])[0]
+    with pytest.raises(ValueError, match="max_batch_size"):
+        gen(m, VMCache(config=m.config, max_cache_len=64, max_batch_size=2), input_ids=ids,
+            max_new_tokens=3)  # fmt: skip
+    with pytest.raises(ValueError, match="max_cache_len"):
+        gen(m, VMCache(config=m.config, max_cache_len=10), input_ids=ids, max_new_tokens=8)
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        VMCache(config=PretrainedConfig(), max_cache_len=64)
+    with pytest.raises(ValueError, match="positive"):
+        PagedCache(config=m.config, max_cache_len=0)
+    cache = VMCache(config=m.config, max_cache_len=64)
+    gen(m, cache, input_ids=ids, max_new_tokens=2)
+    with pytest.raises(ValueError, match="reset"):
+        gen(m, cache, input_ids=ids[:2], max_new_tokens=2)
+
+
+def test_kernels_folder_is_never_imported_as_kernels_from_the_repo_root():
+    """transformers probes for the Hub package ``kernels``; run from the repository root, our
+    ``kernels/`` folder is on sys.path under that name. It must stay inert there."""
+    code = (
+        "import sys\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "from transformers.utils import is_kernels_available\n"
+        "LlamaForCausalLM(LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8,"
+        " num_hidden_layers=1, num_attention_heads=2))\n"
+        "k = sys.modules.get('kernels')\n"
+        "names = [n for n in dir(k) if not n.startswith('__')] if k else []\n"
+        "subs = [m for m in sys.modules if m.startswith('kernels.')]\n"
+        "print(names, subs, is_kernels_available())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    assert out.strip().splitlines()[-1] == "[] [] False"
+    assert sys.modules.get("kernels") is None or not hasattr(sys.modules["kernels"], "decode")
+    import vmcache.kernels
+
+    assert vmcache.kernels.__name__ == "vmcache.kernels" and hasattr(vmcache.kernels, "decode")

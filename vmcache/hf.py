@@ -1,0 +1,293 @@
+"""Drop-in transformers caches over :class:`VMKVCache` and :class:`PagedKVCache`.
+
+    cache = VMCache(config=model.config, max_cache_len=2048)
+    out = model.generate(input_ids, cache=cache, max_new_tokens=64)
+
+Batch row ``i`` is sequence slot ``i`` of the underlying cache. ``update`` grows every row on
+the first layer of a step (pages are mapped as tokens arrive), writes each layer's K/V, and
+returns ``[b, N_KV, length, d_h]`` views:
+
+    VMKVCache:  K_layer[0:b, :length].transpose(1, 2)   zero-copy, strided, no torch.cat
+    PagedKVCache: a gather through the block tables (nothing, with attn "vmcache": see below)
+
+Sharing where transformers copies: ``generate`` repeats each prompt for beams / return
+sequences before prefill, so those rows arrive with identical K/V; rows found identical at
+prefill hold one physical copy (``assign`` + ``write_group``). ``reorder_cache(beam_idx)``
+remaps pages (``assign``) instead of gathering K/V; a shared tail page is copied on the next
+write, and only its used part.
+
+``attn_implementation="vmcache"`` (registered on import) runs :func:`vmcache.kernels.prefill`
+/ :func:`~vmcache.kernels.decode` on the cache itself; a step with padding (a mask) falls back
+to SDPA over the returned views. Layers only record lengths; the owner alone changes tables.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from . import kernels
+from .cache import VMKVCache
+from .errors import check_int
+from .paged_fallback import PagedKVCache
+from .spec import KVSpec
+from .stats import CacheStats
+
+ATTN_NAME = "vmcache"
+
+
+class _Layer(CacheLayerMixin):
+    """One model layer's view of the shared cache: its length; storage is the owner's."""
+
+    is_compileable = False
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, owner: _HFCache, idx: int) -> None:
+        super().__init__()
+        self.owner, self.idx, self.length = owner, idx, 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.owner._initialize(key_states)
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self.owner._update(self, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0  # = the key length update() returns
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.owner.max_cache_len
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.owner.rows)
+
+
+class _HFCache(Cache):
+    """Shared machinery of :class:`VMCache` and :class:`PagedCache`."""
+
+    def __init__(self, config, max_cache_len: int, max_batch_size: int | None = None,
+                 device=None, dtype: torch.dtype | None = None) -> None:  # fmt: skip
+        if check_int("max_cache_len", max_cache_len) <= 0:
+            raise ValueError(f"max_cache_len must be positive, got {max_cache_len}")
+        if max_batch_size is not None and check_int("max_batch_size", max_batch_size) <= 0:
+            raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
+        self.spec = KVSpec.from_hf_config(config, dtype)  # ValueError for unreadable configs
+        self.config = config
+        self.max_cache_len, self.max_batch_size = max_cache_len, max_batch_size
+        self._device, self._dtype = device, dtype
+        self.kv: VMKVCache | PagedKVCache | None = None  # built at the first update
+        self.rows: list[int] = []  # row i -> slot i of self.kv
+        self._len = 0  # tokens every row holds (left padding stored, so all rows are equal)
+        self._groups: dict[int, list[int]] | None = None  # prefill: leader -> identical rows
+        super().__init__(layers=[_Layer(self, i) for i in range(self.spec.num_layers)])
+
+    def _make(self, spec: KVSpec, max_seqs: int, device: torch.device):
+        raise NotImplementedError
+
+    # --- driven by the layers --------------------------------------------------------
+    def _initialize(self, k: torch.Tensor) -> None:
+        if self.kv is not None:
+            return
+        b, heads, _, dim = k.shape
+        if (heads, dim) != (self.spec.num_kv_heads, self.spec.head_dim):
+            raise ValueError(f"update got K/V with {heads} heads of dim {dim}; the config says "
+                             f"{self.spec.num_kv_heads} of {self.spec.head_dim}")  # fmt: skip
+        if self.max_batch_size is not None and b > self.max_batch_size:
+            raise ValueError(f"batch of {b} rows exceeds max_batch_size={self.max_batch_size}")
+        spec = KVSpec(self.spec.num_layers, heads, dim, self._dtype or k.dtype,
+                      self.spec.num_q_heads)  # fmt: skip
+        self.spec = spec
+        device = torch.device(self._device) if self._device is not None else k.device
+        self.kv = self._make(spec, self.max_batch_size or b, device)
+
+    def _update(self, layer: _Layer, k: torch.Tensor, v: torch.Tensor):
+        b, _, q, _ = k.shape
+        if not self.rows:
+            if b > self.kv.max_seqs:
+                raise ValueError(f"batch of {b} rows exceeds this cache's {self.kv.max_seqs} rows"
+                                 " (max_batch_size, or the first batch it saw)")  # fmt: skip
+            self.rows = [self.kv.new_sequence(slot=i) for i in range(b)]
+        elif b != len(self.rows):
+            raise ValueError(f"update got {b} rows, the cache holds {len(self.rows)}; "
+                             "call reset() before a different batch")  # fmt: skip
+        start, end = layer.length, layer.length + q
+        if end > self.max_cache_len:
+            raise ValueError(f"{end} tokens would pass max_cache_len={self.max_cache_len}")
+        k = k.to(self.spec.dtype).transpose(1, 2)  # [b, q, N_KV, d_h]
+        v = v.to(self.spec.dtype).transpose(1, 2)
+        if end > self._len:
+            self._grow(end - self._len, k, v)
+        groups = self._groups or {r: [] for r in self.rows}
+        for lead, rest in groups.items():
+            same = [r for r in rest if torch.equal(k[r], k[lead]) and torch.equal(v[r], v[lead])]
+            if same:
+                self.kv.write_group(layer.idx, [lead, *same], start, k[lead], v[lead])
+            else:
+                self.kv.write(layer.idx, lead, start, k[lead], v[lead])
+            for r in rest:
+                if r not in same:
+                    self.kv.write(layer.idx, r, start, k[r], v[r])
+        layer.length = end
+        keys, values = self._views(layer.idx, end)
+        keys._vmcache = values._vmcache = (self, layer.idx)
+        return keys, values
+
+    def _grow(self, n: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The step's first layer: every row += n tokens; fresh rows with identical K/V
+        (a prompt repeated by generate) share one physical copy."""
+        self._groups = None
+        if self._len == 0 and len(self.rows) > 1:
+            groups: dict[int, list[int]] = {}
+            for r in self.rows:
+                lead = next((g for g in groups if torch.equal(k[r], k[g])
+                             and torch.equal(v[r], v[g])), None)  # fmt: skip
+                groups.setdefault(r, []) if lead is None else groups[lead].append(r)
+            if any(groups.values()):
+                for lead, rest in groups.items():
+                    self.kv.grow(lead, n)
+                    if rest:
+                        self.kv.assign(rest, [lead] * len(rest))
+                self._groups = groups
+                self._len += n
+                return
+        for r in self.rows:
+            self.kv.grow(r, n)
+        self._len += n
+
+    def _views(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    # --- what generate calls on the whole cache --------------------------------------
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row i takes row ``beam_idx[i]``'s history: pages remapped, nothing gathered."""
+        srcs = [int(i) for i in beam_idx.tolist()]
+        if self.rows and srcs != self.rows:
+            self.kv.assign(self.rows, srcs)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (5.x passes a negative count)."""
+        if check_int("tokens_to_remove", tokens_to_remove) > 0:
+            raise ValueError("crop takes a negative count of tokens to remove, got "
+                             f"{tokens_to_remove}")  # fmt: skip
+        new_len = max(0, self._len + tokens_to_remove)
+        for r in self.rows:
+            self.kv.truncate(r, new_len)
+        for layer in self.layers:
+            layer.length = min(layer.length, new_len)
+        self._len, self._groups = new_len, None
+
+    def reset(self) -> None:
+        """Free every row (pages back to the pool); the cache object stays usable."""
+        for r in self.rows:
+            self.kv.free(r)
+        self.rows, self._len, self._groups = [], 0, None
+        for layer in self.layers:
+            layer.length = 0
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("not called by generate in transformers 5.x")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("not called by generate in transformers 5.x")
+
+    def stats(self) -> CacheStats | None:
+        """The underlying cache's stats (mapped, used, shared bytes, copies); None before the
+        first update."""
+        return None if self.kv is None else self.kv.stats()
+
+
+class VMCache(_HFCache):
+    """transformers ``Cache`` over :class:`VMKVCache`: memory is mapped as tokens arrive."""
+
+    def __init__(self, config, max_cache_len: int, max_batch_size: int | None = None,
+                 device=None, dtype: torch.dtype | None = None, page_size: int | None = None,
+                 layout: str = "layer_major", **vmkv_options) -> None:  # fmt: skip
+        self._page_size, self._layout, self._options = page_size, layout, vmkv_options
+        super().__init__(config, max_cache_len, max_batch_size, device, dtype)
+
+    def _make(self, spec, max_seqs, device):
+        return VMKVCache(spec, max_seqs, self.max_cache_len, device, page_size=self._page_size,
+                         layout=self._layout, **self._options)  # fmt: skip
+
+    def _views(self, layer, n):
+        b = len(self.rows)
+        return (self.kv.k_cache(layer)[:b, :n].transpose(1, 2),
+                self.kv.v_cache(layer)[:b, :n].transpose(1, 2))  # fmt: skip
+
+
+class PagedCache(_HFCache):
+    """transformers ``Cache`` over :class:`PagedKVCache` (block tables, preallocated pool of
+    ``num_blocks``, by default enough for every row at ``max_cache_len``)."""
+
+    def __init__(self, config, max_cache_len: int, max_batch_size: int | None = None,
+                 device=None, dtype: torch.dtype | None = None, block_size: int = 16,
+                 num_blocks: int | None = None, **paged_options) -> None:  # fmt: skip
+        self._block_size, self._num_blocks, self._options = block_size, num_blocks, paged_options
+        super().__init__(config, max_cache_len, max_batch_size, device, dtype)
+
+    def _make(self, spec, max_seqs, device):
+        blocks = self._num_blocks or max_seqs * -(-self.max_cache_len // self._block_size)
+        return PagedKVCache(spec, num_blocks=blocks, block_size=self._block_size, device=device,
+                            max_seq_len=self.max_cache_len, max_seqs=max_seqs,
+                            **self._options)  # fmt: skip
+
+    def _views(self, layer, n):
+        b, kv, spec = len(self.rows), self.kv, self.spec
+        if getattr(self.config, "_attn_implementation", None) == ATTN_NAME:
+            # the attention reads the pool itself; a zero-stride stand-in costs nothing
+            stand_in = torch.zeros((), dtype=spec.dtype, device=kv.device)
+            shape = (b, spec.num_kv_heads, n, spec.head_dim)
+            return stand_in.expand(shape), stand_in.expand(shape)
+        return self._gather(layer, n)
+
+    def _gather(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[b, N_KV, n, d_h]`` K and V of every row, gathered through the block tables."""
+        pos = torch.arange(n, device=self.kv.device)
+        tables = self.kv.block_tables(self.rows).long()  # [b, blocks]
+        blocks, offs = tables[:, pos // self._block_size], pos % self._block_size
+        pool = self.kv.kv_pool[layer]
+        return pool[0][blocks, offs].transpose(1, 2), pool[1][blocks, offs].transpose(1, 2)
+
+
+def vmcache_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      **kwargs):  # fmt: skip
+    """transformers attention function: query ``[b, N_Q, q, d_h]`` → ``[b, q, N_Q, d_h]``.
+    K/V from :class:`VMCache` / :class:`PagedCache` are read where they live."""
+    ref = getattr(key, "_vmcache", None)
+    if ref is not None and attention_mask is None:
+        owner, layer = ref
+        b, heads, q, dim = query.shape
+        if q == 1:
+            out = kernels.decode(owner.kv, layer, query[:, :, 0].to(owner.spec.dtype),
+                                 owner.rows, scale=scaling)  # fmt: skip
+            return out.unsqueeze(1).to(query.dtype), None
+        packed = query.transpose(1, 2).reshape(b * q, heads, dim).to(owner.spec.dtype)
+        out = kernels.prefill(owner.kv, layer, packed, owner.rows, [q] * b, scale=scaling)
+        return out.view(b, q, heads, dim).to(query.dtype), None
+    if ref is not None and isinstance(ref[0], PagedCache) and key.stride(-1) == 0:
+        key, value = ref[0]._gather(ref[1], key.shape[2])  # a padded step needs real tensors
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, **kwargs)  # fmt: skip
+
+
+def register() -> None:
+    """Make ``attn_implementation="vmcache"`` available (idempotent; done on import)."""
+    AttentionInterface.register(ATTN_NAME, vmcache_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+register()
+
+__all__ = ["VMCache", "PagedCache", "vmcache_attention", "register", "ATTN_NAME"]
