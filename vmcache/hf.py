@@ -169,6 +169,16 @@ class _HFCache(Cache):
     def _views(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def attend(self, layer: int, query: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """Attention of every row's new queries ``[b, N_Q, q, d_h]`` over the cache itself
+        (:mod:`vmcache.kernels`) → ``[b, q, N_Q, d_h]``."""
+        b, heads, q, dim = query.shape
+        if q == 1:
+            return kernels.decode(self.kv, layer, query[:, :, 0], self.rows, scale=scale)[:, None]
+        packed = query.transpose(1, 2).reshape(b * q, heads, dim)
+        out = kernels.prefill(self.kv, layer, packed, self.rows, [q] * b, scale=scale)
+        return out.view(b, q, heads, dim)
+
     # --- what generate calls on the whole cache --------------------------------------
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row i takes row ``beam_idx[i]``'s history: pages remapped, nothing gathered."""
@@ -264,19 +274,14 @@ class PagedCache(_HFCache):
 def vmcache_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                       **kwargs):  # fmt: skip
     """transformers attention function: query ``[b, N_Q, q, d_h]`` → ``[b, q, N_Q, d_h]``.
-    K/V from :class:`VMCache` / :class:`PagedCache` are read where they live."""
+    K/V tagged by a vmcache cache (``key._vmcache = (owner, layer)``) are read where they live
+    by ``owner.attend``; anything else (other caches, padded steps) goes to SDPA."""
     ref = getattr(key, "_vmcache", None)
     if ref is not None and attention_mask is None:
         owner, layer = ref
-        b, heads, q, dim = query.shape
-        if q == 1:
-            out = kernels.decode(owner.kv, layer, query[:, :, 0].to(owner.spec.dtype),
-                                 owner.rows, scale=scaling)  # fmt: skip
-            return out.unsqueeze(1).to(query.dtype), None
-        packed = query.transpose(1, 2).reshape(b * q, heads, dim).to(owner.spec.dtype)
-        out = kernels.prefill(owner.kv, layer, packed, owner.rows, [q] * b, scale=scaling)
-        return out.view(b, q, heads, dim).to(query.dtype), None
-    if ref is not None and isinstance(ref[0], PagedCache) and key.stride(-1) == 0:
+        out = owner.attend(layer, query.to(owner.spec.dtype), scaling)
+        return out.to(query.dtype), None
+    if ref is not None and key.stride(-1) == 0:
         key, value = ref[0]._gather(ref[1], key.shape[2])  # a padded step needs real tensors
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, **kwargs)  # fmt: skip

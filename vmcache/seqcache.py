@@ -108,6 +108,10 @@ class SequenceCache(SharingOps, SwapOps):
             raise ValueError(f"layer must be in [0, {self.spec.num_layers}), got {layer}")
         return layer
 
+    def pages_for_tokens(self, n: int) -> int:
+        """Pages a new sequence of ``n`` tokens maps (every table), for admission planning."""
+        return self._T * self._pages_for(n)
+
     def seq_len(self, s: int) -> int:
         return self._lens[self._check_seq(s)]
 

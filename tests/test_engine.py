@@ -1,0 +1,126 @@
+"""The engine: greedy outputs equal per-request generate(), with and without preemption, for
+both policies and both caches; nothing is lost on a tiny budget; forks share the prompt."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from vmcache.paged_fallback import PagedKVCache
+
+from vmcache import KVSpec, VMKVCache
+from vmcache.engine import Engine, Request, SamplingParams
+
+CFG = LlamaConfig(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+)  # fmt: skip
+SPEC = KVSpec.from_hf_config(CFG)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(CFG).eval()
+    m.generation_config.eos_token_id = None  # the engine's requests carry no stop token
+    return m
+
+
+def make(kind, pages):
+    if kind == "vm":  # 4 KiB pages: 32 tokens of one layer's K (or V) per page
+        return VMKVCache(SPEC, 8, 128, page_size=4096, pool_bytes=pages * 4096)
+    return PagedKVCache(SPEC, num_blocks=pages, block_size=16, max_seq_len=128, max_seqs=8)
+
+
+def requests(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prompt = lambda n: tuple(torch.randint(0, 128, (n,), generator=g).tolist())
+    return [Request(f"r{i}", prompt(n), SamplingParams(max_new_tokens=m))
+            for i, (n, m) in enumerate(shape)]  # fmt: skip
+
+
+def reference(model, reqs):
+    return {r.req_id: model.generate(torch.tensor([r.prompt]), do_sample=False,
+                                     max_new_tokens=r.params.max_new_tokens)[0, len(r.prompt):]
+            .tolist() for r in reqs}  # fmt: skip
+
+
+MIXED = [(10, 12), (33, 8), (5, 20), (50, 6), (17, 15)]
+LONG = [(20, 50)] * 5  # grows past the watermark: the small pools must preempt
+
+
+@pytest.mark.parametrize("kind,pages", [("vm", 24), ("vm", 12), ("paged", 12), ("paged", 6)])
+@pytest.mark.parametrize("policy", ["recompute", "swap"])
+def test_greedy_equals_generate_under_preemption(model, kind, pages, policy):
+    reqs = requests(LONG, seed=1)
+    engine = Engine(model, make(kind, pages), preemption=policy)
+    out = engine.run(reqs)
+    assert out == {rid: [toks] for rid, toks in reference(model, reqs).items()}
+    st = engine.stats
+    assert (st.preempt_swap if policy == "swap" else st.preempt_recompute) > 0
+    assert st.preempt_swap * (policy == "recompute") == 0
+    assert (st.swap_bytes > 0) == (policy == "swap")
+    engine.kv.check_invariants()
+    assert engine.kv.stats().physical_pages == 0 and not engine.kv.sequences
+
+
+@pytest.mark.parametrize("kind", ["vm", "paged"])
+def test_mixed_batch_without_pressure_equals_generate(model, kind):
+    reqs = requests(MIXED)
+    engine = Engine(model, make(kind, 400))
+    out = engine.run(reqs)
+    assert out == {rid: [toks] for rid, toks in reference(model, reqs).items()}
+    assert engine.stats.preempt_recompute == engine.stats.preempt_swap == 0
+    assert engine.stats.max_running == 5  # all admitted together, prefills packed in one step
+
+
+@pytest.mark.parametrize("victim", ["last", "first"])
+def test_tiny_budget_loses_nothing(model, victim):
+    reqs = requests([(30, 40)] * 6, seed=2)
+    engine = Engine(model, make("vm", 12), preemption="swap", victim=victim)
+    out = engine.run(reqs)
+    assert sorted(out) == [r.req_id for r in reqs]
+    assert all(len(o[0]) == 40 for o in out.values())
+    assert out == {rid: [toks] for rid, toks in reference(model, reqs).items()}
+
+
+def test_parallel_sampling_forks_share_the_prompt(model):
+    prompt = tuple(range(1, 100))
+    params = SamplingParams(max_new_tokens=3, n=4, temperature=1.0, seed=5)
+    engine = Engine(model, make("vm", 200))
+    engine.add_request(Request("p", prompt, params))
+    engine.step()  # prefill once, fork three, sample four first tokens
+    st = engine.kv.stats()
+    assert st.num_sequences == 4 and st.shared_pages >= 4 * 3  # 3 full prompt pages per table
+    assert engine.stats.prefill_tokens == len(prompt)
+    out = engine.run()["p"]
+    assert len(out) == 4 and all(len(o) == 3 for o in out)
+    again = Engine(model, make("paged", 200)).run([Request("p", prompt, params)])["p"]
+    assert again == out  # seeded per sequence: same samples on the other cache
+
+
+def test_stop_token_ends_a_sequence(model):
+    (req,) = requests([(12, 30)])
+    first = Engine(model, make("vm", 100)).run([req])["r0"][0]
+    stop = first[4]
+    params = SamplingParams(max_new_tokens=30, stop_token_id=stop)
+    out = Engine(model, make("vm", 100)).run([Request("s", req.prompt, params)])["s"][0]
+    assert out == first[: first.index(stop) + 1]
+
+
+def test_bad_requests_raise_before_anything_changes(model):
+    engine = Engine(model, make("vm", 12))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        engine.add_request(Request("a", (1,) * 100, SamplingParams(max_new_tokens=40)))
+    with pytest.raises(ValueError, match="prompt"):
+        engine.add_request(Request("b", (), SamplingParams()))
+    with pytest.raises(ValueError, match="prompt"):
+        engine.add_request(Request("c", (1, 999), SamplingParams()))
+    with pytest.raises(TypeError):
+        engine.add_request(("d", (1, 2)))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="preemption"):
+        Engine(model, make("vm", 12), preemption="drop")
+    engine.add_request(Request("ok", (1, 2), SamplingParams(max_new_tokens=2)))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(Request("ok", (1, 2), SamplingParams()))
+    assert engine.run() == {"ok": [engine.outputs["ok"][0]]} and not engine.kv.sequences

@@ -1,0 +1,158 @@
+"""Continuous batching over either cache: requests in, token lists out, nothing dropped.
+
+    engine = Engine(model, VMKVCache(spec, max_seqs=32, max_seq_len=2048, pool_bytes=...))
+    outputs = engine.run([Request("a", prompt_ids, SamplingParams(max_new_tokens=64))])
+    outputs["a"]  # n lists of generated token ids
+
+A step: schedule (grow = the map phase, preemption if the pool is short) → one packed model
+step for every scheduled sequence (prefills and decodes together) → sample → finish or fork.
+A request with ``n > 1`` is prefilled once; its other sequences are forks (copy-on-write).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..errors import CacheFull
+from .request import Request, SamplingParams, Seq, Status
+from .runner import ModelRunner
+from .scheduler import Scheduler
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0  # tokens fed in prefills (recomputed ones included)
+    generated_tokens: int = 0
+    preempt_swap: int = 0
+    preempt_recompute: int = 0
+    swap_bytes: int = 0  # bytes copied to the host tier by swap-outs
+    recompute_tokens: int = 0  # tokens whose K/V were dropped and computed again
+    map_s: float = 0.0  # time in the schedule phase (grows map pages there)
+    model_s: float = 0.0  # time in model steps
+    elapsed_s: float = 0.0
+    max_running: int = 0
+    step_s: list[float] = field(default_factory=list, repr=False)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("step_s")
+        steps = max(self.steps, 1)
+        rate = self.generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
+        d.update(map_ms_per_step=1e3 * self.map_s / steps, step_ms=1e3 * self.model_s / steps,
+                 tok_per_s=rate)  # fmt: skip
+        return d
+
+
+class Engine:
+    def __init__(self, model, cache, *, preemption: str = "recompute", victim: str = "last",
+                 max_batch_tokens: int = 2048) -> None:  # fmt: skip
+        self.kv = cache
+        self.runner = ModelRunner(model, cache)
+        self.vocab = model.config.get_text_config().vocab_size
+        self.scheduler = Scheduler(cache, preemption, victim, max_batch_tokens)
+        self.stats = EngineStats()
+        self.outputs: dict[str, list[list[int] | None]] = {}  # req_id -> n token lists
+        self._pending_forks: dict[str, int] = {}  # req_id -> sequences still to create
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request; bad input raises here, before anything changes."""
+        if not isinstance(req, Request):
+            raise TypeError(f"add_request takes a Request, got {type(req).__name__}")
+        if req.req_id in self.outputs:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        prompt = list(req.prompt)
+        if not prompt or not all(isinstance(t, int) and 0 <= t < self.vocab for t in prompt):
+            raise ValueError(f"request {req.req_id!r}: prompt must be a non-empty list of token "
+                             f"ids in [0, {self.vocab})")  # fmt: skip
+        total = len(prompt) + req.params.max_new_tokens
+        if total > self.kv.max_seq_len:
+            raise ValueError(f"request {req.req_id!r}: {total} tokens exceed the cache's "
+                             f"max_seq_len {self.kv.max_seq_len}")  # fmt: skip
+        if self.kv.pages_for_tokens(total) > self.kv.pool.num_pages:
+            raise ValueError(f"request {req.req_id!r}: {total} tokens need "
+                             f"{self.kv.pages_for_tokens(total)} pages, the pool has "
+                             f"{self.kv.pool.num_pages}")  # fmt: skip
+        self.outputs[req.req_id] = [None] * req.params.n
+        self._pending_forks[req.req_id] = req.params.n - 1
+        self.scheduler.waiting.append(self._seq(req, 0, prompt))
+
+    def _seq(self, req: Request, index: int, tokens: list[int]) -> Seq:
+        g = torch.Generator().manual_seed(req.params.seed * 1_000_003 + index)
+        return Seq(req, index, list(tokens), g)
+
+    def _sample(self, logits: torch.Tensor, seq: Seq) -> int:
+        p: SamplingParams = seq.req.params
+        if p.temperature == 0:
+            return int(logits.argmax())
+        logits = logits.cpu() / p.temperature
+        if p.top_k:
+            kth = logits.topk(min(p.top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return int(torch.multinomial(logits.softmax(-1), 1, generator=seq.generator))
+
+    def _append(self, seq: Seq, token: int) -> None:
+        seq.tokens.append(token)
+        seq.generated.append(token)
+        self.stats.generated_tokens += 1
+        if seq.done():
+            self.kv.free(seq.slot)
+            self.scheduler.running.remove(seq)
+            seq.slot, seq.status = None, Status.FINISHED
+            self.outputs[seq.req.req_id][seq.index] = seq.generated
+
+    def _fork_siblings(self, seq: Seq, logits: torch.Tensor) -> None:
+        """After a request's prefill: its other n−1 sequences share the prompt's pages."""
+        rid = seq.req.req_id
+        want = self._pending_forks.pop(rid, 0)
+        if not want:
+            return
+        sched = self.scheduler
+        free_slots = self.kv.max_seqs - len(self.kv.sequences)
+        kids = self.kv.fork(seq.slot, min(want, free_slots)) if free_slots else []
+        for i in range(1, want + 1):
+            sib = self._seq(seq.req, i, seq.tokens)
+            if i <= len(kids):  # shares the prompt's pages, samples from the same logits
+                sib.slot, sib.cached = kids[i - 1], seq.cached
+                sib.status, sib.admitted_at = Status.RUNNING, seq.admitted_at
+                sched.running.append(sib)
+                self._append(sib, self._sample(logits, sib))
+            else:  # no slot left: it waits and is prefilled on its own later
+                sched.waiting.append(sib)
+
+    def step(self) -> None:
+        st, sched = self.stats, self.scheduler
+        t0 = time.perf_counter()
+        batch = sched.schedule(st.steps)
+        t1 = time.perf_counter()
+        if not batch:
+            raise CacheFull("nothing can run: the pool cannot hold the next waiting request",
+                            wanted=1, free=0)  # fmt: skip
+        st.prefill_tokens += sum(len(s.pending) for s in batch if len(s.pending) > 1)
+        logits = self.runner.step([s.slot for s in batch], [s.cached for s in batch],
+                                  [s.pending for s in batch])  # fmt: skip
+        for seq, row in zip(batch, logits):
+            seq.cached = len(seq.tokens)
+            self._append(seq, self._sample(row, seq))
+            self._fork_siblings(seq, row)
+        t2 = time.perf_counter()
+        st.steps += 1
+        st.map_s += t1 - t0
+        st.model_s += t2 - t1
+        st.step_s.append(t2 - t0)
+        st.max_running = max(st.max_running, len(sched.running))
+        for name in ("preempt_swap", "preempt_recompute", "swap_bytes", "recompute_tokens"):
+            setattr(st, name, getattr(sched, name))
+
+    def run(self, requests: list[Request] = ()) -> dict[str, list[list[int]]]:
+        """Add ``requests``, step until every queued request finished; returns the outputs."""
+        for r in requests:
+            self.add_request(r)
+        t0 = time.perf_counter()
+        while self.scheduler.has_work():
+            self.step()
+        self.stats.elapsed_s += time.perf_counter() - t0
+        return {rid: out for rid, out in self.outputs.items()}

@@ -1,0 +1,122 @@
+"""Runs one engine step of a transformers Llama-family model (Llama, Qwen2, Mistral, ...) over
+a vmcache cache: every scheduled sequence's new tokens packed into one row, RoPE positions
+per token, K/V written into the cache, attention straight from it (``vmcache.kernels``).
+
+    packed row:  | seq a: 37 prompt tokens | seq b: 1 | seq c: 1 | seq d: 12 prompt tokens |
+    positions:   | 0 .. 36                  | 80      | 5        | 0 .. 11                  |
+    q_lens:      [37, 1, 1, 12]   starts: [0, 80, 5, 0]   (K/V go to [start, start+q_len))
+
+The model's own decoder layers run unchanged; the engine switches it to
+``attn_implementation="vmcache"`` (transformers' ``set_attn_implementation``), and the
+per-step plan (slots, starts, q_lens) is built once, then read by every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .. import kernels
+from ..hf import ATTN_NAME
+
+
+class _StepLayer(CacheLayerMixin):
+    is_compileable = False
+
+    def __init__(self, owner: StepCache, idx: int) -> None:
+        super().__init__()
+        self.owner, self.idx, self.is_initialized = owner, idx, True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self.owner._write(self.idx, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return self.owner.kv.max_seq_len
+
+
+class StepCache(Cache):
+    """A transformers ``Cache`` for one packed step: ``update`` writes each sequence's slice
+    of ``[1, N_KV, N, d_h]`` K/V into the engine's cache and returns zero-stride stand-ins
+    tagged for :func:`vmcache.hf.vmcache_attention`, which calls :meth:`attend`."""
+
+    def __init__(self, kv) -> None:
+        self.kv, self.spec = kv, kv.spec
+        self.slots: list[int] = []
+        self.starts: list[int] = []
+        self.q_lens: list[int] = []
+        super().__init__(layers=[_StepLayer(self, i) for i in range(kv.spec.num_layers)])
+
+    def plan(self, slots: list[int], starts: list[int], q_lens: list[int]) -> None:
+        self.slots, self.starts, self.q_lens = slots, starts, q_lens
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        k = k[0].transpose(0, 1).to(self.spec.dtype)  # [N, N_KV, d_h]
+        v = v[0].transpose(0, 1).to(self.spec.dtype)
+        i = 0
+        for s, start, n in zip(self.slots, self.starts, self.q_lens):
+            self.kv.write(layer, s, start, k[i : i + n], v[i : i + n])
+            i += n
+        stand_in = torch.zeros((), dtype=self.spec.dtype, device=k.device)
+        shape = (1, self.spec.num_kv_heads, k.shape[0], self.spec.head_dim)
+        keys, values = stand_in.expand(shape), stand_in.expand(shape)
+        keys._vmcache = values._vmcache = (self, layer)
+        return keys, values
+
+    def attend(self, layer: int, query: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """query ``[1, N_Q, N, d_h]`` (packed) → ``[1, N, N_Q, d_h]``."""
+        q = query[0].transpose(0, 1)
+        if all(n == 1 for n in self.q_lens):
+            out = kernels.decode(self.kv, layer, q, self.slots, scale=scale)
+        else:
+            out = kernels.prefill(self.kv, layer, q, self.slots, self.q_lens, scale=scale)
+        return out[None]
+
+
+class ModelRunner:
+    """``step(slots, starts, tokens)`` → next-token logits ``[len(slots), vocab]`` (fp32)."""
+
+    def __init__(self, model, kv) -> None:
+        inner = getattr(model, "model", None)
+        needed = ("embed_tokens", "rotary_emb", "layers", "norm")
+        if (
+            inner is None
+            or not all(hasattr(inner, a) for a in needed)
+            or not hasattr(model, "lm_head")
+        ):
+            raise TypeError(
+                "ModelRunner needs a transformers decoder-only model with model.embed_tokens, "
+                "model.rotary_emb, model.layers, model.norm and lm_head; got "
+                f"{type(model).__name__}"
+            )
+        if model.config._attn_implementation != ATTN_NAME:
+            model.set_attn_implementation(ATTN_NAME)
+        self.model, self.inner, self.kv = model, inner, kv
+        self.device = next(model.parameters()).device
+        self.cache = StepCache(kv)
+
+    @torch.inference_mode()
+    def step(self, slots: list[int], starts: list[int], tokens: list[list[int]]) -> torch.Tensor:
+        """Sequence ``slots[i]`` already holds (and has been grown to cover) positions
+        ``[starts[i], starts[i] + len(tokens[i]))``; their K/V are written here."""
+        q_lens = [len(t) for t in tokens]
+        self.cache.plan(slots, starts, q_lens)
+        ids = torch.tensor([t for ts in tokens for t in ts], device=self.device)[None]
+        pos = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, q_lens)])
+        pos = pos.to(self.device)[None]
+        h = self.inner.embed_tokens(ids)
+        pe = self.inner.rotary_emb(h, position_ids=pos)
+        for layer in self.inner.layers:
+            h = layer(h, attention_mask=None, position_ids=pos, cache=self.cache,
+                      position_embeddings=pe)  # fmt: skip
+            h = h[0] if isinstance(h, tuple) else h
+        last = torch.tensor(q_lens, device=self.device).cumsum(0) - 1
+        return self.model.lm_head(self.inner.norm(h[0, last])).float()
