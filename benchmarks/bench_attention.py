@@ -111,7 +111,7 @@ def main(argv=None):
     for b, c in grid:
         rows += run_point(dev, spec, b, c, iters)
     print(table(rows, ["impl", "batch", "context", "us", "GB_s", "vs_plain"]))
-    path = save("bench_attention", dev, rows, {"spec": str(spec)})
+    path = save("bench_attention", dev, rows, {"spec": str(spec)}, out_dir=args.out)
     png = plot(rows, path.with_suffix(".png"))
     print(f"wrote {path}" + (f" and {png}" if png else ""))
     return rows

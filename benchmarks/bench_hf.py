@@ -95,7 +95,7 @@ def main(argv=None):
                 rows += point
     print(table(rows, ["mode", "prompt", "new", "cache", "tok_per_s", "speed_vs_dynamic",
                        "kv_MiB", "kv_vs_dynamic"]))  # fmt: skip
-    path = save("hf", dev, rows, {"model": model.config.to_diff_dict()})
+    path = save("hf", dev, rows, {"model": model.config.to_diff_dict()}, out_dir=args.out)
     print(f"saved {path}")
     try:
         plot(rows, path.with_suffix(".png"))

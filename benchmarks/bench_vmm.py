@@ -90,7 +90,7 @@ def main(argv=None) -> list[dict]:
     for P in [sizes[0]] if dev.type == "cuda" else [65536, 2 << 20]:
         ops += cache_ops(dev, P, 1000 if not args.quick else 300)
     print(table(ops, ["op", "page_size", "us", "fork_vs_copy"]))
-    path = save("bench_vmm", dev, rows + ops)
+    path = save("bench_vmm", dev, rows + ops, out_dir=args.out)
     print(f"wrote {path}")
     return rows + ops
 

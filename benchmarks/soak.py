@@ -13,7 +13,7 @@ import random
 import time
 
 import torch
-from common import save, table
+from common import add_out_arg, save, table
 from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import CacheFull, KVSpec, VMKVCache
@@ -126,6 +126,7 @@ def main(argv=None):
     ap.add_argument("--ops", type=int, default=100_000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
+    add_out_arg(ap)
     args = ap.parse_args(argv)
     rows = []
     for name, make in factories(args.device).items():
@@ -134,7 +135,7 @@ def main(argv=None):
         print(f"{name}: {r['ops']} ops, {r['violations']} violations, {r['leaked_pages']} leaked")
     print(table(rows, ["cache", "ops", "ops_per_s", "violations", "leaked_pages", "cachefull",
                        "fork", "swap_in"]))  # fmt: skip
-    print(f"wrote {save('soak', torch.device(args.device), rows)}")
+    print(f"wrote {save('soak', torch.device(args.device), rows, out_dir=args.out)}")
     return rows
 
 

@@ -1,0 +1,98 @@
+"""One timer, one results writer, one table printer for every benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+# benchmarks/results of the checkout (the package is installed editable from it)
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+def time_fn(
+    fn: Callable[[], object], device: torch.device, iters: int = 20, warmup: int = 3
+) -> float:
+    """Median seconds per call: CUDA events on the GPU, perf_counter on the CPU."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def save(name: str, device: torch.device, rows: list[dict], extra: dict | None = None,
+         out_dir: Path | None = None) -> Path:  # fmt: skip
+    """Write ``{name}-{date}-{device}.json`` with the machine described; returns the path."""
+    out_dir = Path(out_dir or RESULTS)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dev = device_name(device)
+    date = _dt.date.today().isoformat()
+    tag = "".join(ch if ch.isalnum() else "-" for ch in dev).strip("-").lower()[:40]
+    path = out_dir / f"{name}-{date}-{'gpu-' if device.type == 'cuda' else 'cpu-'}{tag}.json"
+    doc = {
+        "benchmark": name,
+        "date": date,
+        "device": dev,
+        "torch": torch.__version__,
+        "rows": rows,
+        **(extra or {}),
+    }
+    path.write_text(json.dumps(doc, indent=1))
+    return path
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
+    line = lambda xs: "  ".join(x.rjust(w) for x, w in zip(xs, widths))
+    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(x) for x in cells])
+
+
+def parse_args(doc: str, argv=None) -> tuple[argparse.Namespace, torch.device]:
+    """The options every benchmark takes: ``--device`` and ``--quick``."""
+    ap = argparse.ArgumentParser(description=doc)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="a small grid, for CI and the CPU")
+    add_out_arg(ap)
+    args = ap.parse_args(argv)
+    return args, torch.device(args.device)
+
+
+def add_out_arg(ap: argparse.ArgumentParser) -> None:
+    """``--out DIR`` for the JSON and plots; the command line's default comes from
+    ``$VMCACHE_RESULTS`` (set by scripts/gpu_check.sh), else benchmarks/results."""
+    ap.add_argument("--out", default=os.environ.get("VMCACHE_RESULTS") or str(RESULTS),
+                    help="directory for results (JSON, PNG)")  # fmt: skip

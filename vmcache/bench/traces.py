@@ -1,0 +1,91 @@
+"""Request traces for the A/B harness: seeded generators and a CSV reader.
+
+A trace is a list of :class:`TraceRequest` in arrival order. Built-in traces (seeds fixed):
+
+    enterprise   prompts U[500, 1000], completions ~N(200, 50) in [20, 400]   (the seed's)
+    long         prompts U[3000, 6000], completions U[200, 600]
+    parallel     enterprise with n = 4 samples per request
+    beam         enterprise with beam width 4
+    shared       2,000-token system prompt shared by every request + U[50, 300] of its own
+
+CSV (``--trace FILE``): a header naming ``prompt_len,output_len`` and optionally ``n``,
+``arrival_s``; one request per row.
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+L_MAX = 8192
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    prompt_len: int
+    output_len: int
+    n: int = 1  # parallel samples sharing the prompt
+    beam: int = 1  # beam width (beams share history, reordered every step)
+    shared_prefix: int = 0  # leading prompt tokens identical across requests
+    arrival_s: float = 0.0
+
+
+def _enterprise(rng: random.Random) -> tuple[int, int]:
+    return rng.randint(500, 1000), min(400, max(20, round(rng.gauss(200, 50))))
+
+
+def builtin(name: str, num: int, seed: int = 0) -> list[TraceRequest]:
+    rng = random.Random(f"{name}-{seed}")
+    out = []
+    for _ in range(num):
+        if name == "enterprise":
+            out.append(TraceRequest(*_enterprise(rng)))
+        elif name == "long":
+            out.append(TraceRequest(rng.randint(3000, 6000), rng.randint(200, 600)))
+        elif name == "parallel":
+            out.append(TraceRequest(*_enterprise(rng), n=4))
+        elif name == "beam":
+            out.append(TraceRequest(*_enterprise(rng), beam=4))
+        elif name == "shared":
+            p, o = 2000 + rng.randint(50, 300), min(400, max(20, round(rng.gauss(200, 50))))
+            out.append(TraceRequest(p, o, shared_prefix=2000))
+        else:
+            raise ValueError(f"unknown trace {name!r}; expected one of {TRACES}")
+    return out
+
+
+TRACES = ("enterprise", "long", "parallel", "beam", "shared")
+
+
+def read_csv(path: str | Path) -> list[TraceRequest]:
+    """Read a ``prompt_len,output_len[,n][,arrival_s]`` CSV; a malformed row raises
+    ``ValueError`` naming the file, the line and what was expected."""
+    path = Path(path)
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        cols = reader.fieldnames or []
+        missing = {"prompt_len", "output_len"} - set(cols)
+        if missing:
+            raise ValueError(f"{path}:1: header must name prompt_len and output_len "
+                             f"(optional n, arrival_s); got {cols}")  # fmt: skip
+        out = []
+        for row in reader:
+            line = reader.line_num
+            try:
+                p, o = int(row["prompt_len"]), int(row["output_len"])
+                n = int(row.get("n") or 1)
+                t = float(row.get("arrival_s") or 0.0)
+            except (TypeError, ValueError):
+                raise ValueError(f"{path}:{line}: expected integers prompt_len, output_len "
+                                 f"(and n), a number arrival_s; got {row}") from None  # fmt: skip
+            if p < 1 or o < 1 or n < 1 or t < 0 or p + o > L_MAX:
+                raise ValueError(
+                    f"{path}:{line}: need prompt_len >= 1, output_len >= 1, n >= 1, "
+                    f"arrival_s >= 0, prompt_len + output_len <= {L_MAX}; got {row}"
+                )
+            out.append(TraceRequest(p, o, n=n, arrival_s=t))
+    if not out:
+        raise ValueError(f"{path}: no requests")
+    return sorted(out, key=lambda r: r.arrival_s)  # arrival order; ties keep file order
