@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 bench: $(STAMP)
-	$(PY) benchmarks/run.py
+	$(VENV)/bin/vmcache-bench
 
 test: $(STAMP)
 	# the pytest script, not `python -m`, keeps the repository root off sys.path (see kernels/)

@@ -19,7 +19,7 @@ from ..backends.sizing import SizingBackend
 from ..cache import VMKVCache
 from ..paged_fallback import PagedKVCache
 from ..spec import KVSpec
-from . import compute, traces
+from . import traces
 from .allocators import CacheAlloc, OrcaAlloc, StaticAlloc
 from .common import add_out_arg, save, table
 from .report import CLAIMS, plot, verdicts
@@ -128,6 +128,8 @@ def main(argv=None) -> None:
     if args.mode in ("compute", "both"):
         print(f"\n== compute mode: engine + small random Llama on {dev} ==")
         budgets = [600, 1200, 2400] if not args.full else [600, 1200, 2400, 4800]
+        from . import compute  # needs transformers (the bench extra)
+
         comp = compute.run(dev, 32 if not args.full else 96, budgets, progress("compute"))
         print(file=sys.stderr)
         print(table(comp, ["budget_tokens", "cache", "tok_per_s", "step_ms", "map_ms_per_step",
