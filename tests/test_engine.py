@@ -95,6 +95,11 @@ def test_parallel_sampling_forks_share_the_prompt(model):
     assert len(out) == 4 and all(len(o) == 3 for o in out)
     again = Engine(model, make("paged", 200)).run([Request("p", prompt, params)])["p"]
     assert again == out  # seeded per sequence: same samples on the other cache
+    # greedy n = 4: every fork continues from the prompt alone, like n = 1
+    greedy = SamplingParams(max_new_tokens=6, n=4)
+    four = Engine(model, make("vm", 200)).run([Request("g", prompt, greedy)])["g"]
+    (one,) = Engine(model, make("vm", 200)).run([Request("g", prompt, SamplingParams(6))])["g"]
+    assert four == [one] * 4
 
 
 def test_stop_token_ends_a_sequence(model):

@@ -136,8 +136,8 @@ class Engine:
                                   [s.pending for s in batch])  # fmt: skip
         for seq, row in zip(batch, logits):
             seq.cached = len(seq.tokens)
+            self._fork_siblings(seq, row)  # before the parent's own token joins its context
             self._append(seq, self._sample(row, seq))
-            self._fork_siblings(seq, row)
         t2 = time.perf_counter()
         st.steps += 1
         st.map_s += t1 - t0
