@@ -53,6 +53,7 @@ class PagedKVCache(SequenceCache):
         *,
         scrub_on_reuse: bool = True,
         swap_bytes: int | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
@@ -77,7 +78,7 @@ class PagedKVCache(SequenceCache):
             spec, max_seqs, max_seq_len, pool,
             num_tables=1, units_per_token=1, units_per_page=block_size,
             page_bytes=spec.block_bytes(block_size, per_layer=False), device=dev,
-            swap_bytes=swap_bytes,
+            swap_bytes=swap_bytes, prefix_caching=prefix_caching,
         )  # fmt: skip
         self.max_blocks_per_seq = -(-max_seq_len // block_size)
 

@@ -42,6 +42,7 @@ class VMKVCache(SequenceCache):
         scrub_on_reuse: bool = True,
         swap_bytes: int | None = None,
         chunk_pages: int = 64,
+        prefix_caching: bool = False,
     ) -> None:
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
@@ -54,15 +55,16 @@ class VMKVCache(SequenceCache):
         self.backend = backend if backend is not None else make_backend(device)
         try:
             self._setup(spec, max_seqs, max_seq_len, page_size, pool_bytes, layout,
-                        scrub_on_reuse, swap_bytes, chunk_pages)  # fmt: skip
+                        scrub_on_reuse, swap_bytes, chunk_pages, prefix_caching)  # fmt: skip
         except BaseException:
             if self._owns_backend:
                 self.backend.close()
             raise
 
     def _setup(
-        self, spec, max_seqs, max_seq_len, page_size, pool_bytes, layout, scrub, swap, chunk
-    ):
+        self, spec, max_seqs, max_seq_len, page_size, pool_bytes, layout, scrub, swap, chunk,
+        prefix,
+    ):  # fmt: skip
         be = self.backend
         P = be.default_page_size if page_size is None else _check_int("page_size", page_size)
         if P <= 0 or P % be.granularity:
@@ -89,7 +91,7 @@ class VMKVCache(SequenceCache):
         super().__init__(
             spec, max_seqs, max_seq_len, pool,
             num_tables=n_tables, units_per_token=token_bytes, units_per_page=P,
-            page_bytes=P, device=be.device, swap_bytes=swap,
+            page_bytes=P, device=be.device, swap_bytes=swap, prefix_caching=prefix,
         )  # fmt: skip
         self._reserved = n_tables * max_seqs * self.row_bytes
         self.base = be.reserve(self._reserved)

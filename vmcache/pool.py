@@ -18,6 +18,14 @@ from typing import Protocol
 from .errors import CacheFull, DriverError
 
 
+class Reclaimer(Protocol):
+    """Holds references it can give back on demand (the prefix index's cached pages)."""
+
+    def reclaimable(self) -> int: ...
+
+    def reclaim(self, pages: int) -> int: ...
+
+
 class PageStore(Protocol):
     def create(self, start: int, count: int) -> None:
         """Make pages ``[start, start+count)`` exist (all or nothing); they read as zeros."""
@@ -56,6 +64,8 @@ class PagePool:
         self._free: list[int] = []  # created pages with refcount 0; pop() gives the lowest id
         self._dirty = [False] * num_pages  # held data since its last scrub
         self._created = 0
+        self.version = 0  # bumped on every refcount change (lets others cache derived counts)
+        self.reclaimer: Reclaimer | None = None  # asked for pages before CacheFull
 
     # --- queries -----------------------------------------------------------------------
     @property
@@ -66,8 +76,16 @@ class PagePool:
     def num_used(self) -> int:
         return self.num_pages - self.num_free
 
+    @property
+    def num_available(self) -> int:
+        """Free pages plus the ones the reclaimer could evict."""
+        extra = self.reclaimer.reclaimable() if self.reclaimer is not None else 0
+        return self.num_free + extra
+
     def can_allocate(self, n: int) -> bool:
-        return 0 <= n <= self.num_free
+        if 0 <= n <= self.num_free:
+            return True
+        return 0 <= n <= self.num_available
 
     def refcount(self, page: int) -> int:
         return self._refcount[page]
@@ -84,6 +102,8 @@ class PagePool:
         """``n`` pages with refcount 1, all or nothing (:class:`CacheFull` changes nothing)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"allocate needs a non-negative int, got {n!r}")
+        if n > self.num_free and self.reclaimer is not None and n <= self.num_available:
+            self.reclaimer.reclaim(n - self.num_free)
         if n > self.num_free:
             raise CacheFull(
                 f"page pool exhausted: {n} pages wanted, {self.num_free} free of {self.num_pages}",
@@ -103,6 +123,7 @@ class PagePool:
         for p in pages:
             self._refcount[p] = 1
             self._dirty[p] = True
+        self.version += 1
         return pages
 
     def incref(self, pages: Iterable[int], k: int = 1) -> None:
@@ -112,6 +133,7 @@ class PagePool:
                 raise ValueError(f"incref of page {p}, which is not allocated")
         for p in pages:
             self._refcount[p] += k
+        self.version += 1
 
     def decref(self, pages: Iterable[int]) -> list[int]:
         """Drop one reference per entry; returns the pages that went back to the free list."""
@@ -128,6 +150,7 @@ class PagePool:
             if self._refcount[p] == 0:
                 freed.append(p)
         self._free.extend(sorted(freed, reverse=True))
+        self.version += 1
         return freed
 
     def _create_chunk(self, at_least: int) -> None:

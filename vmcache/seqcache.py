@@ -23,6 +23,7 @@ import torch
 
 from .errors import CacheFull, check_int
 from .pool import PagePool
+from .prefix import PrefixIndex, PrefixOps
 from .sharing import SharingOps
 from .spec import KVSpec
 from .stats import CacheStats
@@ -31,7 +32,16 @@ from .swap import SwapOps
 _check_int = check_int  # the name cache.py and paged_fallback import
 
 
-class SequenceCache(SharingOps, SwapOps):
+def _check_tokens(name: str, ids) -> list[int]:
+    if isinstance(ids, torch.Tensor):
+        ids = ids.tolist()
+    ids = list(ids)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise TypeError(f"{name} must be a sequence of int token ids")
+    return ids
+
+
+class SequenceCache(SharingOps, SwapOps, PrefixOps):
     def __init__(
         self,
         spec: KVSpec,
@@ -45,6 +55,7 @@ class SequenceCache(SharingOps, SwapOps):
         page_bytes: int,
         device: torch.device,
         swap_bytes: int | None,
+        prefix_caching: bool = False,
     ) -> None:
         self.spec = spec
         self.max_seqs = max_seqs
@@ -60,6 +71,17 @@ class SequenceCache(SharingOps, SwapOps):
         self._lens = [0] * max_seqs
         self._tables: list[list[list[int]] | None] = [None] * max_seqs  # owned by the cache
         self._free_slots = list(range(max_seqs - 1, -1, -1))
+        self._tokens: list[list[int] | None] = [None] * max_seqs  # token ids, None = unknown
+        self._salts: list[object] = [None] * max_seqs  # tenant salt for the prefix index
+        self.prefix: PrefixIndex | None = None  # owned here; holds pool references
+        if prefix_caching:
+            if units_per_page % units_per_token:
+                raise ValueError(
+                    "prefix caching needs pages that hold whole tokens; "
+                    f"{units_per_page} is not a multiple of {units_per_token}"
+                )
+            self.prefix = PrefixIndex(pool, units_per_page // units_per_token, num_tables)
+            pool.reclaimer = self.prefix
         self._lens_tensor: torch.Tensor | None = None
         self.cow_copies = 0  # pages copied on write since construction (owned by the cache)
         self.cow_bytes_copied = 0  # bytes those copies moved (used part of each page only)
@@ -156,30 +178,44 @@ class SequenceCache(SharingOps, SwapOps):
         return self.pool.can_allocate(len(splits) + self._T * (p_new - p_old))
 
     # --- sequence lifecycle ------------------------------------------------------------
-    def new_sequence(self, slot: int | None = None) -> int:
-        """A new empty sequence; ``slot`` asks for that particular free slot (callers that
-        keep batch row i in slot i, like :mod:`vmcache.hf`)."""
+    def new_sequence(self, slot: int | None = None, prefix_tokens=None, salt=None) -> int:
+        """A new sequence. ``slot`` asks for that particular free slot (callers that keep
+        batch row i in slot i, like :mod:`vmcache.hf`). With ``prefix_tokens`` (token ids) and
+        prefix caching on, the leading full pages already cached under ``salt`` are mapped in,
+        nothing copied: ``seq_len`` is then the number of tokens whose K/V are present."""
         if slot is not None:
             _check_int("slot", slot)
             if slot not in self._free_slots:
                 raise ValueError(f"slot {slot} is not free (max_seqs={self.max_seqs})")
-            self._free_slots.remove(slot)
-            self._tables[slot] = [[] for _ in range(self._T)]
-            self._set_len(slot, 0)
-            return slot
-        if not self._free_slots:
+        elif not self._free_slots:
             raise CacheFull(f"all {self.max_seqs} sequence slots are in use", wanted=1, free=0)
-        s = self._free_slots.pop()
+        if prefix_tokens is not None:
+            prefix_tokens = _check_tokens("prefix_tokens", prefix_tokens)
+        s = self._free_slots.pop() if slot is None else slot
+        if slot is not None:
+            self._free_slots.remove(slot)
         self._tables[s] = [[] for _ in range(self._T)]
         self._set_len(s, 0)
+        self._tokens[s], self._salts[s] = [], salt
+        if prefix_tokens and self.prefix is not None:
+            try:
+                self._attach_prefix(s, prefix_tokens)
+            except BaseException:
+                self.free(s)
+                raise
         return s
 
-    def grow(self, s: int, n: int) -> None:
-        """Length += n: map the pages the new length needs; split a shared tail page."""
+    def grow(self, s: int, n: int, token_ids=None) -> None:
+        """Length += n: map the pages the new length needs; split a shared tail page.
+        ``token_ids`` (n ids) records what the new positions hold, for prefix caching."""
         s = self._check_seq(s)
         _check_int("n", n)
         if n < 0:
             raise ValueError(f"grow needs n >= 0, got {n}")
+        if token_ids is not None:
+            token_ids = _check_tokens("token_ids", token_ids)
+            if len(token_ids) != n:
+                raise ValueError(f"grow({s}, {n}) got {len(token_ids)} token ids")
         if self._lens[s] + n > self.max_seq_len:
             raise ValueError(
                 f"grow({s}, {n}) would reach {self._lens[s] + n} tokens, past max_seq_len "
@@ -189,6 +225,11 @@ class SequenceCache(SharingOps, SwapOps):
             return
         splits, p_old, p_new = self._grow_plan(s, n)
         self._split_and_extend(s, splits, p_old, p_new)
+        known = self._tokens[s]
+        if token_ids is not None and known is not None and len(known) == self._lens[s]:
+            known.extend(token_ids)
+        else:
+            self._tokens[s] = None
         self._set_len(s, self._lens[s] + n)
 
     def write(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -206,14 +247,16 @@ class SequenceCache(SharingOps, SwapOps):
         self._store(layer, s, start, k, v)
 
     def free(self, s: int) -> None:
-        """Drop the sequence: unmap its pages, refcounts −1, pages at 0 return to the pool."""
+        """Drop the sequence: unmap its pages, refcounts −1, pages at 0 return to the pool.
+        With prefix caching, its full pages of known tokens stay cached (index references)."""
         s = self._check_seq(s)
+        self.cache_prefix(s)
         tab = self._tables[s]
         self._sync()
         for t in range(self._T):
             self._detach(s, t, 0, len(tab[t]))
         self.pool.decref([p for t in tab for p in t])
-        self._tables[s] = None
+        self._tables[s] = self._tokens[s] = self._salts[s] = None
         self._set_len(s, 0)
         self._free_slots.append(s)
 
@@ -314,6 +357,8 @@ class SequenceCache(SharingOps, SwapOps):
     def check_invariants(self) -> None:
         """Assert DESIGN.md's invariants 1–2 (for tests and soak runs; O(pages))."""
         counts: dict[int, int] = {}
+        for p in self.prefix.references() if self.prefix is not None else []:
+            counts[p] = counts.get(p, 0) + 1
         for s in self.sequences:
             tab = self._tables[s]
             assert len(tab) == self._T

@@ -50,6 +50,11 @@ class SharingOps:
         for c in children:
             self._tables[c] = [list(t) for t in tab]
             self._set_len(c, self._lens[s])
+            known = self._tokens[s]
+            self._tokens[c], self._salts[c] = (
+                (None if known is None else list(known)),
+                self._salts[s],
+            )
         return children
 
     def assign(self, dsts: Sequence[int], srcs: Sequence[int]) -> None:
@@ -66,6 +71,8 @@ class SharingOps:
             raise ValueError(f"assign destinations must be distinct, got {dsts}")
         new = {d: [list(t) for t in self._tables[s]] for d, s in zip(dsts, srcs)}
         new_len = {d: self._lens[s] for d, s in zip(dsts, srcs)}
+        new_ids = {d: (self._tokens[s] and list(self._tokens[s]), self._salts[s])
+                   for d, s in zip(dsts, srcs)}  # fmt: skip
         plan = []  # (dst, table, first differing index, old pages from there, new pages)
         for d in dsts:
             for t in range(self._T):
@@ -95,6 +102,7 @@ class SharingOps:
         for d in dsts:
             self._tables[d] = new[d]
             self._set_len(d, new_len[d])
+            self._tokens[d], self._salts[d] = new_ids[d]
 
     def truncate(self, s: int, length: int) -> None:
         """Shorten sequence ``s`` to ``length`` tokens (``crop``): pages past it are unmapped
@@ -114,6 +122,8 @@ class SharingOps:
             del t[keep:]
         self.pool.decref(dropped)
         self._set_len(s, length)
+        if self._tokens[s] is not None:
+            del self._tokens[s][length:]
 
     def write_group(
         self, layer: int, seqs: Sequence[int], start: int, k: torch.Tensor, v: torch.Tensor

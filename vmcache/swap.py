@@ -19,6 +19,8 @@ class SwapHandle:
     payload: list[torch.Tensor] = field(repr=False)
     owner: int = field(repr=False)  # id() of the cache that made it
     consumed: bool = False
+    token_ids: list[int] | None = field(default=None, repr=False)
+    salt: object = field(default=None, repr=False)
 
 
 class SwapOps:
@@ -38,9 +40,11 @@ class SwapOps:
                 free=self._swap_limit - self._swapped_bytes,
             )
         payload = self._export(s, length)
+        ids, salt = self._tokens[s], self._salts[s]
+        ids = None if ids is None else list(ids)
         self.free(s)
         self._swapped_bytes += nbytes
-        return SwapHandle(length, nbytes, payload, id(self))
+        return SwapHandle(length, nbytes, payload, id(self), token_ids=ids, salt=salt)
 
     def swap_in(self, handle: SwapHandle) -> int:
         """Restore a swapped-out sequence (byte-identical) into a free slot; returns it."""
@@ -52,9 +56,11 @@ class SwapOps:
             raise ValueError("this SwapHandle was already swapped in")
         s = self.new_sequence()
         try:
-            self.grow(s, handle.length)
+            self._salts[s] = handle.salt
+            self.grow(s, handle.length, token_ids=handle.token_ids)
             self._import(s, handle.payload)
         except BaseException:
+            self._tokens[s] = None  # its pages hold no K/V: never index them
             self.free(s)
             raise
         handle.consumed = True

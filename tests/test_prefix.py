@@ -1,0 +1,244 @@
+"""Prefix caching on both caches: shared prompts held once, LRU eviction of unreferenced
+pages only, tenant salts, eviction before CacheFull, and a stateful machine whose K/V are a
+function of (token, position), so that any reuse of a wrong page shows."""
+
+import pytest
+import torch
+from caches import SPEC
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from vmcache.paged_fallback import PagedKVCache
+
+from vmcache import CacheFull, VMKVCache
+
+
+def make(kind, pages=64, **kw):
+    kw.setdefault("max_seqs", 8)
+    kw.setdefault("max_seq_len", 256)
+    if kind == "vm":  # 4 KiB pages = 64 tokens of one (layer, K/V) row at 64 B per token
+        return VMKVCache(SPEC, page_size=4096, pool_bytes=pages * 4096, prefix_caching=True, **kw)
+    return PagedKVCache(SPEC, num_blocks=pages, block_size=16, prefix_caching=True, **kw)
+
+
+def kv_of(tokens, start=0):
+    """K (and V = −K) of tokens at positions start...: a function of (token, position)."""
+    ids = torch.tensor(tokens, dtype=torch.float32)
+    pos = torch.arange(start, start + len(tokens), dtype=torch.float32)
+    return (ids + 1000 * pos)[:, None, None].expand(len(tokens), 2, 16).contiguous()
+
+
+def append(c, s, tokens):
+    start = c.seq_len(s)
+    c.grow(s, len(tokens), token_ids=tokens)
+    k = kv_of(tokens, start)
+    for layer in range(SPEC.num_layers):
+        c.write(layer, s, start, k, -k)
+
+
+def tpp(c):
+    return c.prefix.tokens_per_page
+
+
+@pytest.mark.parametrize("kind", ["vm", "paged"])
+def test_shared_system_prompt_is_held_once(kind):
+    c = make(kind, pages=400, max_seq_len=2400)
+    system = [(7 * i) % 50 for i in range(2000)]
+    a = c.new_sequence(prefix_tokens=system + [1, 2, 3])
+    assert c.seq_len(a) == 0  # nothing cached yet
+    append(c, a, system + [1, 2, 3])
+    c.cache_prefix(a)
+    alone = c.stats().physical_pages
+    b = c.new_sequence(prefix_tokens=system + [9, 9])
+    hit = 2000 // tpp(c) * tpp(c)
+    assert c.seq_len(b) == hit
+    append(c, b, (system + [9, 9])[hit:])
+    added = c.stats().physical_pages - alone
+    assert added <= len(c.page_table(b)) * 2 + 1  # only b's tail pages are new
+    for layer in range(SPEC.num_layers):
+        kb, vb = c.kv(layer, b)
+        assert torch.equal(kb, kv_of(system + [9, 9])) and torch.equal(vb, -kb)
+        assert torch.equal(c.kv(layer, a)[0], kv_of(system + [1, 2, 3]))
+    st_ = c.prefix.stats()
+    assert st_.hit_tokens == hit and st_.lookups == 2
+    c.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["vm", "paged"])
+def test_lru_evicts_the_least_recently_used_unreferenced_prefix(kind):
+    c = make(kind, pages=64)
+    n = 2 * tpp(c)  # two full pages per prompt
+    prompts = [[p] * n for p in (1, 2, 3)]
+    for p in prompts:
+        s = c.new_sequence(prefix_tokens=p)
+        append(c, s, p)
+        c.free(s)  # its pages stay cached
+    per_prompt = c.prefix.stats().cached_pages // 3
+    assert c.stats().physical_pages == 3 * per_prompt
+    c.prefix.match(prompts[0])  # prompt 0 is now the most recently used
+    live = c.new_sequence(prefix_tokens=prompts[2])  # prompt 2 is in use: never evicted
+    assert c.seq_len(live) == n
+    freed = c.prefix.reclaim(1)
+    assert freed >= 1
+    assert c.new_sequence(prefix_tokens=prompts[1]) is not None
+    s1 = c.sequences[-1]
+    assert c.seq_len(s1) < n  # prompt 1 (least recently used, unreferenced) lost pages
+    for p in (prompts[0], prompts[2]):
+        probe = c.new_sequence(prefix_tokens=p)
+        assert c.seq_len(probe) == n
+        c.free(probe)
+    c.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["vm", "paged"])
+def test_salts_never_share(kind):
+    c = make(kind)
+    p = [5] * (2 * tpp(c))
+    a = c.new_sequence(prefix_tokens=p, salt="tenant-a")
+    append(c, a, p)
+    c.free(a)
+    assert c.seq_len(c.new_sequence(prefix_tokens=p, salt="tenant-b")) == 0
+    assert c.seq_len(c.new_sequence(prefix_tokens=p)) == 0
+    assert c.seq_len(c.new_sequence(prefix_tokens=p, salt="tenant-a")) == len(p)
+
+
+@pytest.mark.parametrize("kind", ["vm", "paged"])
+def test_cached_pages_are_evicted_before_cache_full(kind):
+    c = make(kind, pages=16, max_seq_len=512)
+    per_seq = c.pages_for_tokens(tpp(c))  # one page per table
+    for i in range(16 // per_seq):  # fill the pool with unreferenced cached pages
+        s = c.new_sequence(prefix_tokens=[i] * tpp(c))
+        append(c, s, [i] * tpp(c))
+        c.free(s)
+    assert c.stats().free_pages == 0 and c.pool.can_allocate(16)
+    s = c.new_sequence()
+    c.grow(s, 16 // per_seq * tpp(c))  # needs every page: all cached ones are evicted
+    assert c.prefix.stats().cached_pages == 0 and c.prefix.stats().evicted_pages == 16
+    with pytest.raises(CacheFull):
+        c.grow(s, tpp(c))
+    c.check_invariants()
+
+
+def test_bad_prefix_input():
+    c = make("vm")
+    with pytest.raises(TypeError, match="token ids"):
+        c.new_sequence(prefix_tokens=["a"])
+    s = c.new_sequence()
+    with pytest.raises(ValueError, match="token ids"):
+        c.grow(s, 3, token_ids=[1, 2])
+    assert c.seq_len(s) == 0 and len(c.sequences) == 1
+
+
+class PrefixMachine(RuleBasedStateMachine):
+    """Sequences over a 3-token alphabet (so prefixes repeat) on a small pool; K/V are a
+    function of (token, position), so a wrongly shared page breaks the content check."""
+
+    kind = "vm"
+
+    def __init__(self):
+        super().__init__()
+        self.c = make(type(self).kind, pages=24, max_seqs=6, max_seq_len=160)
+        self.tokens: dict[int, list[int]] = {}
+
+    def teardown(self):
+        for s in list(self.tokens):
+            self.c.free(s)
+        self.c.prefix.clear()
+        assert self.c.stats().physical_pages == 0
+        self.c.check_invariants()
+
+    seqs = property(lambda self: sorted(self.tokens))
+
+    def _ids(self, data, max_chunks):
+        """Whole pages drawn from three page patterns (so the same page recurs under
+        different prefixes), then a short random tail."""
+        P = tpp(self.c)
+        pages = [[0] * P, [1] * P, [0, 1] * (P // 2)]
+        chunks = data.draw(st.lists(st.integers(0, 2), max_size=max_chunks))
+        tail = data.draw(st.lists(st.integers(0, 2), max_size=P))
+        return [t for i in chunks for t in pages[i]] + tail
+
+    @rule(data=st.data())
+    def new_with_prefix(self, data):
+        ids = self._ids(data, 140 // tpp(self.c))
+        salt = data.draw(st.sampled_from([None, "x"]))
+        try:
+            s = self.c.new_sequence(prefix_tokens=ids, salt=salt)
+        except CacheFull:
+            return
+        n = self.c.seq_len(s)
+        assert n % tpp(self.c) == 0 and n <= len(ids)
+        self.tokens[s] = ids[:n]
+        self.c._salts[s] = salt  # noqa: SLF001 - the machine keeps salts per sequence
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def append(self, data):
+        s = data.draw(st.sampled_from(self.seqs))
+        ids = self._ids(data, 3)
+        n = len(ids)
+        if not ids or len(self.tokens[s]) + n > self.c.max_seq_len:
+            return
+        try:
+            append(self.c, s, ids)
+        except CacheFull:
+            self.c.truncate(s, len(self.tokens[s]))  # a grow that succeeded, a write that did not
+            return
+        self.tokens[s] += ids
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork(self, data):
+        s = data.draw(st.sampled_from(self.seqs))
+        try:
+            (k,) = self.c.fork(s)
+        except CacheFull:
+            return
+        self.tokens[k] = list(self.tokens[s])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data):
+        s = data.draw(st.sampled_from(self.seqs))
+        self.c.free(s)
+        del self.tokens[s]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def truncate(self, data):
+        s = data.draw(st.sampled_from(self.seqs))
+        n = data.draw(st.integers(0, len(self.tokens[s])))
+        self.c.truncate(s, n)
+        self.tokens[s] = self.tokens[s][:n]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def cache_prefix(self, data):
+        self.c.cache_prefix(data.draw(st.sampled_from(self.seqs)))
+
+    @rule(n=st.integers(1, 30))
+    def evict(self, n):
+        in_use = {p for s in self.tokens for t in self.c.page_table(s) for p in t}
+        before = set(self.c.prefix.references())
+        self.c.prefix.reclaim(n)
+        evicted = before - set(self.c.prefix.references())
+        assert not evicted & in_use  # never a page a sequence maps
+
+    @invariant()
+    def contents_are_their_tokens(self):
+        for s, ids in self.tokens.items():
+            assert self.c.seq_len(s) == len(ids)
+            k, v = self.c.kv(1, s)
+            assert torch.equal(k, kv_of(ids)) and torch.equal(v, -k)
+        self.c.check_invariants()
+
+
+def _machine(kind):
+    cls = type(f"Prefix{kind}Machine", (PrefixMachine,), {"kind": kind})
+    case = cls.TestCase
+    case.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+    return case
+
+
+TestVMPrefixMachine = _machine("vm")
+TestPagedPrefixMachine = _machine("paged")

@@ -1,0 +1,182 @@
+"""Prefix index: full pages of K/V found again by their tokens, across requests.
+
+A chain of entries, one per full page of ``tokens_per_page`` tokens; an entry's key is
+(parent entry, the page's token ids, tenant salt), so a page is found only after the same
+tokens *and* the same prefix before them, and never across salts:
+
+    "You are a helpful ... | ... assistant. User: | hi"      (pages of 4 tokens)
+     entry A -------------> entry B -------------> (tail: not a full page, not indexed)
+     pages (a0, a1, ...)    pages (b0, b1, ...)    one page per table (T tables)
+
+Every entry holds one pool reference per page, so cached pages outlive the sequence that
+wrote them. Entries whose pages nobody else maps (refcount 1) are evictable, least recently
+used first, leaves before parents; the pool calls :meth:`reclaim` before it would raise
+``CacheFull``. The index alone changes its entries; refcounts change only through the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class _Entry:
+    key: tuple
+    parent: _Entry | None
+    pages: tuple[int, ...]  # one physical page per table
+    children: int = 0
+    last_used: int = 0
+
+
+@dataclass
+class PrefixStats:
+    lookups: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0  # tokens served from the index (their K/V not recomputed)
+    inserted_pages: int = 0
+    evicted_pages: int = 0
+    cached_pages: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+
+
+@dataclass(eq=False)
+class PrefixIndex:
+    pool: object
+    tokens_per_page: int
+    num_tables: int
+    _entries: dict[tuple, _Entry] = field(default_factory=dict)
+    _tick: int = 0
+    _stats: PrefixStats = field(default_factory=PrefixStats)
+    _reclaimable: tuple[int, int] | None = None  # (pool version, pages) cache
+
+    def _walk(self, tokens: Sequence[int], salt):
+        P, parent = self.tokens_per_page, None
+        for j in range(len(tokens) // P):
+            key = (id(parent), tuple(tokens[j * P : (j + 1) * P]), salt)
+            yield j, key, parent
+            parent = self._entries.get(key)
+            if parent is None:
+                return
+
+    def match(self, tokens: Sequence[int], salt=None) -> list[_Entry]:
+        """The longest run of cached full pages that starts ``tokens`` (touched as used)."""
+        self._tick += 1
+        found = []
+        for _, key, _ in self._walk(tokens, salt):
+            e = self._entries.get(key)
+            if e is None:
+                break
+            e.last_used = self._tick
+            found.append(e)
+        st = self._stats
+        st.lookups += 1
+        st.lookup_tokens += len(tokens)
+        st.hit_tokens += len(found) * self.tokens_per_page
+        return found
+
+    def insert(self, tokens: Sequence[int], tables: Sequence[Sequence[int]], salt=None) -> int:
+        """Index the full pages of a sequence holding ``tokens`` in ``tables`` (T page lists);
+        pages already indexed keep their first copy. Returns the pages newly referenced."""
+        self._tick += 1
+        n = min(len(tokens) // self.tokens_per_page, min(len(t) for t in tables))
+        new = 0
+        parent = None
+        for j in range(n):
+            P = self.tokens_per_page
+            key = (id(parent), tuple(tokens[j * P : (j + 1) * P]), salt)
+            e = self._entries.get(key)
+            if e is None:
+                e = _Entry(key, parent, tuple(t[j] for t in tables))
+                self.pool.incref(e.pages)
+                self._entries[key] = e
+                if parent is not None:
+                    parent.children += 1
+                new += len(e.pages)
+            e.last_used = self._tick
+            parent = e
+        self._stats.inserted_pages += new
+        return new
+
+    def _evictable(self) -> list[_Entry]:
+        rc = self.pool.refcount
+        return [e for e in self._entries.values() if all(rc(p) == 1 for p in e.pages)]
+
+    def reclaimable(self) -> int:
+        """Pages that eviction could return to the pool now."""
+        version = self.pool.version
+        if self._reclaimable is None or self._reclaimable[0] != version:
+            self._reclaimable = (version, sum(len(e.pages) for e in self._evictable()))
+        return self._reclaimable[1]
+
+    def reclaim(self, pages: int) -> int:
+        """Evict least recently used unreferenced entries (leaves first) until ``pages``
+        pages went back to the pool or nothing evictable is left; returns pages freed."""
+        freed = 0
+        while freed < pages:
+            leaves = [e for e in self._evictable() if e.children == 0]
+            if not leaves:
+                break
+            for e in sorted(leaves, key=lambda e: e.last_used):
+                del self._entries[e.key]
+                if e.parent is not None:
+                    e.parent.children -= 1
+                self.pool.decref(e.pages)
+                freed += len(e.pages)
+                self._stats.evicted_pages += len(e.pages)
+                if freed >= pages:
+                    break
+        return freed
+
+    def clear(self) -> int:
+        """Evict everything evictable (pages still mapped by sequences stay)."""
+        return self.reclaim(self.pool.num_pages)
+
+    def references(self) -> list[int]:
+        """Every page reference the index holds (for invariant checks)."""
+        return [p for e in self._entries.values() for p in e.pages]
+
+    def stats(self) -> PrefixStats:
+        st = self._stats
+        st.cached_pages = sum(len(e.pages) for e in self._entries.values())
+        return PrefixStats(**vars(st))
+
+
+class PrefixOps:
+    """new_sequence(prefix_tokens=...)'s attach step and cache_prefix, mixed into
+    :class:`~vmcache.seqcache.SequenceCache` (its tables, lengths, token ids and hooks)."""
+
+    def _attach_prefix(self, s: int, tokens: list[int]) -> None:
+        entries = self.prefix.match(tokens, self._salts[s])
+        while entries and len(entries) * self.prefix.tokens_per_page > self.max_seq_len:
+            entries.pop()
+        if not entries:
+            return
+        undo = []
+        try:
+            for t in range(self._T):
+                self._attach(s, t, 0, [e.pages[t] for e in entries])
+                undo.append(lambda t=t: self._detach(s, t, 0, len(entries)))
+        except BaseException:
+            for f in reversed(undo):
+                f()
+            raise
+        tables = [[e.pages[t] for e in entries] for t in range(self._T)]
+        self.pool.incref([p for tab in tables for p in tab])
+        n = len(entries) * self.prefix.tokens_per_page
+        self._tables[s], self._tokens[s] = tables, list(tokens[:n])
+        self._set_len(s, n)
+
+    def cache_prefix(self, s: int) -> int:
+        """Index sequence ``s``'s full pages of known tokens now (``free`` does it too), so
+        requests that arrive while it runs share them; call it once their K/V are written.
+        Returns the pages newly indexed (0 without prefix caching or known token ids)."""
+        s = self._check_seq(s)
+        tokens = self._tokens[s]
+        if self.prefix is None or tokens is None:
+            return 0
+        n = min(len(tokens), self._lens[s])
+        return self.prefix.insert(tokens[:n], self._tables[s], self._salts[s])
