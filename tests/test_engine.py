@@ -129,3 +129,28 @@ def test_bad_requests_raise_before_anything_changes(model):
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request(Request("ok", (1, 2), SamplingParams()))
     assert engine.run() == {"ok": [engine.outputs["ok"][0]]} and not engine.kv.sequences
+
+
+@pytest.mark.parametrize("kind", ["vm", "paged"])
+def test_prefix_caching_changes_no_output_and_skips_shared_prefill(model, kind):
+    g = torch.Generator().manual_seed(4)
+    system = torch.randint(0, 128, (70,), generator=g).tolist()
+    reqs = [Request(f"s{i}", tuple(system + torch.randint(0, 128, (5 + i,), generator=g)
+                                   .tolist()), SamplingParams(max_new_tokens=8))
+            for i in range(4)]  # fmt: skip
+    want = {rid: [toks] for rid, toks in reference(model, reqs).items()}
+    plain = Engine(model, make(kind, 200))
+    assert plain.run(reqs) == want
+    if kind == "vm":
+        kv = VMKVCache(SPEC, 8, 128, page_size=4096, pool_bytes=200 * 4096, prefix_caching=True)
+    else:
+        kv = PagedKVCache(SPEC, num_blocks=200, block_size=16, max_seq_len=128, max_seqs=8,
+                          prefix_caching=True)  # fmt: skip
+    cached = Engine(model, kv)
+    cached.add_request(reqs[0])
+    cached.step()  # the first request's prefill indexes the system prompt's full pages
+    assert cached.run(reqs[1:]) == want
+    full = 70 // kv.prefix.tokens_per_page * kv.prefix.tokens_per_page
+    assert cached.stats.prefix_hit_tokens == 3 * full
+    assert cached.stats.prefill_tokens == plain.stats.prefill_tokens - 3 * full
+    kv.check_invariants()

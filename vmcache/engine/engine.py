@@ -31,6 +31,7 @@ class EngineStats:
     preempt_recompute: int = 0
     swap_bytes: int = 0  # bytes copied to the host tier by swap-outs
     recompute_tokens: int = 0  # tokens whose K/V were dropped and computed again
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix index
     map_s: float = 0.0  # time in the schedule phase (grows map pages there)
     model_s: float = 0.0  # time in model steps
     elapsed_s: float = 0.0
@@ -135,6 +136,8 @@ class Engine:
         logits = self.runner.step([s.slot for s in batch], [s.cached for s in batch],
                                   [s.pending for s in batch])  # fmt: skip
         for seq, row in zip(batch, logits):
+            if len(seq.pending) > 1:
+                self.kv.cache_prefix(seq.slot)  # its prompt's full pages, for later requests
             seq.cached = len(seq.tokens)
             self._fork_siblings(seq, row)  # before the parent's own token joins its context
             self._append(seq, self._sample(row, seq))
@@ -144,7 +147,8 @@ class Engine:
         st.model_s += t2 - t1
         st.step_s.append(t2 - t0)
         st.max_running = max(st.max_running, len(sched.running))
-        for name in ("preempt_swap", "preempt_recompute", "swap_bytes", "recompute_tokens"):
+        for name in ("preempt_swap", "preempt_recompute", "swap_bytes", "recompute_tokens",
+                     "prefix_hit_tokens"):  # fmt: skip
             setattr(st, name, getattr(sched, name))
 
     def run(self, requests: list[Request] = ()) -> dict[str, list[list[int]]]:

@@ -37,6 +37,7 @@ class Request:
     req_id: str
     prompt: tuple[int, ...]
     params: SamplingParams = SamplingParams()
+    salt: str | None = None  # tenant: cached prefixes are shared only under the same salt
 
 
 class Status(enum.Enum):

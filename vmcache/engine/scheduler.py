@@ -34,6 +34,7 @@ class Scheduler:
         self.running: list[Seq] = []
         self.preempt_swap = self.preempt_recompute = 0
         self.swap_bytes = self.recompute_tokens = 0
+        self.prefix_hit_tokens = 0  # prompt tokens whose K/V came from the prefix index
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.swapped or self.running)
@@ -74,8 +75,24 @@ class Scheduler:
     def _start(self, seq: Seq, step: int, batch: list[Seq]) -> None:
         seq.status, seq.admitted_at = Status.RUNNING, step
         self.running.append(seq)
-        self.kv.grow(seq.slot, len(seq.pending))
+        self.kv.grow(seq.slot, len(seq.pending), token_ids=seq.pending)
         batch.append(seq)
+
+    def _admit(self, seq: Seq) -> bool:
+        """Give a waiting sequence a slot, its cached prefix mapped in (prefix caching on),
+        if the rest of its tokens fit; at least its last token is left to compute."""
+        kv, n = self.kv, len(seq.tokens)
+        slot = kv.new_sequence(prefix_tokens=seq.tokens if kv.prefix else None, salt=seq.req.salt)
+        hit = kv.seq_len(slot)
+        if hit >= n:
+            kv.truncate(slot, n - 1)
+            hit = n - 1
+        if not self._room(kv.pages_for_tokens(n) - kv.pages_for_tokens(hit)):
+            kv.free(slot)
+            return False
+        seq.slot, seq.cached = slot, hit
+        self.prefix_hit_tokens += hit
+        return True
 
     def schedule(self, step: int) -> list[Seq]:
         """The sequences to run this step, each grown to cover its pending tokens."""
@@ -92,7 +109,7 @@ class Scheduler:
                                     "in this pool", wanted=n, free=0)  # fmt: skip
                 self._preempt(victim, batch)
                 preempted = True
-            self.kv.grow(seq.slot, n)
+            self.kv.grow(seq.slot, n, token_ids=seq.pending)
             batch.append(seq)
         if preempted:
             return batch
@@ -110,10 +127,9 @@ class Scheduler:
             n = len(seq.pending)
             if tokens + n > self.max_batch_tokens and tokens > 0:
                 break
-            if not self._room(self.kv.pages_for_tokens(n)):
+            if not self._admit(seq):
                 break
             self.waiting.popleft()
-            seq.slot = self.kv.new_sequence()
             self._start(seq, step, batch)
-            tokens += n
+            tokens += len(seq.pending)
         return batch
