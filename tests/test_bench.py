@@ -101,5 +101,5 @@ def test_sizing_cli_on_a_user_trace(tmp_path, capsys):
     bench_main(["--mode", "sizing", "--trace", str(trace), "--budget-gb", "1", "--no-plot",
                 "--out", str(tmp_path)])  # fmt: skip
     out = capsys.readouterr().out
-    assert "paged-16" in out and "vm-layer-2M" in out and "not yet" in out
+    assert "paged-16" in out and "vm-layer-2M" in out and "radix-paged-16" in out
     assert list(tmp_path.glob("ab-*.json"))

@@ -25,13 +25,18 @@ from .common import add_out_arg, save, table
 from .report import CLAIMS, plot, verdicts
 from .simulate import DoesNotFit, simulate
 
-ALLOCATORS = ("static", "orca-256", "paged-8", "paged-16", "paged-32", "radix",
-              "vm-layer-2M", "vm-layer-64K", "vm-token-2M", "vm-token-64K")  # fmt: skip
-NUM_REQUESTS = {"enterprise": 300, "long": 60, "parallel": 120, "beam": 120, "shared": 200}
+ALLOCATORS = ("static", "orca-256", "paged-8", "paged-16", "paged-32", "radix-paged-16",
+              "vm-layer-2M", "vm-layer-64K", "vm-token-2M", "vm-token-64K",
+              "radix-vm-layer-64K")  # fmt: skip
+NUM_REQUESTS = {"enterprise": 300, "long": 60, "parallel": 120, "beam": 120, "shared": 200,
+                "multiturn": 200}  # fmt: skip
 
 
 def make_alloc(name: str, spec: KVSpec, budget: int, max_seqs: int):
+    """One allocator by row name; ``radix-`` rows are the same cache with prefix caching."""
     bpt = spec.bytes_per_token
+    prefix = name.startswith("radix-")
+    name = name.removeprefix("radix-")
     if name == "static":
         return StaticAlloc(bpt, budget, traces.L_MAX)
     if name.startswith("orca"):
@@ -39,15 +44,17 @@ def make_alloc(name: str, spec: KVSpec, budget: int, max_seqs: int):
     if name.startswith("paged"):
         b = int(name.split("-")[1])
         kv = PagedKVCache(spec, pool_bytes=budget, block_size=b, device="meta",
-                          max_seq_len=traces.L_MAX, max_seqs=max_seqs)  # fmt: skip
+                          max_seq_len=traces.L_MAX, max_seqs=max_seqs,
+                          prefix_caching=prefix)  # fmt: skip
         return CacheAlloc(name, kv)
     if name.startswith("vm"):
         _, layout, size = name.split("-")
         page = (2 << 20) if size == "2M" else (64 << 10)
         kv = VMKVCache(spec, max_seqs, traces.L_MAX, backend=SizingBackend(granularity=page),
-                       pool_bytes=budget, layout=f"{layout}_major")  # fmt: skip
+                       pool_bytes=budget, layout=f"{layout}_major",
+                       prefix_caching=prefix)  # fmt: skip
         return CacheAlloc(name, kv)
-    return None  # radix: needs the prefix index (not built yet)
+    raise ValueError(f"unknown allocator {name!r}")
 
 
 def progress(label: str):
@@ -74,19 +81,17 @@ def run_sizing(args) -> list[dict]:
             alloc = make_alloc(aname, spec, budget, max_seqs=1024)
             row = {"trace": tname, "allocator": aname, "model": args.model,
                    "budget_GB": args.budget_gb, "requests": len(trace)}  # fmt: skip
-            if alloc is None:
-                row["note"] = "not yet: needs the prefix index (issue 7)"
-            else:
-                try:
-                    row.update(simulate(alloc, trace, args.seed, progress(f"{tname}/{aname}")))
-                except DoesNotFit as exc:
-                    row["note"] = f"does not fit: {exc}"
-                print(file=sys.stderr)
+            try:
+                row.update(simulate(alloc, trace, args.seed, progress(f"{tname}/{aname}")))
+            except DoesNotFit as exc:
+                row["note"] = f"does not fit: {exc}"
+            print(file=sys.stderr)
             if "steps" in row and aname == "static":
                 base = row
             if "steps" in row and base is not None:
                 row["concurrency_vs_static"] = row["tokens_per_step"] / base["tokens_per_step"]
-            row["seed_claim"] = CLAIMS.get((tname, aname.split("-")[0]), "")
+            family = "radix" if aname.startswith("radix") else aname.split("-")[0]
+            row["seed_claim"] = CLAIMS.get((tname, family), "")
             rows.append(row)
     verdicts(rows)
     return rows
@@ -124,7 +129,7 @@ def main(argv=None) -> None:
             print(table([r for r in sizing if r["trace"] == tname], [
                 "allocator", "internal_waste_pct", "reservation_waste_pct", "waste_tokens_per_seq",
                 "frag_stalls", "max_concurrent_seqs", "concurrency_vs_static", "cow_saving_pct",
-                "preemptions", "verdict"]))  # fmt: skip
+                "preemptions", "prefill_tokens", "verdict"]))  # fmt: skip
     if args.mode in ("compute", "both"):
         print(f"\n== compute mode: engine + small random Llama on {dev} ==")
         budgets = [600, 1200, 2400] if not args.full else [600, 1200, 2400, 4800]
@@ -134,6 +139,12 @@ def main(argv=None) -> None:
         print(file=sys.stderr)
         print(table(comp, ["budget_tokens", "cache", "tok_per_s", "step_ms", "map_ms_per_step",
                            "max_running", "preempt_swap"]))  # fmt: skip
+        print("\n-- radix rows, compute mode: 24 requests sharing a 192-token system prompt --")
+        radix = compute.run_prefix(dev, 24 if not args.full else 96, 4096, progress("radix"))
+        print(file=sys.stderr)
+        print(table(radix, ["cache", "prefix_caching", "prefill_tokens", "prefix_hit_tokens",
+                            "tok_per_s", "max_running"]))  # fmt: skip
+        comp += [{"scenario": "shared_prompt", **r} for r in radix]
     path = save("ab", dev, sizing + [{"mode": "compute", **r} for r in comp],
                 {"args": vars(args)}, out_dir=args.out)  # fmt: skip
     print(f"\nsaved {path}")

@@ -36,7 +36,10 @@ class StaticAlloc:
     def can_admit(self, tokens: int, running: int = 0, k: int = 1) -> bool:
         return len(self.lens) + k <= self.slots
 
-    def admit(self, tokens: int) -> int:
+    uses_ids = False  # token ids matter only to a prefix-caching cache
+    last_hit = 0  # prompt tokens the last admit found cached
+
+    def admit(self, tokens: int, ids=None) -> int:
         if not self.can_admit(tokens):
             raise CacheFull("no free static slot", wanted=1, free=0)
         self._next += 1
@@ -46,7 +49,7 @@ class StaticAlloc:
     def can_grow(self, h: int, n: int) -> bool:
         return self.lens[h] + n <= self.l_max
 
-    def grow(self, h: int, n: int) -> None:
+    def grow(self, h: int, n: int, ids=None) -> None:
         self.lens[h] += n
 
     def fork(self, h: int, k: int) -> list[int]:
@@ -119,7 +122,7 @@ class OrcaAlloc(StaticAlloc):
             free[i] -= size
         return True
 
-    def admit(self, tokens: int) -> int:
+    def admit(self, tokens: int, ids=None) -> int:
         size = self._round(tokens)
         start = self._first_fit(size)
         if start is None:
@@ -136,7 +139,7 @@ class OrcaAlloc(StaticAlloc):
         after = next((e - s for s, e in self.holes if s == start + size), 0)
         return after >= extra or self.can_admit(size + extra)
 
-    def grow(self, h: int, n: int) -> None:
+    def grow(self, h: int, n: int, ids=None) -> None:
         start, size = self.ext[h]
         if self.lens[h] + n > size:
             extra = self._round(self.lens[h] + n) - size
@@ -183,6 +186,8 @@ class CacheAlloc:
     def __init__(self, kind: str, cache) -> None:
         self.kind, self.kv = kind, cache
         self.bpt = cache.spec.bytes_per_token
+        self.uses_ids = cache.prefix is not None
+        self.last_hit = 0
 
     @property
     def copied_bytes(self) -> int:
@@ -201,20 +206,28 @@ class CacheAlloc:
         pages = kv.pages_for_tokens(tokens) + (k - 1 + running) * kv.pages_for_tokens(1)
         return slots and kv.pool.can_allocate(pages)
 
-    def admit(self, tokens: int) -> int:
-        s = self.kv.new_sequence()
+    def admit(self, tokens: int, ids=None) -> int:
+        """A sequence of ``tokens``; with prefix caching its cached prefix is mapped in and
+        only the rest is allocated (at least the last token: it yields the next logits)."""
+        kv = self.kv
+        s = kv.new_sequence(prefix_tokens=ids if self.uses_ids else None)
+        hit = min(kv.seq_len(s), tokens - 1)
         try:
-            self.kv.grow(s, tokens)
+            kv.truncate(s, hit)
+            kv.grow(s, tokens - hit, token_ids=ids[hit:] if self.uses_ids else None)
         except CacheFull:
-            self.kv.free(s)
+            kv.free(s)
             raise
+        if self.uses_ids:
+            kv.cache_prefix(s)
+        self.last_hit = hit
         return s
 
     def can_grow(self, h: int, n: int) -> bool:
         return self.kv.can_grow(h, n)
 
-    def grow(self, h: int, n: int) -> None:
-        self.kv.grow(h, n)
+    def grow(self, h: int, n: int, ids=None) -> None:
+        self.kv.grow(h, n, token_ids=ids)
 
     def fork(self, h: int, k: int) -> list[int]:
         return self.kv.fork(h, k)

@@ -37,12 +37,26 @@ def requests(num: int, seed: int = 0) -> list[Request]:
     return out
 
 
-def make_cache(kind: str, spec: KVSpec, budget: int, device: torch.device, max_seqs: int):
+def shared_requests(num: int, system_len: int = 192, seed: int = 1) -> list[Request]:
+    """A system prompt every request starts with, then U[16, 48] tokens of its own."""
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(0, 32000, (system_len,), generator=g).tolist()
+    out = []
+    for i in range(num):
+        own = torch.randint(0, 32000, (int(torch.randint(16, 49, (1,), generator=g)),),
+                            generator=g).tolist()  # fmt: skip
+        out.append(Request(f"s{i}", tuple(system + own), SamplingParams(max_new_tokens=16)))
+    return out
+
+
+def make_cache(kind: str, spec: KVSpec, budget: int, device: torch.device, max_seqs: int,
+               prefix: bool = False):  # fmt: skip
     if kind == "vmcache":
         page = None if device.type == "cuda" else 4096  # the driver granularity; OS pages
-        return VMKVCache(spec, max_seqs, 256, device, page_size=page, pool_bytes=budget)
-    return PagedKVCache(spec, pool_bytes=budget, block_size=16, device=device, max_seq_len=256,
-                        max_seqs=max_seqs)  # fmt: skip
+        return VMKVCache(spec, max_seqs, 512, device, page_size=page, pool_bytes=budget,
+                         prefix_caching=prefix)  # fmt: skip
+    return PagedKVCache(spec, pool_bytes=budget, block_size=16, device=device, max_seq_len=512,
+                        max_seqs=max_seqs, prefix_caching=prefix)  # fmt: skip
 
 
 def run(device: torch.device, num_requests: int, budgets_tokens: list[int], progress=None):
@@ -64,4 +78,26 @@ def run(device: torch.device, num_requests: int, budgets_tokens: list[int], prog
                                   "max_running", "preempt_swap", "swap_bytes")}})  # fmt: skip
             if progress is not None:
                 progress(len(rows), 2 * len(budgets_tokens))
+    return rows
+
+
+def run_prefix(device: torch.device, num_requests: int, budget_tokens: int, progress=None):
+    """The radix rows in compute mode: the same shared-prompt requests with and without
+    prefix caching, on both caches: prompt tokens computed, tokens/s."""
+    model = small_model(device)
+    model.generation_config.eos_token_id = None
+    spec = KVSpec.from_hf_config(model.config, next(model.parameters()).dtype)
+    reqs = shared_requests(num_requests)
+    rows = []
+    for kind in ("vmcache", "paged"):
+        for prefix in (False, True):
+            kv = make_cache(kind, spec, budget_tokens * spec.bytes_per_token, device, 64, prefix)
+            engine = Engine(model, kv)
+            out = engine.run(reqs)
+            d = engine.stats.as_dict()
+            rows.append({"cache": kind, "prefix_caching": prefix, "requests": len(out), **{
+                k: d[k] for k in ("prefill_tokens", "prefix_hit_tokens", "tok_per_s",
+                                  "elapsed_s", "max_running")}})  # fmt: skip
+            if progress is not None:
+                progress(len(rows), 4)
     return rows

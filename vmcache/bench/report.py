@@ -14,6 +14,8 @@ CLAIMS = {
     ("beam", "paged"): "CoW saving up to 55 %, up to 2.2x concurrency",
     ("enterprise", "vm"): "<= 1 page per (layer, K/V) row",
     ("long", "vm"): "<= 1 page per (layer, K/V) row",
+    ("shared", "radix"): "RadixAttention: shared prefix computed and stored once",
+    ("multiturn", "radix"): "RadixAttention: history computed and stored once",
 }
 
 
@@ -27,12 +29,21 @@ def _tokens_per_page(spec: KVSpec, allocator: str) -> float:
 def verdicts(rows: list[dict]) -> None:
     """Adds ``verdict`` to rows that have a numeric claim: agrees / DIFFERS, with the figure."""
     static = {r["trace"]: r for r in rows if r["allocator"] == "static" and "steps" in r}
+    by_name = {(r["trace"], r["allocator"]): r for r in rows if "steps" in r}
     for r in rows:
         claim, name, trace = r.get("seed_claim"), r["allocator"], r["trace"]
         if not claim or "steps" not in r:
             r["verdict"] = r.get("note", "")[:13]
             continue
-        if name == "static":
+        if name.startswith("radix-"):
+            twin = by_name.get((trace, name.removeprefix("radix-")))
+            if twin is None:
+                r["verdict"] = ""
+                continue
+            saved = 1 - r["prefill_tokens"] / max(twin["prefill_tokens"], 1)
+            gain = r["max_concurrent_seqs"] / max(twin["max_concurrent_seqs"], 1)
+            r["verdict"] = f"prefill -{saved:.0%}, {gain:.1f}x seqs vs no reuse"
+        elif name == "static":
             ok = r["reservation_waste_pct"] > 70
             r["verdict"] = f"{'agrees' if ok else 'DIFFERS'} ({r['reservation_waste_pct']:.0f} %)"
         elif name == "paged-16" and trace == "enterprise":
@@ -88,6 +99,7 @@ def plot(sizing: list[dict], compute: list[dict], json_path: Path) -> list[Path]
             fig.savefig(p, dpi=100)
             plt.close(fig)
             out.append(p)
+    compute = [r for r in compute if "budget_tokens" in r]
     if compute:
         fig, ax = plt.subplots(figsize=(5, 4))
         for kind in ("vmcache", "paged"):

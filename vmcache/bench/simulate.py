@@ -20,7 +20,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from .traces import TraceRequest
+from .traces import TraceRequest, token_id
 
 
 class DoesNotFit(RuntimeError):
@@ -34,6 +34,7 @@ class _Group:
     handles: list[int] = field(default_factory=list)
     generated: int = 0
     admitted_at: int = -1
+    length: int = 0  # tokens each of its sequences holds
 
     @property
     def width(self) -> int:
@@ -47,7 +48,7 @@ def simulate(alloc, trace: list[TraceRequest], seed: int = 0, progress=None) -> 
     sums = dict(held=0, logical=0, granule=0, used=0)
     stalled: set[int] = set()
     steps = preemptions = recompute_tokens = max_seqs = 0
-    peak_held = generated = seq_steps = 0
+    peak_held = generated = seq_steps = prefill_tokens = 0
     total = len(trace)
     while waiting or running:
         # 1. decode growth for running requests, oldest first; preempt the newest when short
@@ -71,7 +72,9 @@ def simulate(alloc, trace: list[TraceRequest], seed: int = 0, progress=None) -> 
                     recompute_tokens += victim.req.prompt_len + victim.generated
                     victim.handles = []
                     waiting.appendleft(victim)
-                alloc.grow(h, 1)
+                ids = [token_id(g.req, g.rid, g.length)] if alloc.uses_ids else None
+                alloc.grow(h, 1, ids)
+            g.length += 1
         # 2. admission, FIFO
         while waiting:
             g = waiting[0]
@@ -84,7 +87,10 @@ def simulate(alloc, trace: list[TraceRequest], seed: int = 0, progress=None) -> 
                                      "fit the budget even alone")  # fmt: skip
                 break
             waiting.popleft()
-            h = alloc.admit(tokens)
+            ids = [token_id(g.req, g.rid, p) for p in range(tokens)] if alloc.uses_ids else None
+            h = alloc.admit(tokens, ids)
+            prefill_tokens += tokens - alloc.last_hit
+            g.length = tokens
             g.handles = [h] + (alloc.fork(h, g.width - 1) if g.width > 1 else [])
             g.admitted_at = steps
             running.append(g)
@@ -117,6 +123,7 @@ def simulate(alloc, trace: list[TraceRequest], seed: int = 0, progress=None) -> 
         "recompute_tokens": recompute_tokens,
         "bytes_copied": alloc.copied_bytes,
         "steps": steps,
+        "prefill_tokens": prefill_tokens,  # prompt tokens computed (cached ones excluded)
         "tokens_per_step": generated / max(steps, 1),
         "peak_held_GB": peak_held / 1e9,
     }

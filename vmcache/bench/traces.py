@@ -7,6 +7,8 @@ A trace is a list of :class:`TraceRequest` in arrival order. Built-in traces (se
     parallel     enterprise with n = 4 samples per request
     beam         enterprise with beam width 4
     shared       2,000-token system prompt shared by every request + U[50, 300] of its own
+    multiturn    conversations of 4 turns over a 500-token system prompt: each turn's prompt is
+                 the whole conversation so far + a new message U[50, 200]; completions ~150
 
 CSV (``--trace FILE``): a header naming ``prompt_len,output_len`` and optionally ``n``,
 ``arrival_s``; one request per row.
@@ -30,14 +32,38 @@ class TraceRequest:
     beam: int = 1  # beam width (beams share history, reordered every step)
     shared_prefix: int = 0  # leading prompt tokens identical across requests
     arrival_s: float = 0.0
+    stream: int = -1  # conversation id: turns of one conversation share their token stream
+
+
+def token_id(req: TraceRequest, rid: int, pos: int) -> int:
+    """The token at position ``pos`` (prompt or generated) of request ``rid``: the shared
+    system prompt, then the conversation's (or the request's own) stream."""
+    if pos < req.shared_prefix:
+        return 1 + (pos * 7919) % 30000
+    stream = req.stream if req.stream >= 0 else 1_000_000 + rid
+    return 30001 + (stream * 1_000_003 + pos * 7919) % 2_000_000_000
 
 
 def _enterprise(rng: random.Random) -> tuple[int, int]:
     return rng.randint(500, 1000), min(400, max(20, round(rng.gauss(200, 50))))
 
 
+def _multiturn(rng: random.Random, convs: int, turns: int = 4) -> list[TraceRequest]:
+    by_turn: list[list[TraceRequest]] = [[] for _ in range(turns)]
+    for c in range(convs):
+        length = 500
+        for t in range(turns):
+            prompt = length + rng.randint(50, 200)
+            out = min(300, max(20, round(rng.gauss(150, 40))))
+            by_turn[t].append(TraceRequest(prompt, out, shared_prefix=500, stream=c))
+            length = prompt + out
+    return [r for turn in by_turn for r in turn]  # every first turn, then every second, ...
+
+
 def builtin(name: str, num: int, seed: int = 0) -> list[TraceRequest]:
     rng = random.Random(f"{name}-{seed}")
+    if name == "multiturn":
+        return _multiturn(rng, max(1, num // 4))
     out = []
     for _ in range(num):
         if name == "enterprise":
@@ -56,7 +82,7 @@ def builtin(name: str, num: int, seed: int = 0) -> list[TraceRequest]:
     return out
 
 
-TRACES = ("enterprise", "long", "parallel", "beam", "shared")
+TRACES = ("enterprise", "long", "parallel", "beam", "shared", "multiturn")
 
 
 def read_csv(path: str | Path) -> list[TraceRequest]:
