@@ -59,7 +59,7 @@ def test_assign_validates_before_changing_anything(name):
 
 
 @pytest.mark.parametrize("name", CACHES)
-def test_truncate_releases_pages_and_regrowth_copies_a_shared_tail(name):
+def test_truncate_releases_pages_and_regrowth_of_a_private_tail_copies_nothing(name):
     c = FACTORIES[name]()
     a = c.new_sequence()
     _fill(c, a, 100, 3)

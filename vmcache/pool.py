@@ -64,8 +64,9 @@ class PagePool:
         self._free: list[int] = []  # created pages with refcount 0; pop() gives the lowest id
         self._dirty = [False] * num_pages  # held data since its last scrub
         self._created = 0
-        self.version = 0  # bumped on every refcount change (lets others cache derived counts)
         self.reclaimer: Reclaimer | None = None  # asked for pages before CacheFull
+        self._indexed = [False] * num_pages  # referenced by the reclaimer (the prefix index)
+        self.index_only = 0  # pages the reclaimer alone references (refcount 1, indexed)
 
     # --- queries -----------------------------------------------------------------------
     @property
@@ -123,8 +124,20 @@ class PagePool:
         for p in pages:
             self._refcount[p] = 1
             self._dirty[p] = True
-        self.version += 1
         return pages
+
+    def set_indexed(self, pages: Iterable[int], flag: bool) -> None:
+        """The reclaimer marks the pages it holds a reference to (keeps ``index_only``)."""
+        for p in pages:
+            if self._indexed[p] != flag:
+                self._indexed[p] = flag
+                if self._refcount[p] == 1:
+                    self.index_only += 1 if flag else -1
+
+    def _set_refcount(self, p: int, new: int) -> None:
+        old, self._refcount[p] = self._refcount[p], new
+        if self._indexed[p] and (old == 1) != (new == 1):
+            self.index_only += 1 if new == 1 else -1
 
     def incref(self, pages: Iterable[int], k: int = 1) -> None:
         pages = list(pages)
@@ -132,8 +145,7 @@ class PagePool:
             if self._refcount[p] <= 0:
                 raise ValueError(f"incref of page {p}, which is not allocated")
         for p in pages:
-            self._refcount[p] += k
-        self.version += 1
+            self._set_refcount(p, self._refcount[p] + k)
 
     def decref(self, pages: Iterable[int]) -> list[int]:
         """Drop one reference per entry; returns the pages that went back to the free list."""
@@ -146,11 +158,11 @@ class PagePool:
                 raise ValueError(f"decref of page {p} below zero (refcount {self._refcount[p]})")
         freed = []
         for p, c in counts.items():
-            self._refcount[p] -= c
+            self._set_refcount(p, self._refcount[p] - c)
             if self._refcount[p] == 0:
+                assert not self._indexed[p], f"page {p} freed while the index holds it"
                 freed.append(p)
         self._free.extend(sorted(freed, reverse=True))
-        self.version += 1
         return freed
 
     def _create_chunk(self, at_least: int) -> None:

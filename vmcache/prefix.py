@@ -51,7 +51,6 @@ class PrefixIndex:
     _entries: dict[tuple, _Entry] = field(default_factory=dict)
     _tick: int = 0
     _stats: PrefixStats = field(default_factory=PrefixStats)
-    _reclaimable: tuple[int, int] | None = None  # (pool version, pages) cache
 
     def _walk(self, tokens: Sequence[int], salt):
         P, parent = self.tokens_per_page, None
@@ -92,6 +91,7 @@ class PrefixIndex:
             if e is None:
                 e = _Entry(key, parent, tuple(t[j] for t in tables))
                 self.pool.incref(e.pages)
+                self.pool.set_indexed(e.pages, True)
                 self._entries[key] = e
                 if parent is not None:
                     parent.children += 1
@@ -106,11 +106,9 @@ class PrefixIndex:
         return [e for e in self._entries.values() if all(rc(p) == 1 for p in e.pages)]
 
     def reclaimable(self) -> int:
-        """Pages that eviction could return to the pool now."""
-        version = self.pool.version
-        if self._reclaimable is None or self._reclaimable[0] != version:
-            self._reclaimable = (version, sum(len(e.pages) for e in self._evictable()))
-        return self._reclaimable[1]
+        """Pages that eviction could return to the pool now: those only the index holds
+        (counted by the pool as refcounts change, O(1) here)."""
+        return self.pool.index_only
 
     def reclaim(self, pages: int) -> int:
         """Evict least recently used unreferenced entries (leaves first) until ``pages``
@@ -124,6 +122,7 @@ class PrefixIndex:
                 del self._entries[e.key]
                 if e.parent is not None:
                     e.parent.children -= 1
+                self.pool.set_indexed(e.pages, False)
                 self.pool.decref(e.pages)
                 freed += len(e.pages)
                 self._stats.evicted_pages += len(e.pages)

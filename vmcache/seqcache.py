@@ -374,4 +374,7 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps):
         for p in range(pool._created):
             assert (p in free) == (pool.refcount(p) == 0), p
         assert pool.num_used == len(counts)
+        indexed = set(self.prefix.references()) if self.prefix is not None else set()
+        assert indexed == {p for p in range(pool.num_pages) if pool._indexed[p]}
+        assert pool.index_only == sum(1 for p in indexed if pool.refcount(p) == 1)
         assert sorted(self._free_slots + self.sequences) == list(range(self.max_seqs))

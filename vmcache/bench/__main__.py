@@ -28,8 +28,8 @@ from .simulate import DoesNotFit, simulate
 ALLOCATORS = ("static", "orca-256", "paged-8", "paged-16", "paged-32", "radix-paged-16",
               "vm-layer-2M", "vm-layer-64K", "vm-token-2M", "vm-token-64K",
               "radix-vm-layer-64K")  # fmt: skip
-NUM_REQUESTS = {"enterprise": 300, "long": 60, "parallel": 120, "beam": 120, "shared": 200,
-                "multiturn": 200}  # fmt: skip
+NUM_REQUESTS = {"enterprise": 200, "long": 40, "parallel": 80, "beam": 80, "shared": 120,
+                "multiturn": 120}  # fmt: skip
 
 
 def make_alloc(name: str, spec: KVSpec, budget: int, max_seqs: int):

@@ -240,5 +240,8 @@ class CacheAlloc:
 
     def snapshot(self) -> dict:
         st = self.kv.stats()
-        return {"held": st.physical_bytes, "logical": st.mapped_bytes,
-                "granule": st.mapped_bytes, "used": st.used_bytes}  # fmt: skip
+        # pages only the prefix index holds are a cache, evicted on demand: not "held"
+        cached = self.kv.prefix.reclaimable() if self.kv.prefix is not None else 0
+        return {"held": st.physical_bytes - cached * self.kv.page_bytes,
+                "logical": st.mapped_bytes, "granule": st.mapped_bytes,
+                "used": st.used_bytes, "cached": cached * self.kv.page_bytes}  # fmt: skip
