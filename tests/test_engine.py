@@ -154,3 +154,18 @@ def test_prefix_caching_changes_no_output_and_skips_shared_prefill(model, kind):
     assert cached.stats.prefix_hit_tokens == 3 * full
     assert cached.stats.prefill_tokens == plain.stats.prefill_tokens - 3 * full
     kv.check_invariants()
+
+
+def test_a_fully_cached_prompt_recomputes_only_its_last_token(model):
+    """The whole prompt is cached: the engine keeps its last token to compute, so the tail
+    page, shared with the index, is copied on write; the output does not change."""
+    prompt = tuple(range(1, 65))  # exactly two full 32-token pages per (layer, K/V) row
+    (want,) = reference(model, [Request("x", prompt, SamplingParams(max_new_tokens=6))]).values()
+    kv = VMKVCache(SPEC, 8, 128, page_size=4096, pool_bytes=100 * 4096, prefix_caching=True)
+    engine = Engine(model, kv)
+    assert engine.run([Request("a", prompt, SamplingParams(max_new_tokens=6))])["a"] == [want]
+    copies = kv.stats().cow_copies
+    assert engine.run([Request("b", prompt, SamplingParams(max_new_tokens=6))])["b"] == [want]
+    assert engine.stats.prefix_hit_tokens == 63
+    assert kv.stats().cow_copies > copies  # the shared tail page was split, not overwritten
+    kv.check_invariants()

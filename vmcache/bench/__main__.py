@@ -109,6 +109,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--tag", default="", help="suffix for the results' file names")
     add_out_arg(ap)
     args = ap.parse_args(argv)
     if args.budget_gb is None:
@@ -145,8 +146,9 @@ def main(argv=None) -> None:
         print(table(radix, ["cache", "prefix_caching", "prefill_tokens", "prefix_hit_tokens",
                             "tok_per_s", "max_running"]))  # fmt: skip
         comp += [{"scenario": "shared_prompt", **r} for r in radix]
-    path = save("ab", dev, sizing + [{"mode": "compute", **r} for r in comp],
-                {"args": vars(args)}, out_dir=args.out)  # fmt: skip
+    name = "ab" + (f"-{args.tag}" if args.tag else "")
+    rows = sizing + [{"mode": "compute", **r} for r in comp]
+    path = save(name, dev, rows, {"args": vars(args)}, out_dir=args.out)
     print(f"\nsaved {path}")
     if not args.no_plot:
         for p in plot(sizing, comp, path):
