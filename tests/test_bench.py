@@ -103,3 +103,18 @@ def test_sizing_cli_on_a_user_trace(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "paged-16" in out and "vm-layer-2M" in out and "radix-paged-16" in out
     assert list(tmp_path.glob("ab-*.json"))
+
+
+@pytest.mark.parametrize("policy", ["recompute", "swap"])
+def test_preemption_policies_account_for_what_they_move(policy):
+    # a 40-token budget: two 12-token prompts growing by 12 each cannot both finish together
+    trace = [traces.TraceRequest(12, 12), traces.TraceRequest(12, 12)]
+    alloc = OrcaAlloc(BPT, 40 * BPT, l_max=40, chunk=4)
+    r = simulate(alloc, trace, preemption=policy)
+    assert r["preemptions"] >= 1 and r["steps"] > 12
+    if policy == "swap":
+        assert r["swap_bytes"] > 0 and r["recompute_tokens"] == 0 and r["prefill_tokens"] == 24
+    else:
+        assert r["swap_bytes"] == 0 and r["recompute_tokens"] > 0 and r["prefill_tokens"] > 24
+    with pytest.raises(ValueError, match="preemption"):
+        simulate(alloc, trace, preemption="drop")

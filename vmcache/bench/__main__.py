@@ -82,7 +82,8 @@ def run_sizing(args) -> list[dict]:
             row = {"trace": tname, "allocator": aname, "model": args.model,
                    "budget_GB": args.budget_gb, "requests": len(trace)}  # fmt: skip
             try:
-                row.update(simulate(alloc, trace, args.seed, progress(f"{tname}/{aname}")))
+                row.update(simulate(alloc, trace, args.seed, progress(f"{tname}/{aname}"),
+                                    preemption=args.preemption))  # fmt: skip
             except DoesNotFit as exc:
                 row["note"] = f"does not fit: {exc}"
             print(file=sys.stderr)
@@ -110,6 +111,8 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--tag", default="", help="suffix for the results' file names")
+    ap.add_argument("--preemption", choices=("recompute", "swap"), default="recompute",
+                    help="how sizing mode brings a preempted request back")  # fmt: skip
     add_out_arg(ap)
     args = ap.parse_args(argv)
     if args.budget_gb is None:

@@ -41,13 +41,20 @@ class _Group:
         return max(self.req.n, self.req.beam)
 
 
-def simulate(alloc, trace: list[TraceRequest], seed: int = 0, progress=None) -> dict:
+def simulate(alloc, trace: list[TraceRequest], seed: int = 0, progress=None,
+             preemption: str = "recompute") -> dict:  # fmt: skip
+    """Replay ``trace``; ``preemption`` is how a victim comes back: ``recompute`` (its tokens
+    are prefilled again) or ``swap`` (its K/V go to the host and back: bytes moved, no
+    prefill)."""
+    if preemption not in ("recompute", "swap"):
+        raise ValueError(f"preemption must be 'recompute' or 'swap', got {preemption!r}")
     rng = random.Random(seed)
     waiting: deque[_Group] = deque(_Group(i, r) for i, r in enumerate(trace))
     running: list[_Group] = []
     sums = dict(held=0, logical=0, granule=0, used=0)
     stalled: set[int] = set()
-    steps = preemptions = recompute_tokens = max_seqs = 0
+    steps = preemptions = recompute_tokens = swap_bytes = max_seqs = 0
+    swapped: set[int] = set()  # requests whose K/V wait on the host
     peak_held = generated = seq_steps = prefill_tokens = 0
     total = len(trace)
     while waiting or running:
@@ -69,7 +76,12 @@ def simulate(alloc, trace: list[TraceRequest], seed: int = 0, progress=None) -> 
                         alloc.free(v)
                     running.remove(victim)
                     preemptions += 1
-                    recompute_tokens += victim.req.prompt_len + victim.generated
+                    held = victim.req.prompt_len + victim.generated
+                    if preemption == "swap":
+                        swap_bytes += held * alloc.bpt * len(victim.handles)  # out
+                        swapped.add(victim.rid)
+                    else:
+                        recompute_tokens += held
                     victim.handles = []
                     waiting.appendleft(victim)
                 ids = [token_id(g.req, g.rid, g.length)] if alloc.uses_ids else None
@@ -89,7 +101,11 @@ def simulate(alloc, trace: list[TraceRequest], seed: int = 0, progress=None) -> 
             waiting.popleft()
             ids = [token_id(g.req, g.rid, p) for p in range(tokens)] if alloc.uses_ids else None
             h = alloc.admit(tokens, ids)
-            prefill_tokens += tokens - alloc.last_hit
+            if g.rid in swapped:  # swapped back in: the same bytes again, nothing computed
+                swapped.discard(g.rid)
+                swap_bytes += tokens * alloc.bpt * g.width
+            else:
+                prefill_tokens += tokens - alloc.last_hit
             g.length = tokens
             g.handles = [h] + (alloc.fork(h, g.width - 1) if g.width > 1 else [])
             g.admitted_at = steps
@@ -121,6 +137,7 @@ def simulate(alloc, trace: list[TraceRequest], seed: int = 0, progress=None) -> 
         "max_concurrent_seqs": max_seqs,
         "preemptions": preemptions,
         "recompute_tokens": recompute_tokens,
+        "swap_bytes": swap_bytes,
         "bytes_copied": alloc.copied_bytes,
         "steps": steps,
         "prefill_tokens": prefill_tokens,  # prompt tokens computed (cached ones excluded)
