@@ -169,3 +169,15 @@ def test_a_fully_cached_prompt_recomputes_only_its_last_token(model):
     assert engine.stats.prefix_hit_tokens == 63
     assert kv.stats().cow_copies > copies  # the shared tail page was split, not overwritten
     kv.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["vm", "paged"])
+def test_map_ahead_changes_no_output(model, kind):
+    reqs = requests(LONG, seed=3)
+    ahead = Engine(model, make(kind, 24 if kind == "vm" else 12), preemption="swap")
+    plain = Engine(model, make(kind, 24 if kind == "vm" else 12), preemption="swap",
+                   map_ahead=False)  # fmt: skip
+    assert ahead.run(reqs) == plain.run(reqs)
+    assert ahead.stats.premapped_pages > 0 and plain.stats.premapped_pages == 0
+    ahead.kv.check_invariants()
+    assert ahead.kv.stats().physical_pages == 0

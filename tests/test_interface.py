@@ -199,6 +199,12 @@ class CacheMachine(RuleBasedStateMachine):
             (self.dirty.add if s in dirty else self.dirty.discard)(d)
 
     @precondition(lambda self: self.shadow)
+    @rule(data=st.data(), n=st.integers(0, 70))
+    def reserve(self, data, n):
+        s = data.draw(st.sampled_from(self.seqs))
+        self.c.reserve(s, n)  # best effort; contents and lengths do not change
+
+    @precondition(lambda self: self.shadow)
     @rule(data=st.data())
     def truncate(self, data):
         s = data.draw(st.sampled_from(self.seqs))

@@ -24,6 +24,7 @@ import torch
 from .errors import CacheFull, check_int
 from .pool import PagePool
 from .prefix import PrefixIndex, PrefixOps
+from .reserve import ReserveOps
 from .sharing import SharingOps
 from .spec import KVSpec
 from .stats import CacheStats
@@ -41,7 +42,7 @@ def _check_tokens(name: str, ids) -> list[int]:
     return ids
 
 
-class SequenceCache(SharingOps, SwapOps, PrefixOps):
+class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
     def __init__(
         self,
         spec: KVSpec,
@@ -73,6 +74,9 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps):
         self._free_slots = list(range(max_seqs - 1, -1, -1))
         self._tokens: list[list[int] | None] = [None] * max_seqs  # token ids, None = unknown
         self._salts: list[object] = [None] * max_seqs  # tenant salt for the prefix index
+        self._ahead: list[list[list[int]]] = [[[] for _ in range(num_tables)]
+                                                 for _ in range(max_seqs)]  # fmt: skip
+        self.reserved_pages_mapped = 0  # pages mapped ahead by reserve() (owned here)
         self.prefix: PrefixIndex | None = None  # owned here; holds pool references
         if prefix_caching:
             if units_per_page % units_per_token:
@@ -175,7 +179,8 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps):
         if not isinstance(n, int) or n < 0 or self._lens[s] + n > self.max_seq_len:
             return False
         splits, p_old, p_new = self._grow_plan(s, n)
-        return self.pool.can_allocate(len(splits) + self._T * (p_new - p_old))
+        ready = min(len(self._ahead[s][0]), p_new - p_old)
+        return self.pool.can_allocate(len(splits) + self._T * (p_new - p_old - ready))
 
     # --- sequence lifecycle ------------------------------------------------------------
     def new_sequence(self, slot: int | None = None, prefix_tokens=None, salt=None) -> int:
@@ -224,7 +229,12 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps):
         if n == 0:
             return
         splits, p_old, p_new = self._grow_plan(s, n)
-        self._split_and_extend(s, splits, p_old, p_new)
+        take = self._take_reserved(s, p_new - p_old)  # mapped ahead by reserve()
+        try:
+            self._split_and_extend(s, splits, p_old + take, p_new)
+        except BaseException:
+            self._untake_reserved(s, take)
+            raise
         known = self._tokens[s]
         if token_ids is not None and known is not None and len(known) == self._lens[s]:
             known.extend(token_ids)
@@ -251,6 +261,7 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps):
         With prefix caching, its full pages of known tokens stay cached (index references)."""
         s = self._check_seq(s)
         self.cache_prefix(s)
+        self._drop_reserved(s)
         tab = self._tables[s]
         self._sync()
         for t in range(self._T):
@@ -357,6 +368,9 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps):
     def check_invariants(self) -> None:
         """Assert DESIGN.md's invariants 1–2 (for tests and soak runs; O(pages))."""
         counts: dict[int, int] = {}
+        for s in self.sequences:
+            for p in (p for t in self._ahead[s] for p in t):
+                counts[p] = counts.get(p, 0) + 1
         for p in self.prefix.references() if self.prefix is not None else []:
             counts[p] = counts.get(p, 0) + 1
         for s in self.sequences:

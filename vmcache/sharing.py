@@ -69,6 +69,8 @@ class SharingOps:
         srcs = [self._check_seq(s) for s in srcs]
         if len(set(dsts)) != len(dsts):
             raise ValueError(f"assign destinations must be distinct, got {dsts}")
+        for d in dsts:
+            self._drop_reserved(d)  # the rows are about to be remapped
         new = {d: [list(t) for t in self._tables[s]] for d, s in zip(dsts, srcs)}
         new_len = {d: self._lens[s] for d, s in zip(dsts, srcs)}
         new_ids = {d: (self._tokens[s] and list(self._tokens[s]), self._salts[s])
@@ -111,6 +113,7 @@ class SharingOps:
         check_int("length", length)
         if not 0 <= length <= self._lens[s]:
             raise ValueError(f"truncate length must be in [0, {self._lens[s]}], got {length}")
+        self._drop_reserved(s)
         keep = self._pages_for(length)
         tab = self._tables[s]
         self._sync()

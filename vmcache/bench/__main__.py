@@ -142,7 +142,7 @@ def main(argv=None) -> None:
         comp = compute.run(dev, 32 if not args.full else 96, budgets, progress("compute"))
         print(file=sys.stderr)
         print(table(comp, ["budget_tokens", "cache", "tok_per_s", "step_ms", "map_ms_per_step",
-                           "max_running", "preempt_swap"]))  # fmt: skip
+                           "premap_ms_per_step", "max_running", "preempt_swap"]))  # fmt: skip
         print("\n-- radix rows, compute mode: 24 requests sharing a 192-token system prompt --")
         radix = compute.run_prefix(dev, 24 if not args.full else 96, 4096, progress("radix"))
         print(file=sys.stderr)

@@ -73,9 +73,9 @@ def run(device: torch.device, num_requests: int, budgets_tokens: list[int], prog
             engine = Engine(model, make_cache(kind, spec, budget, device, 64), preemption="swap")
             engine.run(reqs)
             d = engine.stats.as_dict()
-            rows.append({"cache": kind, "budget_tokens": budget_tokens, **{
-                k: d[k] for k in ("tok_per_s", "step_ms", "map_ms_per_step", "steps",
-                                  "max_running", "preempt_swap", "swap_bytes")}})  # fmt: skip
+            keys = ("tok_per_s", "step_ms", "map_ms_per_step", "premap_ms_per_step", "steps",
+                    "max_running", "preempt_swap", "swap_bytes")  # fmt: skip
+            rows.append({"cache": kind, "budget_tokens": budget_tokens, **{k: d[k] for k in keys}})
             if progress is not None:
                 progress(len(rows), 2 * len(budgets_tokens))
     return rows

@@ -32,7 +32,9 @@ class EngineStats:
     swap_bytes: int = 0  # bytes copied to the host tier by swap-outs
     recompute_tokens: int = 0  # tokens whose K/V were dropped and computed again
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix index
-    map_s: float = 0.0  # time in the schedule phase (grows map pages there)
+    map_s: float = 0.0  # time in the schedule phase (grows map what was not mapped ahead)
+    premap_s: float = 0.0  # time mapping next-step pages while the step runs (map_ahead)
+    premapped_pages: int = 0
     model_s: float = 0.0  # time in model steps
     elapsed_s: float = 0.0
     max_running: int = 0
@@ -44,14 +46,15 @@ class EngineStats:
         steps = max(self.steps, 1)
         rate = self.generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
         d.update(map_ms_per_step=1e3 * self.map_s / steps, step_ms=1e3 * self.model_s / steps,
-                 tok_per_s=rate)  # fmt: skip
+                 premap_ms_per_step=1e3 * self.premap_s / steps, tok_per_s=rate)  # fmt: skip
         return d
 
 
 class Engine:
     def __init__(self, model, cache, *, preemption: str = "recompute", victim: str = "last",
-                 max_batch_tokens: int = 2048) -> None:  # fmt: skip
+                 max_batch_tokens: int = 2048, map_ahead: bool = True) -> None:  # fmt: skip
         self.kv = cache
+        self.map_ahead = map_ahead
         self.runner = ModelRunner(model, cache)
         self.vocab = model.config.get_text_config().vocab_size
         self.scheduler = Scheduler(cache, preemption, victim, max_batch_tokens)
@@ -135,6 +138,14 @@ class Engine:
         st.prefill_tokens += sum(len(s.pending) for s in batch if len(s.pending) > 1)
         logits = self.runner.step([s.slot for s in batch], [s.cached for s in batch],
                                   [s.pending for s in batch])  # fmt: skip
+        premap = 0.0
+        if self.map_ahead:  # on a GPU the step is still running: map the next one's pages
+            tp = time.perf_counter()
+            for seq in batch:
+                p = seq.req.params
+                if p.stop_token_id is None and len(seq.generated) + 1 < p.max_new_tokens:
+                    st.premapped_pages += self.kv.reserve(seq.slot, 1)
+            premap = time.perf_counter() - tp
         for seq, row in zip(batch, logits):
             if len(seq.pending) > 1:
                 self.kv.cache_prefix(seq.slot)  # its prompt's full pages, for later requests
@@ -144,7 +155,8 @@ class Engine:
         t2 = time.perf_counter()
         st.steps += 1
         st.map_s += t1 - t0
-        st.model_s += t2 - t1
+        st.premap_s += premap
+        st.model_s += t2 - t1 - premap
         st.step_s.append(t2 - t0)
         st.max_running = max(st.max_running, len(sched.running))
         for name in ("preempt_swap", "preempt_recompute", "swap_bytes", "recompute_tokens",
