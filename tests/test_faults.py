@@ -80,6 +80,14 @@ OPS = {
         1, child, 0, torch.ones(40, 2, 16), torch.ones(40, 2, 16)
     ),
     "swap_in": lambda c, s, child: c.swap_in(c.swap_out(child)),
+    "assign (beam reorder) of diverged rows": lambda c, s, child: c.assign([s, child], [child, s]),
+    "reserve ahead": lambda c, s, child: c.reserve(s, 300),
+    "grow taking reserved pages and more": lambda c, s, child: c.grow(s, 400),
+}
+# state an op needs first (done before the snapshot, never failed)
+PREPARE = {
+    "assign (beam reorder) of diverged rows": lambda c, s, child: c.grow(child, 100),
+    "grow taking reserved pages and more": lambda c, s, child: c.reserve(s, 100),
 }
 
 
@@ -106,6 +114,7 @@ def test_every_failure_rolls_back(op):
                 be.close()
                 break
         else:
+            PREPARE.get(op, lambda *a: None)(c, s, child)
             before = snapshot(c)
             be.fail_at = be.calls + k
             try:
