@@ -7,10 +7,10 @@ last ``q_lens[i]`` positions of sequence i are the queries' own; causal → same
 """
 
 if __name__ == "vmcache.kernels":
-    from .api import decode, prefill
+    from .api import attend, decode, prefill
     from .reference import dense_attention, paged_decode_reference
 
-    __all__ = ["decode", "prefill", "dense_attention", "paged_decode_reference"]
+    __all__ = ["attend", "decode", "prefill", "dense_attention", "paged_decode_reference"]
 else:
     # Imported as a top-level "kernels": the repository root is on sys.path (``python -c`` or
     # ``python -m`` run from it) and transformers probed that name for the unrelated Hub

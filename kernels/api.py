@@ -31,3 +31,11 @@ def prefill(cache, layer: int, q, seq_ids, q_lens, scale=None, impl=None) -> tor
     q_lens = [int(x) for x in q_lens]
     seq_ids = check_inputs(cache, layer, q, seq_ids, q_lens)
     return mod.prefill(cache, layer, q, seq_ids, q_lens, scale=scale, impl=impl)
+
+
+def attend(cache, layer: int, q, seq_ids, q_lens, scale=None, impl=None) -> torch.Tensor:
+    """Packed variable-length attention (q ``[Σ q_lens, N_Q, d_h]``): :func:`decode` when
+    every sequence brings one token, else :func:`prefill`."""
+    if all(int(n) == 1 for n in q_lens):
+        return decode(cache, layer, q, seq_ids, scale=scale, impl=impl)
+    return prefill(cache, layer, q, seq_ids, q_lens, scale=scale, impl=impl)

@@ -173,10 +173,8 @@ class _HFCache(Cache):
         """Attention of every row's new queries ``[b, N_Q, q, d_h]`` over the cache itself
         (:mod:`vmcache.kernels`) → ``[b, q, N_Q, d_h]``."""
         b, heads, q, dim = query.shape
-        if q == 1:
-            return kernels.decode(self.kv, layer, query[:, :, 0], self.rows, scale=scale)[:, None]
         packed = query.transpose(1, 2).reshape(b * q, heads, dim)
-        out = kernels.prefill(self.kv, layer, packed, self.rows, [q] * b, scale=scale)
+        out = kernels.attend(self.kv, layer, packed, self.rows, [q] * b, scale=scale)
         return out.view(b, q, heads, dim)
 
     # --- what generate calls on the whole cache --------------------------------------

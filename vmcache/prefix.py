@@ -52,21 +52,17 @@ class PrefixIndex:
     _tick: int = 0
     _stats: PrefixStats = field(default_factory=PrefixStats)
 
-    def _walk(self, tokens: Sequence[int], salt):
-        P, parent = self.tokens_per_page, None
-        for j in range(len(tokens) // P):
-            key = (id(parent), tuple(tokens[j * P : (j + 1) * P]), salt)
-            yield j, key, parent
-            parent = self._entries.get(key)
-            if parent is None:
-                return
+    def _key(self, parent: _Entry | None, tokens: Sequence[int], j: int, salt) -> tuple:
+        """Page ``j`` of ``tokens`` after ``parent``: exact, so no two prefixes collide."""
+        P = self.tokens_per_page
+        return (id(parent), tuple(tokens[j * P : (j + 1) * P]), salt)
 
     def match(self, tokens: Sequence[int], salt=None) -> list[_Entry]:
         """The longest run of cached full pages that starts ``tokens`` (touched as used)."""
         self._tick += 1
-        found = []
-        for _, key, _ in self._walk(tokens, salt):
-            e = self._entries.get(key)
+        found: list[_Entry] = []
+        for j in range(len(tokens) // self.tokens_per_page):
+            e = self._entries.get(self._key(found[-1] if found else None, tokens, j, salt))
             if e is None:
                 break
             e.last_used = self._tick
@@ -85,8 +81,7 @@ class PrefixIndex:
         new = 0
         parent = None
         for j in range(n):
-            P = self.tokens_per_page
-            key = (id(parent), tuple(tokens[j * P : (j + 1) * P]), salt)
+            key = self._key(parent, tokens, j, salt)
             e = self._entries.get(key)
             if e is None:
                 e = _Entry(key, parent, tuple(t[j] for t in tables))

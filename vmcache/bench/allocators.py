@@ -165,13 +165,6 @@ class OrcaAlloc(StaticAlloc):
         self._release(start, size)
         del self.lens[h]
 
-    def assign(self, dsts: list[int], srcs: list[int]) -> None:
-        lens = {s: self.lens[s] for s in srcs}
-        for d, s in zip(dsts, srcs):  # extents of equal size within a beam group: copy
-            if d != s:
-                self.copied_bytes += lens[s] * self.bpt
-            self.lens[d] = lens[s]
-
     def snapshot(self) -> dict:
         used = sum(self.lens.values()) * self.bpt
         held = sum(size for _, size in self.ext.values()) * self.bpt

@@ -74,11 +74,7 @@ class StepCache(Cache):
     def attend(self, layer: int, query: torch.Tensor, scale: float | None) -> torch.Tensor:
         """query ``[1, N_Q, N, d_h]`` (packed) → ``[1, N, N_Q, d_h]``."""
         q = query[0].transpose(0, 1)
-        if all(n == 1 for n in self.q_lens):
-            out = kernels.decode(self.kv, layer, q, self.slots, scale=scale)
-        else:
-            out = kernels.prefill(self.kv, layer, q, self.slots, self.q_lens, scale=scale)
-        return out[None]
+        return kernels.attend(self.kv, layer, q, self.slots, self.q_lens, scale=scale)[None]
 
 
 class ModelRunner:
