@@ -254,10 +254,7 @@ class PagedCache(_HFCache):
     def _views(self, layer, n):
         b, kv, spec = len(self.rows), self.kv, self.spec
         if getattr(self.config, "_attn_implementation", None) == ATTN_NAME:
-            # the attention reads the pool itself; a zero-stride stand-in costs nothing
-            stand_in = torch.zeros((), dtype=spec.dtype, device=kv.device)
-            shape = (b, spec.num_kv_heads, n, spec.head_dim)
-            return stand_in.expand(shape), stand_in.expand(shape)
+            return stand_ins(spec, kv.device, b, n)  # the attention reads the pool itself
         return self._gather(layer, n)
 
     def _gather(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,6 +264,14 @@ class PagedCache(_HFCache):
         blocks, offs = tables[:, pos // self._block_size], pos % self._block_size
         pool = self.kv.kv_pool[layer]
         return pool[0][blocks, offs].transpose(1, 2), pool[1][blocks, offs].transpose(1, 2)
+
+
+def stand_ins(spec: KVSpec, device, rows: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-stride ``[rows, N_KV, n, d_h]`` K and V that cost nothing: what ``update``
+    returns when :func:`vmcache_attention` will read the cache itself."""
+    one = torch.zeros((), dtype=spec.dtype, device=device)
+    shape = (rows, spec.num_kv_heads, n, spec.head_dim)
+    return one.expand(shape), one.expand(shape)
 
 
 def vmcache_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,

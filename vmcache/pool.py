@@ -84,8 +84,6 @@ class PagePool:
         return self.num_free + extra
 
     def can_allocate(self, n: int) -> bool:
-        if 0 <= n <= self.num_free:
-            return True
         return 0 <= n <= self.num_available
 
     def refcount(self, page: int) -> int:

@@ -149,16 +149,8 @@ class PrefixOps:
             entries.pop()
         if not entries:
             return
-        undo = []
-        try:
-            for t in range(self._T):
-                self._attach(s, t, 0, [e.pages[t] for e in entries])
-                undo.append(lambda t=t: self._detach(s, t, 0, len(entries)))
-        except BaseException:
-            for f in reversed(undo):
-                f()
-            raise
         tables = [[e.pages[t] for e in entries] for t in range(self._T)]
+        self._attach_row(s, 0, tables)
         self.pool.incref([p for tab in tables for p in tab])
         n = len(entries) * self.prefix.tokens_per_page
         self._tables[s], self._tokens[s] = tables, list(tokens[:n])

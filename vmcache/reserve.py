@@ -14,8 +14,6 @@ first. Reserving is best effort: with no free page it maps nothing and raises no
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from .errors import check_int
 
 
@@ -35,18 +33,14 @@ class ReserveOps:
         if extra <= 0 or not self.pool.can_allocate(self._T * extra):
             return 0
         fresh = self.pool.allocate(self._T * extra)
-        undo: list[Callable[[], None]] = []
+        rows = [fresh[t * extra : (t + 1) * extra] for t in range(self._T)]
         try:
-            for t in range(self._T):
-                self._attach(s, t, first, fresh[t * extra : (t + 1) * extra])
-                undo.append(lambda t=t: self._detach(s, t, first, extra))
+            self._attach_row(s, first, rows)
         except BaseException:
-            for f in reversed(undo):
-                f()
             self.pool.decref(fresh)
             raise
         for t in range(self._T):
-            have[t].extend(fresh[t * extra : (t + 1) * extra])
+            have[t].extend(rows[t])
         self.reserved_pages_mapped += len(fresh)
         return len(fresh)
 

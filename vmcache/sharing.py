@@ -20,6 +20,18 @@ from .errors import CacheFull, check_int
 
 
 class SharingOps:
+    def _attach_row(self, s: int, j0: int, pages: list[list[int]]) -> None:
+        """Map ``pages[t]`` at index ``j0`` of every table ``t`` of ``s``: all or nothing."""
+        done = 0
+        try:
+            for t in range(self._T):
+                self._attach(s, t, j0, pages[t])
+                done += 1
+        except BaseException:
+            for t in reversed(range(done)):
+                self._detach(s, t, j0, len(pages[t]))
+            raise
+
     def fork(self, s: int, n: int = 1) -> list[int]:
         """``n`` children sharing every page of ``s`` (refcounts += n, no K/V copied)."""
         s = self._check_seq(s)

@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import kernels
-from ..hf import ATTN_NAME
+from ..hf import ATTN_NAME, stand_ins
 
 
 class _StepLayer(CacheLayerMixin):
@@ -65,9 +65,7 @@ class StepCache(Cache):
         for s, start, n in zip(self.slots, self.starts, self.q_lens):
             self.kv.write(layer, s, start, k[i : i + n], v[i : i + n])
             i += n
-        stand_in = torch.zeros((), dtype=self.spec.dtype, device=k.device)
-        shape = (1, self.spec.num_kv_heads, k.shape[0], self.spec.head_dim)
-        keys, values = stand_in.expand(shape), stand_in.expand(shape)
+        keys, values = stand_ins(self.spec, k.device, 1, k.shape[0])
         keys._vmcache = values._vmcache = (self, layer)
         return keys, values
 
