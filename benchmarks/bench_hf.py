@@ -17,7 +17,7 @@ import torch
 from common import parse_args, save, table
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
-from vmcache.hf import PagedCache, VMCache
+from vmcache.hf import PagedCache, VMCache, cache_keyword
 
 CACHES = ("dynamic", "static", "vmcache", "paged")
 
@@ -69,7 +69,7 @@ def run_point(model, dev, kind, mode, prompt, new) -> dict:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     t0 = time.perf_counter()
-    out = model.generate(ids, cache=cache, **kw)
+    out = model.generate(ids, **{cache_keyword(model): cache}, **kw)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     elapsed = time.perf_counter() - t0

@@ -3,7 +3,11 @@ both caches, with small pools so that CacheFull happens often. Every operation c
 touched; every ``--check-every`` operations all contents and DESIGN.md's invariants are
 checked. At the end everything is freed and the pool must be full again (no leaked page).
 
-    python benchmarks/soak.py [--ops 100000] [--seed 0] [--device cpu|cuda]
+    python benchmarks/soak.py [--ops 100000] [--seed 0] [--device cpu|cuda] [--strict]
+
+Pages are the backend's own size (the driver's 2 MiB granularity on CUDA, 4 KiB on the host)
+and the model's head_dim scales with them, so a page always holds 64 tokens of one table.
+``--strict`` runs the host backend under the CUDA page rules at 2 MiB (StrictBackend).
 """
 
 from __future__ import annotations
@@ -17,22 +21,42 @@ from common import add_out_arg, save, table
 from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import CacheFull, KVSpec, VMKVCache
+from vmcache.backends import make_backend
+from vmcache.backends.host import HostBackend
+from vmcache.backends.strict import CUDA_GRANULARITY, StrictBackend
 
-SPEC = KVSpec(2, 2, 8, torch.float32)  # 64 B per token row: 64 tokens per 4 KiB page
+
+def spec_for(page_size: int) -> KVSpec:
+    """2 layers, 2 KV heads, fp32, head_dim = page/512: 64 tokens per page and table row."""
+    return KVSpec(2, 2, page_size // 512, torch.float32)
 
 
-def factories(device: str) -> dict:
-    return {
-        "VMKVCache layer_major": lambda: VMKVCache(
-            SPEC, 8, 300, device=device, page_size=4096, pool_bytes=48 * 4096
-        ),  # fmt: skip
-        "VMKVCache token_major": lambda: VMKVCache(
-            SPEC, 8, 300, device=device, page_size=4096, pool_bytes=24 * 4096, layout="token_major"
-        ),  # fmt: skip
+def factories(device: str, strict: bool = False) -> dict:
+    """Cache makers; each takes no argument and has a ``.spec``. The backend decides the page
+    size: CUDA's granularity on a GPU, 4 KiB on the host, 2 MiB with ``strict``."""
+
+    def backend():
+        return StrictBackend(HostBackend()) if strict else make_backend(device)
+
+    probe = backend()
+    page = CUDA_GRANULARITY if strict else (4096 if device == "cpu" else probe.granularity)
+    probe.close()
+    spec = spec_for(page)
+
+    def vm(pages, layout):
+        return lambda: VMKVCache(spec, 8, 300, backend=backend(), own_backend=True,
+                                 page_size=page, pool_bytes=pages * page, layout=layout)  # fmt: skip
+
+    makers = {
+        "VMKVCache layer_major": vm(48, "layer_major"),
+        "VMKVCache token_major": vm(24, "token_major"),
         "PagedKVCache B=16": lambda: PagedKVCache(
-            SPEC, num_blocks=60, block_size=16, device=device, max_seq_len=300, max_seqs=8
+            spec, num_blocks=60, block_size=16, device=device, max_seq_len=300, max_seqs=8
         ),  # fmt: skip
     }
+    for make in makers.values():
+        make.spec = spec
+    return makers
 
 
 def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
@@ -40,6 +64,8 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
     rng = random.Random(seed)
     c = make()
     dev = c.device
+    spec = c.spec
+    H, D = spec.num_kv_heads, spec.head_dim
     shadow: dict[int, torch.Tensor] = {}  # seq -> [N_L, 2, len, H, D] on the CPU
     swapped: list[tuple[object, torch.Tensor]] = []
     counts = {"cachefull": 0}
@@ -47,7 +73,7 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
     value = 0.0
 
     def read(s):
-        return torch.stack([torch.stack(c.kv(layer, s)) for layer in range(SPEC.num_layers)]).cpu()
+        return torch.stack([torch.stack(c.kv(layer, s)) for layer in range(spec.num_layers)]).cpu()
 
     def check(s, op):
         if not torch.equal(read(s), shadow[s]):
@@ -62,12 +88,12 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
         try:
             if op == "new":
                 s = c.new_sequence()
-                shadow[s] = torch.zeros(SPEC.num_layers, 2, 0, 2, 8)
+                shadow[s] = torch.zeros(spec.num_layers, 2, 0, H, D)
             elif op == "grow" and seqs:
                 s = rng.choice(seqs)
                 n = min(rng.randint(1, 70), c.max_seq_len - shadow[s].shape[2])
                 c.grow(s, n)
-                shadow[s] = torch.cat([shadow[s], torch.zeros(SPEC.num_layers, 2, n, 2, 8)], 2)
+                shadow[s] = torch.cat([shadow[s], torch.zeros(spec.num_layers, 2, n, H, D)], 2)
                 check(s, op)
             elif op == "write" and seqs:
                 s = rng.choice(seqs)
@@ -75,9 +101,9 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
                 if length:
                     start = rng.randrange(length)
                     n = rng.randint(1, length - start)
-                    layer = rng.randrange(SPEC.num_layers)
+                    layer = rng.randrange(spec.num_layers)
                     value += 1
-                    k = torch.full((n, 2, 8), value)
+                    k = torch.full((n, H, D), value)
                     c.write(layer, s, start, k.to(dev), (-k).to(dev))
                     shadow[s][layer, 0, start : start + n] = value
                     shadow[s][layer, 1, start : start + n] = -value
@@ -126,10 +152,11 @@ def main(argv=None):
     ap.add_argument("--ops", type=int, default=100_000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--strict", action="store_true", help="host backend under CUDA page rules")
     add_out_arg(ap)
     args = ap.parse_args(argv)
     rows = []
-    for name, make in factories(args.device).items():
+    for name, make in factories(args.device, args.strict).items():
         r = soak(make, args.ops, args.seed)
         rows.append({"cache": name, **r})
         print(f"{name}: {r['ops']} ops, {r['violations']} violations, {r['leaked_pages']} leaked")

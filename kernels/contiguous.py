@@ -1,7 +1,7 @@
 """Attention over VMKVCache's virtual tensors, with unmodified contiguous kernels.
 
-Dispatch (each step feature-tested, never assumed), all of them "class A" in
-shared/notes/gpu_paths.md: they never read a row at or past a sequence's length.
+Dispatch (each step feature-tested, never assumed), all of them "class A": they never read a
+row at or past a sequence's length.
 
 1. ``flash_attn_with_kvcache(q, K, V, cache_seqlens, cache_batch_idx)``: flash-attn installed,
    CUDA, fp16/bf16, d_h % 8 == 0 (vAttention's exact contract).
@@ -11,8 +11,13 @@ shared/notes/gpu_paths.md: they never read a row at or past a sequence's length.
        flat rows: | slot 0: L_row rows | slot 1: L_row rows | ...
        cu_k[i] = slot_i · L_row  (sorted by slot);  reads rows [cu_k[i], cu_k[i] + len_i)
 
-3. our Triton kernel (stride addressing, int64 offsets): CUDA, or CPU under the interpreter.
-4. SDPA once per sequence on ``K[s, :len]`` views (CPU; always correct).
+   VMKVCache pads rows to lcm(page, token row), so L_row is a whole number of tokens for
+   every head_dim, layer count and layout.
+3. our Triton kernel (stride addressing, int64 offsets) on CUDA.
+4. SDPA once per sequence on ``K[s, :len]`` views (CPU; always correct). On the CPU under
+   ``TRITON_INTERPRET=1`` the Triton kernel is available after it, for tests (``impl=``).
+
+Per-step metadata comes from :func:`.plan.plan` (built once per step, on the device).
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ import torch
 
 from . import triton_decode
 from .common import attend_cache_views
+from .plan import plan
 
 IMPLS = ("flash_attn", "aten_fa2", "triton", "sdpa")
+PREFILL_IMPLS = ("aten_fa2", "sdpa")
 
 
 @functools.cache
@@ -63,71 +70,55 @@ def available_impls(q: torch.Tensor) -> list[str]:
         and torch.cuda.get_device_capability(q.device)[0] >= 8
     ):
         out.append("aten_fa2")
-    if triton_decode.triton_usable(q.device):
+    if q.is_cuda and triton_decode.triton_usable(q.device):
         out.append("triton")
     out.append("sdpa")
+    if not q.is_cuda and triton_decode.triton_usable(q.device):
+        out.append("triton")  # interpreted: for tests only, never the default
     return out
 
 
-def _flat_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``[S, L, H, D]`` (rows padded to pages) as ``[S·L_row, H, D]``; returns (view, L_row)."""
+def flat_rows(x: torch.Tensor, l_row: int) -> torch.Tensor:
+    """``[S, L, H, D]`` (rows of ``l_row`` whole tokens) as ``[S·L_row, H, D]``: token t of
+    row s is flat row ``s·l_row + t``."""
     s_stride, t_stride = x.stride(0), x.stride(1)
-    assert s_stride % t_stride == 0, "row stride must be a whole number of token rows"
-    l_row = s_stride // t_stride
-    flat = x.as_strided((x.shape[0] * l_row, x.shape[2], x.shape[3]),
-                        (t_stride, x.stride(2), 1))  # fmt: skip
-    return flat, l_row
+    if s_stride != l_row * t_stride:
+        raise ValueError(f"row stride {s_stride} is not {l_row} token rows of {t_stride}")
+    return x.as_strided((x.shape[0] * l_row, x.shape[2], x.shape[3]), (t_stride, x.stride(2), 1))
 
 
 def _aten_fa2(cache, layer, q, seq_ids, q_lens, scale):
-    order = sorted(range(len(seq_ids)), key=lambda i: seq_ids[i])  # cu_k must be monotonic
-    slots = [seq_ids[i] for i in order]
-    qls = [q_lens[i] for i in order]
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
-    q_sorted = torch.cat([q[starts[i] : starts[i] + q_lens[i]] for i in order])
-    k, l_row = _flat_rows(cache.k_cache(layer))
-    v, _ = _flat_rows(cache.v_cache(layer))
-    dev = q.device
-    cu_q = torch.tensor([0] + list(torch.tensor(qls).cumsum(0)), dtype=torch.int32, device=dev)
-    cu_k = torch.tensor([s * l_row for s in slots] + [(slots[-1] + 1) * l_row],
-                        dtype=torch.int32, device=dev)  # fmt: skip
-    lens = [cache.seq_len(s) for s in slots]
+    p = plan(cache, seq_ids, q_lens, varlen=True)
+    l_row = cache.row_bytes // cache.token_bytes
+    k = flat_rows(cache.k_cache(layer), l_row)
+    v = flat_rows(cache.v_cache(layer), l_row)
     out = torch.ops.aten._flash_attention_forward(
-        q_sorted, k, v, cu_q, cu_k, max(qls), max(lens), 0.0, True, False,
-        scale=scale, seqused_k=torch.tensor(lens, dtype=torch.int32, device=dev),
+        q.index_select(0, p.perm), k, v, p.cu_q, p.cu_k, p.max_q, p.max_kv, 0.0, True, False,
+        scale=scale, seqused_k=p.used_k,
     )[0]  # fmt: skip
-    result = torch.empty_like(q)
-    pos = 0
-    for i in order:
-        result[starts[i] : starts[i] + q_lens[i]] = out[pos : pos + q_lens[i]]
-        pos += q_lens[i]
-    return result
+    return out.index_select(0, p.inv)
 
 
 def decode(cache, layer, q, seq_ids, scale=None, impl=None):
     """q: ``[B, N_Q, d_h]`` → ``[B, N_Q, d_h]``; attends over each sequence's whole length."""
     impl = impl or available_impls(q)[0]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if impl == "flash_attn":
-        slots = torch.tensor(seq_ids, dtype=torch.int32, device=q.device)
-        lens = cache.seq_lens[slots.long()]
-        out = _flash_attn()(q.unsqueeze(1), cache.k_cache(layer), cache.v_cache(layer),
-                            cache_seqlens=lens, cache_batch_idx=slots, softmax_scale=scale,
-                            causal=True)  # fmt: skip
-        return out.squeeze(1)
+    if impl not in IMPLS:
+        raise ValueError(f"unknown contiguous impl {impl!r}; expected one of {IMPLS}")
     if impl == "aten_fa2":
         return _aten_fa2(cache, layer, q, seq_ids, [1] * len(seq_ids), scale)
-    if impl == "triton":
-        slots = torch.tensor(seq_ids, dtype=torch.int32, device=q.device)
-        return triton_decode.decode(
-            q, cache.k_cache(layer), cache.v_cache(layer), slots, cache.seq_lens[slots.long()],
-            paged=False, block=64, scale=scale,
-        )  # fmt: skip
     if impl == "sdpa":
         return attend_cache_views(cache, layer, q, seq_ids, [1] * len(seq_ids), scale)
-    raise ValueError(f"unknown contiguous impl {impl!r}; expected one of {IMPLS}")
+    p = plan(cache, seq_ids, [1] * len(seq_ids))
+    if impl == "flash_attn":
+        out = _flash_attn()(q.unsqueeze(1), cache.k_cache(layer), cache.v_cache(layer),
+                            cache_seqlens=p.lens, cache_batch_idx=p.slots, softmax_scale=scale,
+                            causal=True)  # fmt: skip
+        return out.squeeze(1)
+    return triton_decode.decode(
+        q, cache.k_cache(layer), cache.v_cache(layer), p.slots, p.lens, max_len=p.max_kv,
+        paged=False, block=1, scale=scale,
+    )  # fmt: skip
 
 
 def prefill(cache, layer, q, seq_ids, q_lens, scale=None, impl=None):
@@ -139,4 +130,4 @@ def prefill(cache, layer, q, seq_ids, q_lens, scale=None, impl=None):
         return _aten_fa2(cache, layer, q, seq_ids, list(q_lens), scale)
     if impl == "sdpa":
         return attend_cache_views(cache, layer, q, seq_ids, q_lens, scale)
-    raise ValueError(f"unknown contiguous prefill impl {impl!r}; expected 'aten_fa2' or 'sdpa'")
+    raise ValueError(f"unknown contiguous prefill impl {impl!r}; expected one of {PREFILL_IMPLS}")

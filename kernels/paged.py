@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import torch
-
 from . import triton_decode
 from .common import attend_cache_views
+from .plan import plan
 
 
-def decode(cache, layer: int, q: torch.Tensor, seq_ids: list[int], scale=None, impl=None):
+def decode(cache, layer: int, q, seq_ids: list[int], scale=None, impl=None):
     """q: ``[B, N_Q, d_h]``; returns ``[B, N_Q, d_h]``. impl: None (auto), "triton", "torch"."""
-    if impl is None:
-        impl = "triton" if triton_decode.triton_usable(q.device) else "torch"
+    if impl is None:  # interpreted Triton on the CPU is for tests (impl="triton"), never default
+        impl = "triton" if q.is_cuda else "torch"
     if impl == "triton":
-        lens = cache.seq_lens[torch.tensor(seq_ids, device=cache.device)]
+        p = plan(cache, seq_ids, [1] * len(seq_ids))
         return triton_decode.decode(
-            q, cache.k_pool(layer), cache.v_pool(layer), cache.block_tables(seq_ids), lens,
+            q, cache.k_pool(layer), cache.v_pool(layer), p.tables, p.lens, max_len=p.max_kv,
             paged=True, block=cache.block_size, scale=scale,
         )  # fmt: skip
     if impl == "torch":

@@ -1,17 +1,23 @@
 """Triton split-K decode over either cache: one kernel, two addressing modes, then a combine.
 
-Program (b, h, p) handles sequence b, KV head h (its G query heads together) and partition p
-of the sequence's tiles; it keeps a running max m, sum l and accumulator O (online softmax)
-and writes the partial (m, l, O). A second kernel merges partitions with the seed's rescaling:
+Program (b, h, p) handles sequence b, KV head h (its G query heads together, padded to a
+tensor-core tile of 16 rows) and partition p of the sequence's tiles; it keeps a running max
+m, sum l and accumulator O (online softmax) and writes the partial (m, l, O). Scores and the
+weighted V sum are ``tl.dot`` products (fp32 accumulation), so the G×TILE and G×D products
+live in tensor-core fragments rather than in registers. A second kernel merges partitions with
+the seed's rescaling, looping over them in chunks, so the partition count is a runtime value:
 
     M = max_p m_p;   w_p = e^(m_p − M);   O = Σ_p w_p·O_p / Σ_p w_p·l_p
 
 Addressing of token ``pos`` of sequence b (int64 offsets; loads masked by ``pos < len``):
 
     PAGED:       KV + table[b, pos // BLOCK]·stride_blk + (pos % BLOCK)·stride_tok + h·stride_h
-    contiguous:  KV + slot[b]·stride_seq          + pos·stride_tok            + h·stride_h
+    contiguous:  KV + slot[b]·stride_seq              + pos·stride_tok            + h·stride_h
 
 so nothing past a sequence's length is ever read (unmapped pages would fault).
+
+Compilations: shapes, dtypes and the addressing mode are compile-time; lengths, the partition
+count and the batch are runtime (``do_not_specialize``), so a growing decode never recompiles.
 """
 
 from __future__ import annotations
@@ -23,16 +29,22 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+TILE = 64  # tokens per loop iteration
+PART_TOKENS = 1024  # tokens per split-K partition
+P_CHUNK = 16  # partitions the combine merges per iteration
+G_MIN = 16  # tl.dot needs at least 16 rows
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["scale", "num_parts"])
 def _decode_partial(
-    Q, K, V, TABLE, LENS, M_OUT, L_OUT, O_OUT, scale,
+    Q, K, V, TABLE, LENS, M_OUT, L_OUT, O_OUT, scale, num_parts,
     stride_qb, stride_qh,
     stride_kseq, stride_ktok, stride_kh,
     stride_vseq, stride_vtok, stride_vh,
     stride_tb,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK: tl.constexpr, PART_TILES: tl.constexpr, NUM_PARTS: tl.constexpr, PAGED: tl.constexpr,
+    TILE: tl.constexpr, BLOCK: tl.constexpr, PART_TILES: tl.constexpr, PAGED: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -40,72 +52,90 @@ def _decode_partial(
     seq_len = tl.load(LENS + b)
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
-    offs_t = tl.arange(0, BLOCK)
+    offs_t = tl.arange(0, TILE)
     g_mask = offs_g < G
     d_mask = offs_d < D
     qh = h * G + offs_g
     q_ptr = Q + b.to(tl.int64) * stride_qb + qh[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    q = q * scale
+    q = tl.load(q_ptr, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [G_PAD, D_PAD]
+    if DOT_FP32:
+        q = q.to(tl.float32)
     m_i = tl.full([G_PAD], -1e30, dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
-    n_tiles = tl.cdiv(seq_len, BLOCK)
+    n_tiles = tl.cdiv(seq_len, TILE)
     first = p * PART_TILES
     last = tl.minimum(first + PART_TILES, n_tiles)
-    if PAGED:
-        row_k = 0
-        row_v = 0
-    else:
-        slot = tl.load(TABLE + b * stride_tb).to(tl.int64)
-        row_k = slot * stride_kseq
-        row_v = slot * stride_vseq
+    row_k = tl.zeros([TILE], dtype=tl.int64)
+    row_v = tl.zeros([TILE], dtype=tl.int64)
+    if not PAGED:
+        slot = tl.load(TABLE + b.to(tl.int64) * stride_tb).to(tl.int64)
+        row_k += slot * stride_kseq
+        row_v += slot * stride_vseq
     for tile in range(first, last):
-        pos = tile * BLOCK + offs_t
+        pos = tile * TILE + offs_t
         t_mask = pos < seq_len
         if PAGED:
-            blk = tl.load(TABLE + b * stride_tb + tile).to(tl.int64)
-            k_off = blk * stride_kseq + offs_t[:, None] * stride_ktok
-            v_off = blk * stride_vseq + offs_t[:, None] * stride_vtok
+            tab = TABLE + b.to(tl.int64) * stride_tb + pos // BLOCK
+            blk = tl.load(tab, mask=t_mask, other=0).to(tl.int64)
+            in_blk = (pos % BLOCK).to(tl.int64)
+            k_off = blk * stride_kseq + in_blk * stride_ktok
+            v_off = blk * stride_vseq + in_blk * stride_vtok
         else:
-            k_off = row_k + pos[:, None].to(tl.int64) * stride_ktok
-            v_off = row_v + pos[:, None].to(tl.int64) * stride_vtok
+            k_off = row_k + pos.to(tl.int64) * stride_ktok
+            v_off = row_v + pos.to(tl.int64) * stride_vtok
         kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + k_off + h * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [G_PAD, BLOCK]
+        k = tl.load(K + k_off[:, None] + h * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G_PAD, TILE] fp32
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         pexp = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pexp, axis=1)
-        v = tl.load(V + v_off + h * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.sum(pexp[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        v = tl.load(V + v_off[:, None] + h * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(pexp.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_new
-    row = (b * (G * tl.num_programs(1)) + qh).to(tl.int64) * NUM_PARTS + p
+    row = (b * (G * tl.num_programs(1)) + qh).to(tl.int64) * num_parts + p
     tl.store(M_OUT + row, m_i, mask=g_mask)
     tl.store(L_OUT + row, l_i, mask=g_mask)
     o_ptr = O_OUT + row[:, None] * D_PAD + offs_d[None, :]
     tl.store(o_ptr, acc, mask=g_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_parts"])
 def _combine(
-    M_IN, L_IN, O_IN, OUT, stride_ob, stride_oh,
-    D: tl.constexpr, D_PAD: tl.constexpr, NUM_PARTS: tl.constexpr, P_PAD: tl.constexpr,
+    M_IN, L_IN, O_IN, OUT, stride_ob, stride_oh, num_parts,
+    D: tl.constexpr, D_PAD: tl.constexpr, P_CHUNK: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     hq = tl.program_id(1)
-    offs_p = tl.arange(0, P_PAD)
+    offs_c = tl.arange(0, P_CHUNK)
     offs_d = tl.arange(0, D_PAD)
-    p_mask = offs_p < NUM_PARTS
-    row = (b * tl.num_programs(1) + hq).to(tl.int64) * NUM_PARTS + offs_p
-    m = tl.load(M_IN + row, mask=p_mask, other=-1e30)
-    l_p = tl.load(L_IN + row, mask=p_mask, other=0.0)
-    m_max = tl.max(m, axis=0)
-    w = tl.exp(m - m_max)
-    denom = tl.sum(w * l_p, axis=0)
-    o = tl.load(O_IN + row[:, None] * D_PAD + offs_d[None, :], mask=p_mask[:, None], other=0.0)
-    out = tl.sum(w[:, None] * o, axis=0) / denom
+    base = (b * tl.num_programs(1) + hq).to(tl.int64) * num_parts
+    m_max = tl.full([P_CHUNK], -1e30, dtype=tl.float32)
+    for p0 in range(0, num_parts, P_CHUNK):
+        offs_p = p0 + offs_c
+        m = tl.load(M_IN + base + offs_p, mask=offs_p < num_parts, other=-1e30)
+        m_max = tl.maximum(m_max, m)
+    m_all = tl.max(m_max, axis=0)
+    denom = tl.zeros([P_CHUNK], dtype=tl.float32)
+    acc = tl.zeros([P_CHUNK, D_PAD], dtype=tl.float32)
+    for p0 in range(0, num_parts, P_CHUNK):
+        offs_p = p0 + offs_c
+        p_mask = offs_p < num_parts
+        m = tl.load(M_IN + base + offs_p, mask=p_mask, other=-1e30)
+        l_p = tl.load(L_IN + base + offs_p, mask=p_mask, other=0.0)
+        o = tl.load(O_IN + (base + offs_p)[:, None] * D_PAD + offs_d[None, :],
+                    mask=p_mask[:, None], other=0.0)  # fmt: skip
+        w = tl.exp(m - m_all)
+        denom += w * l_p
+        acc += w[:, None] * o
+    out = tl.sum(acc, axis=0) / tl.sum(denom, axis=0)
     out_ptr = OUT + b.to(tl.int64) * stride_ob + hq * stride_oh + offs_d
     tl.store(out_ptr, out.to(OUT.dtype.element_ty), mask=offs_d < D)
 
@@ -115,6 +145,61 @@ def triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" or isinstance(_decode_partial, InterpretedFunction)
 
 
+def num_partitions(max_len: int, part_tokens: int = PART_TOKENS) -> int:
+    """Split-K partitions for a batch whose longest sequence holds ``max_len`` tokens."""
+    return max(1, -(-max(max_len, 1) // part_tokens))
+
+
+def launches(q, k, v, table, lens, *, max_len, paged, block, scale=None,
+             part_tokens=PART_TOKENS):  # fmt: skip
+    """The two kernel launches of :func:`decode`, as ``(out, [(kernel, grid, args, kwargs)])``;
+    the sm_90 compile test compiles exactly these. Arguments as in :func:`decode`."""
+    b, hq, d = q.shape
+    hk = k.shape[2]
+    if hq % hk:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hk})")
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("the last (head_dim) dimension of q, k and v must be contiguous")
+    if block < 1 or (paged and block & (block - 1)):
+        raise ValueError(f"block size must be a power of two, got {block}")
+    if q.dtype != k.dtype or k.dtype != v.dtype:
+        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    g, d_pad = hq // hk, max(16, triton.next_power_of_2(d))
+    tile = TILE
+    # fp32 dots run on FMA units, not tensor cores: 8 warps keep them out of local memory
+    # (4 warps spill ~1 KB per thread at head_dim 96; see benchmarks/compile_sm90.py)
+    warps = 8 if q.dtype == torch.float32 else 4
+    if part_tokens % tile:
+        raise ValueError(f"part_tokens ({part_tokens}) must be a multiple of {tile}")
+    num_parts = num_partitions(max_len, part_tokens)
+    dev = q.device
+    m = torch.empty((b, hq, num_parts), dtype=torch.float32, device=dev)
+    lsum = torch.empty_like(m)
+    o = torch.empty((b, hq, num_parts, d_pad), dtype=torch.float32, device=dev)
+    out = torch.empty((b, hq, d), dtype=q.dtype, device=dev)
+    table = table if table.dim() == 2 else table.view(-1, 1)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    # Triton's interpreter computes 16-bit tl.dot wrongly on the CPU (3.6 and 3.9: errors of
+    # 1e10), so interpreted runs feed the dots fp32; compiled kernels use the native dtype.
+    dot_fp32 = isinstance(_decode_partial, InterpretedFunction) and q.dtype != torch.float32
+    partial = (
+        _decode_partial, (b, hk, num_parts),
+        (q, k, v, table, lens, m, lsum, o, scale, num_parts,
+         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+         v.stride(0), v.stride(1), v.stride(2), table.stride(0)),
+        dict(G=g, G_PAD=max(G_MIN, triton.next_power_of_2(g)), D=d, D_PAD=d_pad, TILE=tile,
+             BLOCK=block, PART_TILES=part_tokens // tile, PAGED=paged, PRECISION=precision,
+             DOT_FP32=dot_fp32, num_warps=warps),
+    )  # fmt: skip
+    combine = (
+        _combine, (b, hq),
+        (m, lsum, o, out, out.stride(0), out.stride(1), num_parts),
+        dict(D=d, D_PAD=d_pad, P_CHUNK=P_CHUNK),
+    )  # fmt: skip
+    return out, [partial, combine]
+
+
 def decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -122,48 +207,23 @@ def decode(
     table: torch.Tensor,
     lens: torch.Tensor,
     *,
+    max_len: int,
     paged: bool,
     block: int,
     scale: float | None = None,
-    part_tiles: int = 16,
+    part_tokens: int = PART_TOKENS,
 ) -> torch.Tensor:
-    """Split-K decode. q: ``[B, N_Q, d_h]``; lens: ``[B]`` int32 (each ≥ 1).
+    """Split-K decode. q: ``[B, N_Q, d_h]``; lens: ``[B]`` int32 on q's device (each ≥ 1);
+    ``max_len``: a host int ≥ every length (sizes the grid; no device read).
 
     paged: k, v ``[num_blocks, block, N_KV, d_h]``, table ``[B, max_blocks]`` int32.
     contiguous: k, v ``[S, L, N_KV, d_h]`` (any strides, last dim contiguous), table ``[B]``
-    int32 slot ids; ``block`` is then just the tile size. Returns ``[B, N_Q, d_h]``, q's dtype.
+    int32 slot ids; ``block`` is then unused. Returns ``[B, N_Q, d_h]``, q's dtype.
     """
-    b, hq, d = q.shape
-    hk = k.shape[2]
-    if hq % hk:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hk})")
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("the last (head_dim) dimension of q, k and v must be contiguous")
-    if block & (block - 1):
-        raise ValueError(f"block size must be a power of two, got {block}")
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    g, d_pad = hq // hk, triton.next_power_of_2(d)
-    max_len = int(lens.max()) if b else 0
-    num_parts = max(1, triton.cdiv(triton.cdiv(max_len, block), part_tiles))
-    dev = q.device
-    m = torch.empty((b, hq, num_parts), dtype=torch.float32, device=dev)
-    lsum = torch.empty_like(m)
-    o = torch.empty((b, hq, num_parts, d_pad), dtype=torch.float32, device=dev)
-    out = torch.empty((b, hq, d), dtype=q.dtype, device=dev)
-    if b == 0:
+    out, runs = launches(q, k, v, table, lens, max_len=max_len, paged=paged, block=block,
+                         scale=scale, part_tokens=part_tokens)  # fmt: skip
+    if q.shape[0] == 0:
         return out
-    table = table if table.dim() == 2 else table.view(-1, 1)
-    _decode_partial[(b, hk, num_parts)](
-        q, k, v, table, lens, m, lsum, o, scale,
-        q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        table.stride(0),
-        G=g, G_PAD=max(2, triton.next_power_of_2(g)), D=d, D_PAD=d_pad,
-        BLOCK=block, PART_TILES=part_tiles, NUM_PARTS=num_parts, PAGED=paged,
-    )  # fmt: skip
-    _combine[(b, hq)](
-        m, lsum, o, out, out.stride(0), out.stride(1),
-        D=d, D_PAD=d_pad, NUM_PARTS=num_parts, P_PAD=max(2, triton.next_power_of_2(num_parts)),
-    )  # fmt: skip
+    for kernel, grid, args, kwargs in runs:
+        kernel[grid](*args, **kwargs)
     return out

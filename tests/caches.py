@@ -1,9 +1,23 @@
-"""Factories for both caches over the same small spec, shared by interface-level tests."""
+"""Factories for both caches over the same small spec, shared by interface-level tests.
+
+Every VMKVCache here runs over the host backend wrapped in :class:`StrictBackend`, which
+refuses what the CUDA driver would (a map over a mapped page, an unmap of an unmapped one, a
+reservation freed with pages in it, misaligned addresses), at the 4 KiB pages these tests use;
+``tests/test_backends_strict.py`` runs the cache at CUDA's own 2 MiB granularity.
+"""
 
 import torch
 from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import KVSpec, VMKVCache
+from vmcache.backends.host import HostBackend
+from vmcache.backends.strict import StrictBackend
+
+
+def strict_host(granularity=4096, inner=None):
+    """The host backend under the CUDA page rules (owned by the cache it is given to)."""
+    return StrictBackend(inner if inner is not None else HostBackend(), granularity)
+
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
 
@@ -11,7 +25,8 @@ SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
 def vm(pages=64, layout="layer_major", spec=SPEC, **kw):
     kw.setdefault("max_seqs", 8)
     kw.setdefault("max_seq_len", 256)
-    return VMKVCache(spec, page_size=4096, pool_bytes=pages * 4096, layout=layout, **kw)
+    return VMKVCache(spec, page_size=4096, pool_bytes=pages * 4096, layout=layout,
+                     backend=strict_host(), own_backend=True, **kw)  # fmt: skip
 
 
 def paged(blocks=24, block_size=16, spec=SPEC, **kw):

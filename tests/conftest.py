@@ -3,17 +3,20 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))  # test helpers (caches.py); not the repo root
 
-# Triton kernels run on CPU tensors through the interpreter; it is read when kernels are
-# decorated, so it must be set before vmcache.kernels is imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch  # noqa: E402
+
+# Without a GPU, Triton kernels run on CPU tensors through the interpreter; with one they are
+# compiled (the interpreter copies each argument's whole storage to the host: for a virtual
+# cache, mostly unmapped memory). Read when kernels are decorated: set before importing them.
+os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
+from caches import strict_host  # noqa: E402
 
 from vmcache import KVSpec, VMKVCache  # noqa: E402
 from vmcache.backends import cuda_vmm_available  # noqa: E402
 
-HAS_CUDA_VMM = cuda_vmm_available()
+HAS_CUDA_VMM = cuda_vmm_available()  # raises where a GPU is visible but the driver is not
 
 
 def pytest_collection_modifyitems(config, items):
@@ -38,6 +41,8 @@ def make_cache():
         kw.setdefault("max_seqs", 8)
         kw.setdefault("max_seq_len", 256)
         kw.setdefault("page_size", 4096)
+        if "device" not in kw:
+            kw.update(backend=strict_host(), own_backend=True)
         cache = VMKVCache(spec, **kw)
         made.append(cache)
         return cache

@@ -3,6 +3,7 @@ both policies and both caches; nothing is lost on a tiny budget; forks share the
 
 import pytest
 import torch
+from caches import strict_host
 from transformers import LlamaConfig, LlamaForCausalLM
 from vmcache.paged_fallback import PagedKVCache
 
@@ -26,7 +27,15 @@ def model():
 
 def make(kind, pages):
     if kind == "vm":  # 4 KiB pages: 32 tokens of one layer's K (or V) per page
-        return VMKVCache(SPEC, 8, 128, page_size=4096, pool_bytes=pages * 4096)
+        return VMKVCache(
+            SPEC,
+            8,
+            128,
+            page_size=4096,
+            backend=strict_host(),
+            own_backend=True,
+            pool_bytes=pages * 4096,
+        )
     return PagedKVCache(SPEC, num_blocks=pages, block_size=16, max_seq_len=128, max_seqs=8)
 
 
@@ -142,7 +151,16 @@ def test_prefix_caching_changes_no_output_and_skips_shared_prefill(model, kind):
     plain = Engine(model, make(kind, 200))
     assert plain.run(reqs) == want
     if kind == "vm":
-        kv = VMKVCache(SPEC, 8, 128, page_size=4096, pool_bytes=200 * 4096, prefix_caching=True)
+        kv = VMKVCache(
+            SPEC,
+            8,
+            128,
+            page_size=4096,
+            backend=strict_host(),
+            own_backend=True,
+            pool_bytes=200 * 4096,
+            prefix_caching=True,
+        )
     else:
         kv = PagedKVCache(SPEC, num_blocks=200, block_size=16, max_seq_len=128, max_seqs=8,
                           prefix_caching=True)  # fmt: skip
@@ -161,7 +179,16 @@ def test_a_fully_cached_prompt_recomputes_only_its_last_token(model):
     page, shared with the index, is copied on write; the output does not change."""
     prompt = tuple(range(1, 65))  # exactly two full 32-token pages per (layer, K/V) row
     (want,) = reference(model, [Request("x", prompt, SamplingParams(max_new_tokens=6))]).values()
-    kv = VMKVCache(SPEC, 8, 128, page_size=4096, pool_bytes=100 * 4096, prefix_caching=True)
+    kv = VMKVCache(
+        SPEC,
+        8,
+        128,
+        page_size=4096,
+        backend=strict_host(),
+        own_backend=True,
+        pool_bytes=100 * 4096,
+        prefix_caching=True,
+    )
     engine = Engine(model, kv)
     assert engine.run([Request("a", prompt, SamplingParams(max_new_tokens=6))])["a"] == [want]
     copies = kv.stats().cow_copies

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from caches import strict_host
 
 from vmcache import DriverError, KVSpec, VMKVCache
 from vmcache.backends.host import HostBackend
@@ -42,7 +43,7 @@ class FaultyBackend(HostBackend):
 
 class FaultyCache(VMKVCache):
     def _copy_page(self, src, dst, used_units):
-        self.backend._maybe_fail("copy page")
+        self.backend.inner._maybe_fail("copy page")
         super()._copy_page(src, dst, used_units)
 
 
@@ -63,7 +64,7 @@ def same(a, b):
 
 
 def setup(be):
-    c = FaultyCache(SPEC, 8, 512, page_size=4096, backend=be, chunk_pages=3)
+    c = FaultyCache(SPEC, 8, 512, page_size=4096, backend=strict_host(inner=be), chunk_pages=3)
     s = c.new_sequence()
     c.grow(s, 40)
     for layer in range(2):

@@ -16,7 +16,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from vmcache.hf import PagedCache, VMCache
+from vmcache.hf import PagedCache, VMCache, cache_keyword
+
+KW = cache_keyword(LlamaForCausalLM)  # past_key_values (5.17-5.23) or cache (5.24+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -74,7 +76,9 @@ def gen(m, cache=None, seed=None, **kw):
     if seed is not None:
         torch.manual_seed(seed)
     return (
-        m.generate(cache=cache, pad_token_id=0, **kw) if cache else m.generate(pad_token_id=0, **kw)
+        m.generate(**{KW: cache}, pad_token_id=0, **kw)
+        if cache
+        else m.generate(pad_token_id=0, **kw)
     )
 
 
@@ -118,9 +122,12 @@ def test_past_key_values_crop_continue_and_reset(kind):
     m = model("llama_gqa")
     ids = prompts([12])[0]
     cache = CACHES[kind](m, 128)
-    with pytest.warns(FutureWarning):
+    if KW == "cache":  # 5.24+: the old name still works, with a deprecation warning
+        with pytest.warns(FutureWarning):
+            out = m.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    else:
         out = m.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
-    more = m.generate(out, cache=cache, max_new_tokens=8, do_sample=False)  # continue
+    more = m.generate(out, **{KW: cache}, max_new_tokens=8, do_sample=False)  # continue
     assert torch.equal(more, gen(m, input_ids=ids, max_new_tokens=16, do_sample=False))
     # prompt-lookup decoding crops rejected drafts with negative counts every step
     want = gen(m, input_ids=ids, max_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=3)

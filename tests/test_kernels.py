@@ -66,14 +66,68 @@ def test_decode_matches_reference(kind, group, head_dim, dtype, impl):
     cache.close()
 
 
+def _impls(kind):
+    return ["triton", "torch" if kind == "paged" else "sdpa"]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_decode_long_sequence(kind):
+    """4,097 tokens: five split-K partitions, the last holding one token."""
     spec = KVSpec(1, 2, 64, torch.float32, num_q_heads=8)
     cache = make(kind, spec, max_seq_len=4100, max_seqs=2, block_size=64)
     seqs = fill(cache, [4097, 3])
     q = torch.randn(2, 8, 64)
-    out = kernels.decode(cache, 0, q, seqs)
-    torch.testing.assert_close(out, expected_decode(cache, 0, q, seqs), **TOL[torch.float32])
+    for impl in _impls(kind):
+        out = kernels.decode(cache, 0, q, seqs, impl=impl)
+        torch.testing.assert_close(out, expected_decode(cache, 0, q, seqs), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_non_default_scale_is_used(kind):
+    spec = KVSpec(1, 2, 32, torch.float32, num_q_heads=4)
+    cache = make(kind, spec)
+    seqs = fill(cache, [7, 40])
+    q = torch.randn(2, 4, 32)
+    ref = torch.stack([dense_attention(q[i : i + 1], *cache.kv(0, s), scale=0.37)[0]
+                       for i, s in enumerate(seqs)])  # fmt: skip
+    for impl in _impls(kind):
+        out = kernels.decode(cache, 0, q, seqs, scale=0.37, impl=impl)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(out, kernels.decode(cache, 0, q, seqs, impl=impl))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_step_plan_is_built_once_per_step_and_follows_the_cache(kind):
+    """Every layer of a step reuses one plan (no upload per layer); a change of the cache
+    that moves what the kernels read (lengths; block tables) rebuilds it. Outputs are
+    checked against the reference at every step, so a stale plan fails here."""
+    spec = KVSpec(3, 2, 32, torch.float32, num_q_heads=4)
+    cache = make(kind, spec)
+    (s,) = fill(cache, [20])
+    (kid,) = cache.fork(s, 1)
+    q = torch.randn(2, 4, 32)
+
+    def step():
+        before = cache.plans_built
+        for layer in range(3):
+            out = kernels.decode(cache, layer, q, [s, kid], impl="triton")
+            torch.testing.assert_close(out, expected_decode(cache, layer, q, [s, kid]),
+                                       rtol=1e-4, atol=1e-5)  # fmt: skip
+        return cache.plans_built - before
+
+    assert step() == 1
+    assert step() == 0  # nothing changed: the plan stands
+    for x in (s, kid):
+        cache.grow(x, 1)
+    for layer in range(3):  # kid's shared tail page splits (a new block on the paged cache)
+        cache.write(layer, kid, 0, torch.full((21, 2, 32), 3.0), torch.full((21, 2, 32), -1.0))
+    assert step() == 1
+    cache.free(kid)
+    (again,) = fill(cache, [21], seed=5)  # same slot, same length, other pages
+    assert again == kid
+    # VMKVCache rows keep their addresses (the plan holds slots and lengths: still right);
+    # the paged block table changed, so its plan must be rebuilt
+    assert step() == (1 if kind == "paged" else 0)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -103,8 +157,9 @@ def test_decode_after_fork_and_swap(kind):
     back = cache.swap_in(h)
     seqs = [s, kids[0], back]
     q = torch.randn(3, 4, 64)
-    out = kernels.decode(cache, 0, q, seqs)
-    torch.testing.assert_close(out, expected_decode(cache, 0, q, seqs), rtol=1e-4, atol=1e-5)
+    for impl in _impls(kind):
+        out = kernels.decode(cache, 0, q, seqs, impl=impl)
+        torch.testing.assert_close(out, expected_decode(cache, 0, q, seqs), rtol=1e-4, atol=1e-5)
     assert torch.equal(cache.kv(0, s)[0], cache.kv(0, back)[0])
 
 

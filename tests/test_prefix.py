@@ -4,7 +4,7 @@ function of (token, position), so that any reuse of a wrong page shows."""
 
 import pytest
 import torch
-from caches import SPEC
+from caches import SPEC, strict_host
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -17,7 +17,15 @@ def make(kind, pages=64, **kw):
     kw.setdefault("max_seqs", 8)
     kw.setdefault("max_seq_len", 256)
     if kind == "vm":  # 4 KiB pages = 64 tokens of one (layer, K/V) row at 64 B per token
-        return VMKVCache(SPEC, page_size=4096, pool_bytes=pages * 4096, prefix_caching=True, **kw)
+        return VMKVCache(
+            SPEC,
+            page_size=4096,
+            backend=strict_host(),
+            own_backend=True,
+            pool_bytes=pages * 4096,
+            prefix_caching=True,
+            **kw,
+        )
     return PagedKVCache(SPEC, num_blocks=pages, block_size=16, prefix_caching=True, **kw)
 
 

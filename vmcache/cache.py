@@ -10,11 +10,16 @@ layer_major (default): per layer, K and V tensors ``[max_seqs, max_seq_len, N_KV
 token_major ("megacache"): one K and one V tensor ``[max_seqs, max_seq_len, N_L, N_KV, d_h]``
 (tables 0 and 1); a page then holds every layer of fewer tokens, and a layer's view is strided.
 
-Rows are padded to whole pages, so a page never spans two sequences. Only pages a sequence's
-length needs are mapped; reading past that faults (host) or is an illegal address (CUDA).
+Rows are padded to a multiple of lcm(page, token row), so a page never spans two sequences
+and every row starts at a whole token (FlashAttention's varlen path addresses the layer as one
+flat ``[S·L_row, N_KV, d_h]`` tensor, row ``s`` at token ``s·L_row``). Only pages a sequence's
+length needs are mapped; reading past that faults (host) or is an illegal address (CUDA), so
+the whole-tensor views print a summary, never their contents.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -43,7 +48,10 @@ class VMKVCache(SequenceCache):
         swap_bytes: int | None = None,
         chunk_pages: int = 64,
         prefix_caching: bool = False,
+        own_backend: bool | None = None,
     ) -> None:
+        """``backend``: physical memory (default: the real one for ``device``); the cache
+        closes it when it made it, or when ``own_backend`` is True."""
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
         for name, value in (("max_seqs", max_seqs), ("max_seq_len", max_seq_len)):
@@ -51,7 +59,7 @@ class VMKVCache(SequenceCache):
                 raise ValueError(f"{name} must be positive, got {value}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        self._owns_backend = backend is None
+        self._owns_backend = backend is None if own_backend is None else bool(own_backend)
         self.backend = backend if backend is not None else make_backend(device)
         try:
             self._setup(spec, max_seqs, max_seq_len, page_size, pool_bytes, layout,
@@ -77,7 +85,7 @@ class VMKVCache(SequenceCache):
         n_tables = 2 * spec.num_layers if layout == "layer_major" else 2
         token_bytes = spec.bytes_per_token_per_layer * (2 * spec.num_layers // n_tables)
         self.token_bytes = token_bytes  # bytes of one token in one tensor row
-        self.row_bytes = round_up(max_seq_len * token_bytes, P)
+        self.row_bytes = round_up(max_seq_len * token_bytes, math.lcm(P, token_bytes))
         self.pages_per_row = self.row_bytes // P
         capacity = n_tables * max_seqs * self.pages_per_row
         num_pages = capacity
@@ -103,9 +111,12 @@ class VMKVCache(SequenceCache):
             shape, strides = (max_seqs, max_seq_len, H, D), (row, H * D, D, 1)
         else:
             shape, strides = (max_seqs, max_seq_len, NL, H, D), (row, NL * H * D, H * D, D, 1)
-        self._tensors = [
-            flat.as_strided(shape, strides, t * max_seqs * row) for t in range(n_tables)
-        ]
+        tensors = [flat.as_strided(shape, strides, t * max_seqs * row) for t in range(n_tables)]
+        if layout == "layer_major":
+            views = [(tensors[2 * i], tensors[2 * i + 1]) for i in range(NL)]
+        else:
+            views = [(tensors[0][:, :, i], tensors[1][:, :, i]) for i in range(NL)]
+        self._views = [(k.as_subclass(CacheView), v.as_subclass(CacheView)) for k, v in views]
         self.closed = False
 
     # --- kernel-facing views -----------------------------------------------------------
@@ -118,9 +129,7 @@ class VMKVCache(SequenceCache):
         return self._layer_view(self._check_layer(layer), 1)
 
     def _layer_view(self, layer: int, kv: int) -> torch.Tensor:
-        if self.layout == "layer_major":
-            return self._tensors[2 * layer + kv]
-        return self._tensors[kv][:, :, layer]
+        return self._views[layer][kv]
 
     def kv(self, layer: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Zero-copy views ``[seq_len, N_KV, d_h]`` of sequence ``s``'s valid K and V."""
@@ -179,7 +188,7 @@ class VMKVCache(SequenceCache):
             return
         for s in self.sequences:
             self.free(s)
-        self._tensors = []
+        self._views = []
         self._bytes = None
         self.store.close()
         self.backend.release_reservation(self.base, self._reserved)
@@ -187,8 +196,28 @@ class VMKVCache(SequenceCache):
             self.backend.close()
         self.closed = True
 
+    def __repr__(self) -> str:
+        return (f"VMKVCache({self.spec}, max_seqs={self.max_seqs}, max_seq_len="
+                f"{self.max_seq_len}, layout={self.layout!r}, page_size={self.page_size}, "
+                f"device={self.device})")  # fmt: skip
+
     def __enter__(self) -> VMKVCache:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class CacheView(torch.Tensor):
+    """A whole virtual K or V tensor: mostly unmapped, so it prints its shape, never its
+    contents (printing reads every element: a fault on the host, a sticky illegal address on
+    CUDA). Operations on it return plain tensors (no ``__torch_function__`` overhead)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self, *args, **kwargs) -> str:
+        return (f"CacheView(shape={tuple(self.shape)}, stride={self.stride()}, "
+                f"dtype={self.dtype}, device={self.device}; mapped only up to each "
+                "sequence's length)")  # fmt: skip
+
+    __str__ = __repr__

@@ -23,6 +23,10 @@ to SDPA over the returned views. Layers only record lengths; the owner alone cha
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -37,6 +41,23 @@ from .spec import KVSpec
 from .stats import CacheStats
 
 ATTN_NAME = "vmcache"
+
+
+@functools.cache
+def _cache_keyword(forward) -> str:
+    params = inspect.signature(forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise TypeError(f"{forward.__qualname__} takes neither cache= nor past_key_values=")
+
+
+def cache_keyword(module) -> str:  # a module or its class
+    """The keyword ``module.forward`` takes the cache by: ``past_key_values`` in
+    transformers 5.17–5.23, ``cache`` from 5.24 on (where ``past_key_values`` is deprecated
+    at the top level and swallowed silently by a decoder layer). Feature-tested, once per
+    class."""
+    return _cache_keyword((module if isinstance(module, type) else type(module)).forward)
 
 
 class _Layer(CacheLayerMixin):
@@ -85,7 +106,7 @@ class _HFCache(Cache):
             raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
         self.spec = KVSpec.from_hf_config(config, dtype)  # ValueError for unreadable configs
         self.config = config
-        self.max_cache_len, self.max_batch_size = max_cache_len, max_batch_size
+        self._max_len, self._max_rows = max_cache_len, max_batch_size
         self._device, self._dtype = device, dtype
         self.kv: VMKVCache | PagedKVCache | None = None  # built at the first update
         self.rows: list[int] = []  # row i -> slot i of self.kv
@@ -95,6 +116,15 @@ class _HFCache(Cache):
 
     def _make(self, spec: KVSpec, max_seqs: int, device: torch.device):
         raise NotImplementedError
+
+    # read-only properties on Cache in transformers 5.17 (assigning them raises there)
+    @property
+    def max_cache_len(self) -> int:
+        return self._max_len
+
+    @property
+    def max_batch_size(self) -> int | None:
+        return self._max_rows
 
     # --- driven by the layers --------------------------------------------------------
     def _initialize(self, k: torch.Tensor) -> None:
@@ -116,8 +146,11 @@ class _HFCache(Cache):
         b, _, q, _ = k.shape
         if not self.rows:
             if b > self.kv.max_seqs:
-                raise ValueError(f"batch of {b} rows exceeds this cache's {self.kv.max_seqs} rows"
-                                 " (max_batch_size, or the first batch it saw)")  # fmt: skip
+                if self.max_batch_size is not None:
+                    raise ValueError(f"batch of {b} rows exceeds max_batch_size="
+                                     f"{self.max_batch_size}")  # fmt: skip
+                self.kv.close()  # empty after reset(): rebuild it for the larger batch
+                self.kv = self._make(self.spec, b, self.kv.device)
             self.rows = [self.kv.new_sequence(slot=i) for i in range(b)]
         elif b != len(self.rows):
             raise ValueError(f"update got {b} rows, the cache holds {len(self.rows)}; "
@@ -205,10 +238,56 @@ class _HFCache(Cache):
             layer.length = 0
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("not called by generate in transformers 5.x")
+        """Row ``i`` becomes rows ``i·repeats … i·repeats + repeats − 1`` (contrastive search
+        and similar): new rows share every page, nothing is copied."""
+        if check_int("repeats", repeats) < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        if not self.rows or repeats == 1:
+            return
+        b, n = len(self.rows), len(self.rows) * repeats
+        if n > self.kv.max_seqs:
+            raise ValueError(f"{n} rows would exceed this cache's {self.kv.max_seqs} rows")
+        added = [self.kv.new_sequence(slot=i) for i in range(b, n)]
+        try:
+            self.kv.assign(list(range(n)), [i // repeats for i in range(n)])
+        except BaseException:
+            for r in added:
+                self.kv.free(r)
+            raise
+        self.rows, self._groups = list(range(n)), None
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("not called by generate in transformers 5.x")
+        """Keep rows ``indices`` (in that order) and drop the others: a remap, no copy."""
+        keep = [check_int("index", int(i)) for i in torch.as_tensor(indices).tolist()]
+        if any(not 0 <= i < len(self.rows) for i in keep):
+            raise ValueError(f"indices must be in [0, {len(self.rows)}), got {keep}")
+        if not keep:
+            raise ValueError("batch_select_indices needs at least one index")
+        n = len(keep)
+        self.kv.assign(list(range(n)), keep)
+        for r in self.rows[n:]:
+            self.kv.free(r)
+        self.rows, self._groups = list(range(n)), None
+
+    def __deepcopy__(self, memo) -> _HFCache:
+        """A real copy: its own memory, each row's K/V copied (never pages shared with the
+        original, which keeps changing them)."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.config = self.config
+        new.layers = [_Layer(new, i) for i in range(len(self.layers))]
+        for mine, theirs in zip(new.layers, self.layers):
+            mine.length, mine.is_initialized = theirs.length, theirs.is_initialized
+            mine.device = getattr(theirs, "device", None)
+        new._options = copy.deepcopy(getattr(self, "_options", {}), memo)
+        new.rows, new._groups = list(self.rows), None
+        if self.kv is not None:
+            new.kv = new._make(self.spec, self.kv.max_seqs, self.kv.device)
+            for r in self.rows:
+                new.kv.new_sequence(slot=r)
+                new.kv.grow(r, self._len)
+                new.kv._import(r, self.kv._export(r, self._len))
+        return new
 
     def stats(self) -> CacheStats | None:
         """The underlying cache's stats (mapped, used, shared bytes, copies); None before the

@@ -87,6 +87,9 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
             self.prefix = PrefixIndex(pool, units_per_page // units_per_token, num_tables)
             pool.reclaimer = self.prefix
         self._lens_tensor: torch.Tensor | None = None
+        self.epoch = 0  # bumped whenever a length or a page table changes (owned here)
+        self.step_plan = None  # per-step kernel metadata memo; owned by vmcache.kernels.plan
+        self.plans_built = 0  # how many plans (device uploads) vmcache.kernels built
         self.cow_copies = 0  # pages copied on write since construction (owned by the cache)
         self.cow_bytes_copied = 0  # bytes those copies moved (used part of each page only)
 
@@ -310,6 +313,8 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
         fresh = self.pool.allocate(len(splits) + self._T * (j_to - j_from))
         undo: list[Callable[[], None]] = []
         replaced: list[tuple[int, int, int, int]] = []
+        if splits:
+            self._sync()  # the old pages are unmapped below: no kernel may still read them
         try:
             it = iter(fresh)
             for t, j in splits:
@@ -336,6 +341,7 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
             tab[t][j] = new
             self.cow_bytes_copied += self._used_units(j, length) * self.page_bytes // self._P
         self.cow_copies += len(replaced)
+        self.epoch += 1
         self.pool.decref([old for _, _, old, _ in replaced])
         for t, pages in enumerate(extension):
             tab[t].extend(pages)
@@ -343,6 +349,7 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
     def _set_len(self, s: int, length: int) -> None:
         self._lens[s] = length
         self._lens_tensor = None
+        self.epoch += 1
 
     # --- stats -------------------------------------------------------------------------
     def stats(self) -> CacheStats:

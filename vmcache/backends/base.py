@@ -35,7 +35,8 @@ class Backend(Protocol):
         """Map ``handles[i]`` at ``va + i * page_size``, read-write. All or nothing."""
 
     def unmap(self, va: int, npages: int, page_size: int) -> None:
-        """Unmap ``npages`` pages starting at ``va``; waits for pending device work first."""
+        """Unmap ``npages`` pages starting at ``va``. It does not wait for the device: the
+        caller synchronises first (once per operation) if a kernel may still read them."""
 
     def zero_page(self, handle: Any, view: torch.Tensor) -> None:
         """Make a page read as zeros (``view`` is a mapped uint8 view of it)."""

@@ -3,7 +3,8 @@
     reservation  cuMemAddressReserve(size, granularity)
     page         cuMemCreate(page_size, pinned device allocation)  (~200 µs: the pool creates ahead)
     map          cuMemMap(va, page, handle) per page, then one cuMemSetAccess over the range
-    unmap        synchronise, then cuMemUnmap per page (a kernel may still read the page)
+    unmap        cuMemUnmap per page; the caller synchronises first, once per operation
+                 (a kernel may still read the page; see SequenceCache._sync)
     release      cuMemRelease(handle), cuMemAddressFree(va, size)
 
 Every ``CUresult`` is checked; a failure raises :class:`DriverError` with the call's name and
@@ -126,10 +127,15 @@ class CudaBackend:
         return key
 
     def release_page(self, handle: int) -> None:
+        if handle not in self._handles:
+            raise ValueError(f"release_page: unknown or released page handle {handle}")
         _call(self._cu, "cuMemRelease", self._handles.pop(handle))
 
     def map(self, va: int, handles: list[int], page_size: int) -> None:
         cu = self._cu
+        unknown = [h for h in handles if h not in self._handles]
+        if unknown:
+            raise ValueError(f"map: unknown or released page handle(s) {unknown[:4]}")
         self._bind()
         done: list[int] = []
         try:
@@ -148,7 +154,7 @@ class CudaBackend:
     def unmap(self, va: int, npages: int, page_size: int) -> None:
         if npages <= 0:
             return
-        self.synchronize()  # kernels still reading these pages must finish first
+        self._bind()
         for i in range(npages):
             addr = va + i * page_size
             _call(self._cu, "cuMemUnmap", addr, page_size, detail=f"at {addr:#x}")

@@ -107,6 +107,8 @@ def main(argv=None) -> None:
     ap.add_argument("--traces", default=",".join(traces.TRACES))
     ap.add_argument("--trace", help="CSV of prompt_len,output_len[,n][,arrival_s] rows")
     ap.add_argument("--full", action="store_true", help="60 GB budget, 5x the requests")
+    ap.add_argument("--quick", action="store_true",
+                    help="compute mode on fewer requests and budgets (the GPU check)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-plot", action="store_true")
@@ -136,15 +138,18 @@ def main(argv=None) -> None:
                 "preemptions", "prefill_tokens", "verdict"]))  # fmt: skip
     if args.mode in ("compute", "both"):
         print(f"\n== compute mode: engine + small random Llama on {dev} ==")
-        budgets = [600, 1200, 2400] if not args.full else [600, 1200, 2400, 4800]
+        # budgets: how many of the longest requests the VM cache holds at once (bytes)
+        budgets = [4, 8] if args.quick else [4, 8, 16] if not args.full else [4, 8, 16, 32]
+        num = 12 if args.quick else 32 if not args.full else 96
         from . import compute  # needs transformers (the bench extra)
 
-        comp = compute.run(dev, 32 if not args.full else 96, budgets, progress("compute"))
+        comp = compute.run(dev, num, budgets, progress("compute"))
         print(file=sys.stderr)
-        print(table(comp, ["budget_tokens", "cache", "tok_per_s", "step_ms", "map_ms_per_step",
+        print(table(comp, ["budget_requests", "cache", "tok_per_s", "step_ms", "map_ms_per_step",
                            "premap_ms_per_step", "max_running", "preempt_swap"]))  # fmt: skip
-        print("\n-- radix rows, compute mode: 24 requests sharing a 192-token system prompt --")
-        radix = compute.run_prefix(dev, 24 if not args.full else 96, 4096, progress("radix"))
+        num = 8 if args.quick else 24 if not args.full else 96
+        print(f"\n-- radix rows, compute mode: {num} requests sharing a system prompt --")
+        radix = compute.run_prefix(dev, num, 16, progress("radix"))
         print(file=sys.stderr)
         print(table(radix, ["cache", "prefix_caching", "prefill_tokens", "prefix_hit_tokens",
                             "tok_per_s", "max_running"]))  # fmt: skip

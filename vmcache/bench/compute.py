@@ -1,15 +1,26 @@
 """Compute mode: the engine runs a real (small, randomly initialised) Llama model over
 VMKVCache and PagedKVCache on the same scaled-down trace, at several KV budgets: tokens/s,
-step time, map time per step, preemptions. Host backend on the CPU, CUDA backend on a GPU."""
+step time, map time per step, preemptions. Host backend on the CPU, CUDA backend on a GPU.
+
+Budgets are bytes, given as how many of the trace's longest requests VMKVCache can hold at
+once (``budget_requests``), so they fit any page size: on a GPU the driver's 2 MiB pages, where
+a token budget sized for 4 KiB pages would not hold a single request. Both caches get the same
+bytes. On CUDA the VM cache is ``token_major`` (a 2 MiB page holds a few hundred tokens of
+every layer rather than thousands of one layer), and the shared system prompt of the radix
+rows spans two full pages, so prefix caching can hit whatever the page size.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from ..backends import Backend, make_backend
 from ..cache import VMKVCache
 from ..engine import Engine, Request, SamplingParams
 from ..paged_fallback import PagedKVCache
 from ..spec import KVSpec
+
+MAX_SEQ_LEN = 512  # the main trace's requests: prompts <= 100, outputs <= 28
 
 
 def small_model(device: torch.device):
@@ -49,49 +60,86 @@ def shared_requests(num: int, system_len: int = 192, seed: int = 1) -> list[Requ
     return out
 
 
-def make_cache(kind: str, spec: KVSpec, budget: int, device: torch.device, max_seqs: int,
-               prefix: bool = False):  # fmt: skip
-    if kind == "vmcache":
-        page = None if device.type == "cuda" else 4096  # the driver granularity; OS pages
-        return VMKVCache(spec, max_seqs, 512, device, page_size=page, pool_bytes=budget,
-                         prefix_caching=prefix)  # fmt: skip
-    return PagedKVCache(spec, pool_bytes=budget, block_size=16, device=device, max_seq_len=512,
-                        max_seqs=max_seqs, prefix_caching=prefix)  # fmt: skip
+class Setup:
+    """How the VM cache is laid out on a device: the backend (made per cache), its page size
+    and layout. ``backend_factory`` lets tests run the GPU setup over a strict host backend."""
+
+    def __init__(self, device: torch.device, backend_factory=None) -> None:
+        self.device = device
+        self.backend_factory = backend_factory or (lambda: make_backend(device))
+        probe: Backend = self.backend_factory()
+        self.page_size = probe.granularity if device.type == "cuda" else 4096
+        if backend_factory is not None:
+            self.page_size = probe.default_page_size
+        probe.close()
+        self.layout = "layer_major" if self.page_size <= 64 << 10 else "token_major"
+
+    def vm_bytes(self, spec: KVSpec, tokens: int) -> int:
+        """Bytes VMKVCache maps for one sequence of ``tokens`` tokens (whole pages)."""
+        tables = 2 * spec.num_layers if self.layout == "layer_major" else 2
+        row = spec.bytes_per_token // tables  # one token in one table
+        return tables * -(-tokens * row // self.page_size) * self.page_size
+
+    def tokens_per_page(self, spec: KVSpec) -> int:
+        tables = 2 * spec.num_layers if self.layout == "layer_major" else 2
+        return self.page_size // (spec.bytes_per_token // tables)
+
+    def make_cache(self, kind: str, spec: KVSpec, budget: int, max_seqs: int,
+                   prefix: bool = False, max_seq_len: int = MAX_SEQ_LEN):  # fmt: skip
+        if kind == "vmcache":
+            return VMKVCache(spec, max_seqs, max_seq_len, backend=self.backend_factory(),
+                             own_backend=True, page_size=self.page_size, pool_bytes=budget,
+                             layout=self.layout, prefix_caching=prefix)  # fmt: skip
+        return PagedKVCache(spec, pool_bytes=budget, block_size=16, device=self.device,
+                            max_seq_len=max_seq_len, max_seqs=max_seqs,
+                            prefix_caching=prefix)  # fmt: skip
 
 
-def run(device: torch.device, num_requests: int, budgets_tokens: list[int], progress=None):
+def run(device: torch.device, num_requests: int, budgets_requests: list[int], progress=None,
+        setup: Setup | None = None):  # fmt: skip
+    """Both caches at budgets of ``budgets_requests`` longest requests (VM bytes) each."""
+    setup = setup or Setup(device)
     model = small_model(device)
     model.generation_config.eos_token_id = None
     spec = KVSpec.from_hf_config(model.config, next(model.parameters()).dtype)
     reqs = requests(num_requests)
+    longest = max(len(r.prompt) + r.params.max_new_tokens for r in reqs)
     rows = []
-    for budget_tokens in budgets_tokens:
-        budget = budget_tokens * spec.bytes_per_token
+    for n in budgets_requests:
+        budget = n * setup.vm_bytes(spec, longest)
         for kind in ("vmcache", "paged"):
-            engine = Engine(model, make_cache(kind, spec, budget, device, 64), preemption="swap")
+            engine = Engine(model, setup.make_cache(kind, spec, budget, 64), preemption="swap")
             engine.run(reqs[:2])  # warm up (first-call costs)
-            engine = Engine(model, make_cache(kind, spec, budget, device, 64), preemption="swap")
+            engine = Engine(model, setup.make_cache(kind, spec, budget, 64), preemption="swap")
             engine.run(reqs)
             d = engine.stats.as_dict()
             keys = ("tok_per_s", "step_ms", "map_ms_per_step", "premap_ms_per_step", "steps",
                     "max_running", "preempt_swap", "swap_bytes")  # fmt: skip
-            rows.append({"cache": kind, "budget_tokens": budget_tokens, **{k: d[k] for k in keys}})
+            rows.append({"cache": kind, "budget_requests": n, "budget_bytes": budget,
+                         "page_bytes": setup.page_size, "vm_layout": setup.layout,
+                         **{k: d[k] for k in keys}})  # fmt: skip
             if progress is not None:
-                progress(len(rows), 2 * len(budgets_tokens))
+                progress(len(rows), 2 * len(budgets_requests))
     return rows
 
 
-def run_prefix(device: torch.device, num_requests: int, budget_tokens: int, progress=None):
+def run_prefix(device: torch.device, num_requests: int, budget_requests: int, progress=None,
+               setup: Setup | None = None):  # fmt: skip
     """The radix rows in compute mode: the same shared-prompt requests with and without
-    prefix caching, on both caches: prompt tokens computed, tokens/s."""
+    prefix caching, on both caches: prompt tokens computed, tokens/s. The system prompt is
+    192 tokens or two VM pages, whichever is longer, so whole pages can be shared."""
+    setup = setup or Setup(device)
     model = small_model(device)
     model.generation_config.eos_token_id = None
     spec = KVSpec.from_hf_config(model.config, next(model.parameters()).dtype)
-    reqs = shared_requests(num_requests)
+    system_len = max(192, 2 * setup.tokens_per_page(spec))
+    reqs = shared_requests(num_requests, system_len)
+    longest = max(len(r.prompt) + r.params.max_new_tokens for r in reqs)
+    budget = budget_requests * setup.vm_bytes(spec, longest)
     rows = []
     for kind in ("vmcache", "paged"):
         for prefix in (False, True):
-            kv = make_cache(kind, spec, budget_tokens * spec.bytes_per_token, device, 64, prefix)
+            kv = setup.make_cache(kind, spec, budget, 64, prefix, max_seq_len=longest)
             engine = Engine(model, kv)
             out = engine.run(reqs)
             d = engine.stats.as_dict()

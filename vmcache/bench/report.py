@@ -99,14 +99,14 @@ def plot(sizing: list[dict], compute: list[dict], json_path: Path) -> list[Path]
             fig.savefig(p, dpi=100)
             plt.close(fig)
             out.append(p)
-    compute = [r for r in compute if "budget_tokens" in r]
+    compute = [r for r in compute if "budget_requests" in r]
     if compute:
         fig, ax = plt.subplots(figsize=(5, 4))
         for kind in ("vmcache", "paged"):
             rs = [r for r in compute if r["cache"] == kind]
-            ax.plot([r["budget_tokens"] for r in rs], [r["tok_per_s"] for r in rs], "o-",
+            ax.plot([r["budget_requests"] for r in rs], [r["tok_per_s"] for r in rs], "o-",
                     label=kind)  # fmt: skip
-        ax.set_xlabel("KV budget (tokens)")
+        ax.set_xlabel("KV budget (longest requests the VM cache holds)")
         ax.set_ylabel("tokens/s")
         ax.set_title("engine throughput vs memory budget")
         ax.legend()

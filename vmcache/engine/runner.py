@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import kernels
-from ..hf import ATTN_NAME, stand_ins
+from ..hf import ATTN_NAME, cache_keyword, stand_ins
 
 
 class _StepLayer(CacheLayerMixin):
@@ -53,10 +53,12 @@ class StepCache(Cache):
         self.slots: list[int] = []
         self.starts: list[int] = []
         self.q_lens: list[int] = []
+        self.layers_written: set[int] = set()  # this step's layers whose K/V were written
         super().__init__(layers=[_StepLayer(self, i) for i in range(kv.spec.num_layers)])
 
     def plan(self, slots: list[int], starts: list[int], q_lens: list[int]) -> None:
         self.slots, self.starts, self.q_lens = slots, starts, q_lens
+        self.layers_written = set()
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         k = k[0].transpose(0, 1).to(self.spec.dtype)  # [N, N_KV, d_h]
@@ -65,6 +67,7 @@ class StepCache(Cache):
         for s, start, n in zip(self.slots, self.starts, self.q_lens):
             self.kv.write(layer, s, start, k[i : i + n], v[i : i + n])
             i += n
+        self.layers_written.add(layer)
         keys, values = stand_ins(self.spec, k.device, 1, k.shape[0])
         keys._vmcache = values._vmcache = (self, layer)
         return keys, values
@@ -96,6 +99,9 @@ class ModelRunner:
         self.model, self.inner, self.kv = model, inner, kv
         self.device = next(model.parameters()).device
         self.cache = StepCache(kv)
+        # transformers 5.17–5.23 take past_key_values=, 5.24+ cache=; a decoder layer given
+        # the other name swallows it into **kwargs and writes nothing
+        self.cache_arg = cache_keyword(inner.layers[0])
 
     @torch.inference_mode()
     def step(self, slots: list[int], starts: list[int], tokens: list[list[int]]) -> torch.Tensor:
@@ -109,8 +115,15 @@ class ModelRunner:
         h = self.inner.embed_tokens(ids)
         pe = self.inner.rotary_emb(h, position_ids=pos)
         for layer in self.inner.layers:
-            h = layer(h, attention_mask=None, position_ids=pos, cache=self.cache,
-                      position_embeddings=pe)  # fmt: skip
+            h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe,
+                      **{self.cache_arg: self.cache})  # fmt: skip
             h = h[0] if isinstance(h, tuple) else h
+        missing = len(self.inner.layers) - len(self.cache.layers_written)
+        if missing:
+            raise RuntimeError(
+                f"{missing} of {len(self.inner.layers)} decoder layers wrote no K/V to the "
+                f"cache (passed as {self.cache_arg}=): this transformers version or model "
+                "does not call cache.update; refusing to return logits computed without it"
+            )
         last = torch.tensor(q_lens, device=self.device).cumsum(0) - 1
         return self.model.lm_head(self.inner.norm(h[0, last])).float()

@@ -1,0 +1,173 @@
+"""Compile every Triton kernel of vmcache for the GPU (sm_90 by default) on a machine without
+one, with exactly the arguments the library's own launch code passes, and record registers,
+spills and shared memory per kernel (``ptxas -v``).
+
+How: Triton's runtime asks its *active driver* for the device, the stream and the target.
+A stand-in driver answers ``GPUTarget("cuda", 90, 32)`` (and nothing else: it cannot launch),
+so ``kernel.warmup(...)`` specialises the arguments and compiles them through Triton's bundled
+``ptxas`` exactly as a launch on an H200 would: the same constexprs, the same alignment
+attributes. The arguments come from ``vmcache.kernels.triton_decode.launches`` called on real
+caches laid out as on the GPU (2 MiB pages, the real layer counts) over the CPU host backend.
+
+    TRITON_INTERPRET=0 python benchmarks/compile_sm90.py [--quick] [--arch 90] [--out DIR]
+
+Must run in its own process with ``TRITON_INTERPRET`` unset or 0 (``@triton.jit`` reads it at
+import time). Written against Triton 3.6 (the GPU image's); fails clearly if internals move.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("compile_sm90.py needs TRITON_INTERPRET unset or 0 (it compiles, not interprets)")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+from vmcache.kernels import triton_decode  # noqa: E402
+from vmcache.kernels.plan import plan  # noqa: E402
+from vmcache.paged_fallback import PagedKVCache  # noqa: E402
+
+from vmcache import KVSpec, VMKVCache  # noqa: E402
+from vmcache.backends.host import HostBackend  # noqa: E402
+from vmcache.backends.strict import CUDA_GRANULARITY, StrictBackend  # noqa: E402
+
+# name: (layers, kv heads, head_dim, q heads)
+SHAPES = {
+    "llama-3-8b": (32, 8, 128, 32),
+    "llama-3.2-1b": (16, 8, 64, 32),
+    "d96-mha": (32, 32, 96, 32),
+    "d96-gqa": (32, 8, 96, 32),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MODES = ("paged", "layer_major", "token_major")
+QUICK = [("llama-3-8b", "bf16", m) for m in MODES] + [("d96-gqa", "fp32", "token_major")]
+
+
+class CompileOnlyDriver:
+    """Triton's active driver for compiling: answers the target, cannot launch."""
+
+    def __init__(self, arch: int) -> None:
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"compile-only Triton driver: {name} is not available (no GPU)")
+
+
+def build(mode: str, spec: KVSpec):
+    """A cache laid out as on the GPU, two live sequences; returns (cache, seq_ids)."""
+    if mode == "paged":
+        cache = PagedKVCache(spec, num_blocks=8, block_size=16, max_seq_len=4096, max_seqs=4)
+    else:
+        be = StrictBackend(HostBackend(), CUDA_GRANULARITY)
+        cache = VMKVCache(spec, 4, 4096, backend=be, own_backend=True, layout=mode,
+                          pool_bytes=4 * (2 * spec.num_layers) * CUDA_GRANULARITY)  # fmt: skip
+    seqs = [cache.new_sequence() for _ in range(2)]
+    for s in seqs:
+        cache.grow(s, 17)
+    return cache, seqs
+
+
+def ptxas_report(ptx: str, arch: int) -> dict:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as d:
+        src, obj = os.path.join(d, "k.ptx"), os.path.join(d, "k.o")
+        with open(src, "w") as f:
+            f.write(ptx)
+        sm = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        res = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={sm}", src, "-o", obj],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+    text = res.stdout + res.stderr
+
+    def num(pattern):
+        m = re.search(pattern, text)
+        return int(m.group(1)) if m else 0
+
+    return {"registers": num(r"Used (\d+) registers"),
+            "spill_stores": num(r"(\d+) bytes spill stores"),
+            "spill_loads": num(r"(\d+) bytes spill loads")}  # fmt: skip
+
+
+def compile_one(shape: str, dtype: str, mode: str, arch: int) -> list[dict]:
+    layers, hk, d, hq = SHAPES[shape]
+    spec = KVSpec(layers, hk, d, DTYPES[dtype], num_q_heads=hq)
+    cache, seqs = build(mode, spec)
+    try:
+        p = plan(cache, seqs, [1] * len(seqs))
+        q = torch.zeros(len(seqs), hq, d, dtype=spec.dtype)
+        if mode == "paged":
+            k, v, table, block = cache.k_pool(1), cache.v_pool(1), p.tables, cache.block_size
+        else:
+            k, v, table, block = cache.k_cache(1), cache.v_cache(1), p.slots, 1
+        _, runs = triton_decode.launches(q, k, v, table, p.lens, max_len=p.max_kv,
+                                         paged=mode == "paged", block=block)  # fmt: skip
+        rows = []
+        for kernel, grid, args, kwargs in runs:
+            t0 = time.perf_counter()
+            compiled = kernel.warmup(*args, grid=grid, **kwargs)
+            rows.append({"kernel": kernel.fn.__name__, "shape": shape, "dtype": dtype,
+                         "mode": mode, "head_dim": d, "gqa_group": hq // hk, "arch": arch,
+                         "shared_bytes": compiled.metadata.shared,
+                         "num_warps": compiled.metadata.num_warps,
+                         "compile_s": round(time.perf_counter() - t0, 2),
+                         **ptxas_report(compiled.asm["ptx"], arch)})  # fmt: skip
+        return rows
+    finally:
+        cache.close()
+
+
+def run(cases, arch: int = 90) -> list[dict]:
+    prev = driver._active  # reset_active() would probe for a real GPU driver
+    driver.set_active(CompileOnlyDriver(arch))
+    try:
+        return [row for case in cases for row in compile_one(*case, arch)]
+    finally:
+        driver._active = prev
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the CI subset (4 cases)")
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--out", default=None, help="write compile_sm<arch>.json here")
+    args = ap.parse_args(argv)
+    cases = QUICK if args.quick else list(itertools.product(SHAPES, DTYPES, MODES))
+    rows = run(cases, args.arch)
+    for r in rows:
+        print(f"{r['kernel']:16} {r['shape']:13} {r['dtype']:5} {r['mode']:12} "
+              f"regs {r['registers']:3}  spills {r['spill_stores']:4}/{r['spill_loads']:4} B  "
+              f"smem {r['shared_bytes']:6} B")  # fmt: skip
+    if args.out:
+        import json
+
+        doc = {"triton": triton.__version__, "torch": torch.__version__, "arch": args.arch,
+               "date": time.strftime("%Y-%m-%d"), "device": "compiled on CPU (no GPU), ptxas -v",
+               "rows": rows}  # fmt: skip
+        path = os.path.join(args.out, f"compile_sm{args.arch}.json")
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {path}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""Rows start at whole tokens for every shape, so the flat varlen view (aten FA2's
+``cu_seq_k = slot · L_row``) addresses exactly the row the 4-D view does."""
+
+import pytest
+import torch
+from vmcache.kernels.contiguous import flat_rows
+
+from vmcache import KVSpec, VMKVCache
+from vmcache.backends.sizing import SizingBackend
+
+P = 2 << 20
+
+
+@pytest.mark.parametrize("layout", ["layer_major", "token_major"])
+@pytest.mark.parametrize("layers", [28, 32, 80])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_every_row_starts_at_a_whole_token(head_dim, layers, layout):
+    spec = KVSpec(layers, 8, head_dim, torch.bfloat16)
+    c = VMKVCache(spec, 16, 4100, backend=SizingBackend(P), layout=layout, pool_bytes=8 * P)
+    assert c.row_bytes % P == 0 and c.row_bytes % c.token_bytes == 0
+    l_row = c.row_bytes // c.token_bytes
+    assert l_row >= 4100
+    for layer in (0, layers - 1):
+        k = c.k_cache(layer)
+        flat = flat_rows(k, l_row)
+        for s, t in ((0, 0), (3, 17), (15, 4099)):
+            want = k.storage_offset() + s * k.stride(0) + t * k.stride(1)
+            got = flat.storage_offset() + (s * l_row + t) * flat.stride(0)
+            assert got == want, (s, t)
+    assert c.pages_per_row * P == c.row_bytes
+
+
+def test_a_row_that_is_not_whole_tokens_is_refused():
+    x = torch.empty(400, dtype=torch.float32).as_strided((3, 10, 2, 5), (107, 10, 5, 1))
+    with pytest.raises(ValueError, match="row stride"):
+        flat_rows(x, 10)
