@@ -52,7 +52,7 @@ def run_point(dev, spec, batch, ctx, iters) -> list[dict]:
         )
     if dev.type == "cuda":
         cands["contiguous/triton on torch.empty"] = lambda: triton_decode.decode(
-            q, k_plain, v_plain, slots, lens, paged=False, block=64
+            q, k_plain, v_plain, slots, lens, max_len=ctx, paged=False, block=1
         )
         cands["paged/triton"] = lambda: kernels.decode(pg, 0, q, seqs[1], impl="triton")
     kvs = [(k_plain[b, :ctx], v_plain[b, :ctx]) for b in range(batch)]

@@ -72,14 +72,15 @@ class CompileOnlyDriver:
         raise RuntimeError(f"compile-only Triton driver: {name} is not available (no GPU)")
 
 
-def build(mode: str, spec: KVSpec):
+def build(mode: str, spec: KVSpec, max_len: int = 5000):
     """A cache laid out as on the GPU, two live sequences; returns (cache, seq_ids)."""
     if mode == "paged":
-        cache = PagedKVCache(spec, num_blocks=8, block_size=16, max_seq_len=4096, max_seqs=4)
+        cache = PagedKVCache(spec, num_blocks=2 * -(-max_len // 16), block_size=16,
+                             max_seq_len=max_len, max_seqs=4)  # fmt: skip
     else:
         be = StrictBackend(HostBackend(), CUDA_GRANULARITY)
-        cache = VMKVCache(spec, 4, 4096, backend=be, own_backend=True, layout=mode,
-                          pool_bytes=4 * (2 * spec.num_layers) * CUDA_GRANULARITY)  # fmt: skip
+        cache = VMKVCache(spec, 4, max_len, backend=be, own_backend=True, layout=mode,
+                          pool_bytes=12 * (2 * spec.num_layers) * CUDA_GRANULARITY)  # fmt: skip
     seqs = [cache.new_sequence() for _ in range(2)]
     for s in seqs:
         cache.grow(s, 17)
@@ -135,6 +136,35 @@ def compile_one(shape: str, dtype: str, mode: str, arch: int) -> list[dict]:
         cache.close()
 
 
+def compilations_over_growth(mode: str, arch: int = 90) -> dict:
+    """Specialisations each kernel compiles while a batch decodes from 1 to 5,000 tokens
+    (the partition count, the longest block table and the lengths all change): want 1."""
+    prev = driver._active
+    driver.set_active(CompileOnlyDriver(arch))
+    spec = KVSpec(2, 8, 128, torch.bfloat16, num_q_heads=32)
+    cache, seqs = build(mode, spec)
+    try:
+        kernels = [triton_decode._decode_partial, triton_decode._combine]
+        before = [len(k.device_caches[0][0]) for k in kernels]
+        for n in (1, 15, 16, 17, 255, 1023, 1024, 1025, 2049, 4999):
+            for s in seqs:
+                cache.grow(s, n - cache.seq_len(s)) if n > cache.seq_len(s) else None
+            p = plan(cache, seqs[: 1 + n % 2], [1] * (1 + n % 2))
+            q = torch.zeros(len(p.key[0]), 32, 128, dtype=spec.dtype)
+            if mode == "paged":
+                k, v, table, block = cache.k_pool(0), cache.v_pool(0), p.tables, cache.block_size
+            else:
+                k, v, table, block = cache.k_cache(0), cache.v_cache(0), p.slots, 1
+            _, runs = triton_decode.launches(q, k, v, table, p.lens, max_len=p.max_kv,
+                                             paged=mode == "paged", block=block)  # fmt: skip
+            for kernel, grid, args, kwargs in runs:
+                kernel.warmup(*args, grid=grid, **kwargs)
+        return {k.fn.__name__: len(k.device_caches[0][0]) - b for k, b in zip(kernels, before)}
+    finally:
+        cache.close()
+        driver._active = prev
+
+
 def run(cases, arch: int = 90) -> list[dict]:
     prev = driver._active  # reset_active() would probe for a real GPU driver
     driver.set_active(CompileOnlyDriver(arch))
@@ -149,7 +179,18 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--quick", action="store_true", help="the CI subset (4 cases)")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--out", default=None, help="write compile_sm<arch>.json here")
+    ap.add_argument(
+        "--growth",
+        action="store_true",
+        help="count compilations over a growing decode instead (prints JSON)",
+    )
     args = ap.parse_args(argv)
+    if args.growth:
+        import json
+
+        counts = {m: compilations_over_growth(m, args.arch) for m in MODES}
+        print(json.dumps(counts))
+        return counts
     cases = QUICK if args.quick else list(itertools.product(SHAPES, DTYPES, MODES))
     rows = run(cases, args.arch)
     for r in rows:

@@ -44,8 +44,10 @@ def factories(device: str, strict: bool = False) -> dict:
     spec = spec_for(page)
 
     def vm(pages, layout):
-        return lambda: VMKVCache(spec, 8, 300, backend=backend(), own_backend=True,
-                                 page_size=page, pool_bytes=pages * page, layout=layout)  # fmt: skip
+        return lambda: VMKVCache(
+            spec, 8, 300, backend=backend(), own_backend=True, page_size=page,
+            pool_bytes=pages * page, layout=layout,
+        )  # fmt: skip
 
     makers = {
         "VMKVCache layer_major": vm(48, "layer_major"),

@@ -35,7 +35,7 @@ P_CHUNK = 16  # partitions the combine merges per iteration
 G_MIN = 16  # tl.dot needs at least 16 rows
 
 
-@triton.jit(do_not_specialize=["scale", "num_parts"])
+@triton.jit(do_not_specialize=["scale", "num_parts", "stride_tb"])
 def _decode_partial(
     Q, K, V, TABLE, LENS, M_OUT, L_OUT, O_OUT, scale, num_parts,
     stride_qb, stride_qh,

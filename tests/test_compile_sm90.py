@@ -61,3 +61,17 @@ def test_committed_grid_covers_every_shape_dtype_and_mode():
     assert got == want
     assert doc["arch"] == 90 and doc["triton"].startswith("3.")
     _check_rows(rows)
+
+
+def test_a_growing_decode_compiles_each_kernel_once():
+    """Lengths 1 → 4,999 (1 to 5 split-K partitions), batch 1 ↔ 2, block tables 1 → 313
+    wide: every kernel is compiled at most once per addressing mode (1–5 s each on a GPU)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    res = subprocess.run([sys.executable, SCRIPT, "--growth"], env=env, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
+    counts = json.loads(res.stdout.strip().splitlines()[-1])
+    assert set(counts) == {"paged", "layer_major", "token_major"}
+    assert counts["paged"] == {"_decode_partial": 1, "_combine": 1}
+    for mode, per_kernel in counts.items():
+        assert all(n <= 1 for n in per_kernel.values()), (mode, per_kernel)

@@ -208,3 +208,16 @@ def test_map_ahead_changes_no_output(model, kind):
     assert ahead.stats.premapped_pages > 0 and plain.stats.premapped_pages == 0
     ahead.kv.check_invariants()
     assert ahead.kv.stats().physical_pages == 0
+
+
+@pytest.mark.parametrize("kind", ["vm", "paged"])
+def test_a_step_that_writes_no_kv_fails_loudly(model, kind):
+    """transformers 5.17-5.23 take past_key_values=, 5.24+ cache=; a decoder layer given the
+    other name swallows it and writes nothing. The engine must refuse, not return logits."""
+    from vmcache.hf import cache_keyword
+
+    engine = Engine(model, make(kind, 64))
+    assert engine.runner.cache_arg == cache_keyword(model.model.layers[0])
+    engine.runner.cache_arg = "not_the_cache_keyword"
+    with pytest.raises(RuntimeError, match="wrote no K/V"):
+        engine.run([Request("a", (1, 2, 3), SamplingParams(max_new_tokens=2))])

@@ -228,3 +228,60 @@ def test_kernels_folder_is_never_imported_as_kernels_from_the_repo_root():
     import vmcache.kernels
 
     assert vmcache.kernels.__name__ == "vmcache.kernels" and hasattr(vmcache.kernels, "decode")
+
+
+@pytest.mark.parametrize("kind", CACHES)
+def test_deepcopy_is_a_real_copy(kind):
+    m = model("llama_gqa")
+    ids = prompts([12])[0]
+    cache = CACHES[kind](m, 128)
+    out = gen(m, cache, input_ids=ids, max_new_tokens=6, do_sample=False)
+    twin = copy.deepcopy(cache)
+    assert twin.kv is not cache.kv and twin.get_seq_length() == cache.get_seq_length()
+    for layer in range(2):
+        for a, b in zip(twin.kv.kv(layer, 0), cache.kv.kv(layer, 0)):
+            assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+    more = gen(m, cache, input_ids=out, max_new_tokens=5, do_sample=False)
+    again = gen(m, twin, input_ids=out, max_new_tokens=5, do_sample=False)
+    assert torch.equal(more, again)  # the original moved on; the copy did not share its pages
+    twin.kv.check_invariants()
+    cache.kv.check_invariants()
+
+
+@pytest.mark.parametrize("kind", CACHES)
+def test_reset_accepts_a_larger_batch_up_to_max_batch_size(kind):
+    m = model("llama_gqa")
+    cache = CACHES[kind](m, 64)
+    gen(m, cache, input_ids=prompts([5])[0], max_new_tokens=3, do_sample=False)
+    cache.reset()
+    ids, mask = prompts([5, 7, 9])
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(gen(m, cache, **kw), gen(m, **kw))
+    capped = CACHES[kind](m, 64, max_batch_size=2)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        gen(m, capped, **kw)
+
+
+@pytest.mark.parametrize("kind", CACHES)
+def test_batch_repeat_and_select_match_dynamic_cache(kind):
+    """Both are remaps here (no K/V copied); DynamicCache's tensor ops are the oracle."""
+    from transformers import DynamicCache
+
+    m = model("llama_gqa")
+    ids, mask = prompts([6, 9, 4])
+    ours, dyn = CACHES[kind](m, 64, max_batch_size=8), DynamicCache(config=m.config)
+    for c in (ours, dyn):
+        gen(m, c, input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    copies = ours.stats().cow_bytes_copied
+    for c in (ours, dyn):
+        c.batch_repeat_interleave(2)
+        c.batch_select_indices(torch.tensor([5, 0, 2, 3]))
+    assert len(ours.rows) == 4 and ours.stats().cow_bytes_copied == copies
+    for layer in range(2):
+        for r in range(4):
+            k, v = ours.kv.kv(layer, r)
+            assert torch.equal(k, dyn.layers[layer].keys[r].transpose(0, 1))
+            assert torch.equal(v, dyn.layers[layer].values[r].transpose(0, 1))
+    ours.kv.check_invariants()
+    with pytest.raises(ValueError):
+        ours.batch_select_indices(torch.tensor([7]))

@@ -34,3 +34,19 @@ def test_a_row_that_is_not_whole_tokens_is_refused():
     x = torch.empty(400, dtype=torch.float32).as_strided((3, 10, 2, 5), (107, 10, 5, 1))
     with pytest.raises(ValueError, match="row stride"):
         flat_rows(x, 10)
+
+
+def test_the_library_never_uses_assert():
+    """``python -O`` strips asserts: nothing in the library may depend on one."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    found = []
+    for folder in ("vmcache", "kernels", "paged_fallback"):
+        for path in (root / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            found += [
+                f"{path.name}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Assert)
+            ]
+    assert not found, found

@@ -2,7 +2,7 @@
 block-table paged cache beside it for A/B measurements."""
 
 from .cache import VMKVCache
-from .errors import CacheFull, DriverError, MapLimitError
+from .errors import CacheFull, DriverError, InvariantError, MapLimitError
 from .pool import PagePool
 from .spec import KVSpec
 from .stats import CacheStats
@@ -14,6 +14,7 @@ __all__ = [
     "CacheFull",
     "DriverError",
     "MapLimitError",
+    "InvariantError",
     "PagePool",
     "SwapHandle",
     "CacheStats",

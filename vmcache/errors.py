@@ -2,7 +2,8 @@
 
 Tiers (see DESIGN.md): bad input raises ``ValueError``/``TypeError``/``KeyError``;
 exhaustion raises :class:`CacheFull`; driver failures raise :class:`DriverError`
-carrying the failing call's name; internal invariants are asserts.
+carrying the failing call's name; a broken internal invariant raises :class:`InvariantError`
+(never a bare ``assert``, which ``python -O`` removes).
 """
 
 from __future__ import annotations
@@ -42,3 +43,13 @@ def check_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     return value
+
+
+class InvariantError(AssertionError):
+    """An internal invariant does not hold (a bug in vmcache, never a user error)."""
+
+
+def require(cond: bool, *detail: Any) -> None:
+    """Raise :class:`InvariantError` with ``detail`` unless ``cond``; kept under ``-O``."""
+    if not cond:
+        raise InvariantError(", ".join(map(repr, detail)) if detail else "invariant violated")

@@ -218,7 +218,12 @@ class _HFCache(Cache):
             self.kv.assign(self.rows, srcs)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` tokens (5.x passes a negative count)."""
+        """Drop the last ``-tokens_to_remove`` tokens (5.x passes a negative count; 5.17's
+        assisted decoding passes it as a 0-d integer tensor)."""
+        if isinstance(tokens_to_remove, torch.Tensor) and tokens_to_remove.numel() == 1:
+            if tokens_to_remove.is_floating_point():
+                raise TypeError(f"tokens_to_remove must be an integer, got {tokens_to_remove}")
+            tokens_to_remove = int(tokens_to_remove)
         if check_int("tokens_to_remove", tokens_to_remove) > 0:
             raise ValueError("crop takes a negative count of tokens to remove, got "
                              f"{tokens_to_remove}")  # fmt: skip

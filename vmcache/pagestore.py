@@ -33,7 +33,9 @@ class VMPageStore:
         return self._window_view[page * self.page_size : (page + 1) * self.page_size]
 
     def create(self, start: int, count: int) -> None:
-        assert start == len(self._handles)
+        if start != len(self._handles):
+            raise ValueError(f"pages are created in order: expected {len(self._handles)}, "
+                             f"got {start}")  # fmt: skip
         made: list[Any] = []
         try:
             for _ in range(count):

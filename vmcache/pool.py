@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from .errors import CacheFull, DriverError
+from .errors import CacheFull, DriverError, require
 
 
 class Reclaimer(Protocol):
@@ -158,7 +158,7 @@ class PagePool:
         for p, c in counts.items():
             self._set_refcount(p, self._refcount[p] - c)
             if self._refcount[p] == 0:
-                assert not self._indexed[p], f"page {p} freed while the index holds it"
+                require(not self._indexed[p], f"page {p} freed while the index holds it")
                 freed.append(p)
         self._free.extend(sorted(freed, reverse=True))
         return freed

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .errors import CacheFull, check_int
+from .errors import CacheFull, check_int, require
 from .pool import PagePool
 from .prefix import PrefixIndex, PrefixOps
 from .reserve import ReserveOps
@@ -373,7 +373,8 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
         )
 
     def check_invariants(self) -> None:
-        """Assert DESIGN.md's invariants 1–2 (for tests and soak runs; O(pages))."""
+        """Check invariants 1–2 (refcounts = mappings; free list ⇔ refcount 0); raises
+        :class:`~vmcache.errors.InvariantError`. For tests and soak runs; O(pages)."""
         counts: dict[int, int] = {}
         for s in self.sequences:
             for p in (p for t in self._ahead[s] for p in t):
@@ -382,20 +383,20 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
             counts[p] = counts.get(p, 0) + 1
         for s in self.sequences:
             tab = self._tables[s]
-            assert len(tab) == self._T
+            require(len(tab) == self._T)
             for t in tab:
-                assert len(t) == self._pages_for(self._lens[s]), (s, len(t), self._lens[s])
+                require(len(t) == self._pages_for(self._lens[s]), (s, len(t), self._lens[s]))
                 for p in t:
                     counts[p] = counts.get(p, 0) + 1
         pool = self.pool
         for p in range(pool.num_pages):
-            assert pool.refcount(p) == counts.get(p, 0), (p, pool.refcount(p), counts.get(p))
+            require(pool.refcount(p) == counts.get(p, 0), (p, pool.refcount(p), counts.get(p)))
         free = set(pool._free)
-        assert len(free) == len(pool._free), "a page is twice on the free list"
+        require(len(free) == len(pool._free), "a page is twice on the free list")
         for p in range(pool._created):
-            assert (p in free) == (pool.refcount(p) == 0), p
-        assert pool.num_used == len(counts)
+            require((p in free) == (pool.refcount(p) == 0), p)
+        require(pool.num_used == len(counts))
         indexed = set(self.prefix.references()) if self.prefix is not None else set()
-        assert indexed == {p for p in range(pool.num_pages) if pool._indexed[p]}
-        assert pool.index_only == sum(1 for p in indexed if pool.refcount(p) == 1)
-        assert sorted(self._free_slots + self.sequences) == list(range(self.max_seqs))
+        require(indexed == {p for p in range(pool.num_pages) if pool._indexed[p]})
+        require(pool.index_only == sum(1 for p in indexed if pool.refcount(p) == 1))
+        require(sorted(self._free_slots + self.sequences) == list(range(self.max_seqs)))

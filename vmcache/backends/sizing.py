@@ -35,7 +35,8 @@ class SizingBackend:
         pass
 
     def create_page(self, page_size: int) -> int:
-        assert page_size % self.granularity == 0, page_size
+        if page_size % self.granularity:
+            raise ValueError(f"page_size {page_size} is not a multiple of {self.granularity}")
         self._next_page += 1
         self.live_pages += 1
         return self._next_page
@@ -44,14 +45,16 @@ class SizingBackend:
         self.live_pages -= 1
 
     def map(self, va: int, handles: list, page_size: int) -> None:
-        assert va % self.granularity == 0
+        if va % self.granularity:
+            raise ValueError(f"map at {va:#x}: not a multiple of {self.granularity}")
         self.mapped_pages += len(handles)
         self.map_calls += 1
 
     def unmap(self, va: int, npages: int, page_size: int) -> None:
+        if npages > self.mapped_pages:
+            raise ValueError(f"unmap of {npages} pages: only {self.mapped_pages} are mapped")
         self.mapped_pages -= npages
         self.unmap_calls += 1
-        assert self.mapped_pages >= 0
 
     def zero_page(self, handle, view: torch.Tensor) -> None:
         pass

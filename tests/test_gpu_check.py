@@ -1,0 +1,79 @@
+"""scripts/gpu_check.sh, dry run on the CPU: a fake nvidia-smi, a slow fake python and a short
+deadline. It must record what the image has, never start a step that no longer fits (and
+record it as skipped), fail when GPU tests are skipped, finish within its deadline and leave
+a summary with every claim and a verdict. And the README's GPU section is rendered from the
+committed summary (or says that nothing was measured)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import gpu_summary  # noqa: E402
+
+STEPS = ["gpu_tests", "syncs", "bench_vmm", "bench_attention", "soak", "bench_hf", "ab_compute"]
+
+
+def test_dry_run_keeps_its_deadline_and_records_every_step(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H200, 570.00, 143771 MiB, 9.0'\n")
+    slow_py = bin_dir / "slowpy"
+    slow_py.write_text(f'#!/bin/sh\nsleep 3\nexec {sys.executable} "$@"\n')
+    for f in (smi, slow_py):
+        f.chmod(0o755)
+    out = tmp_path / "out"
+    deadline = 40
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out),
+           "PY": str(slow_py), "GPU_CHECK_DEADLINE": str(deadline),
+           "GPU_CHECK_SKIP_INSTALL": "1"}  # fmt: skip
+    t0 = time.monotonic()
+    res = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh")], env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    wall = time.monotonic() - t0
+    assert res.returncode != 0  # no GPU: tests skipped, benchmarks fail
+    assert wall <= deadline + 5, wall
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert [s["name"] for s in steps] == STEPS
+    ran = [s for s in steps if s["status"] != "skipped"]
+    skipped = [s for s in steps if s["status"] == "skipped"]
+    assert ran and skipped, steps  # the deadline cut the run short, and said so
+    assert all(s["why"] == "deadline" for s in skipped)
+    assert all(s["limit"] <= deadline - 10 for s in ran)
+    pre = (out / "preflight.txt").read_text()
+    assert "gpu: NVIDIA H200" in pre and re.search(r"Python.h: (present|missing)", pre)
+    for name in ("gcc", "pytest", "flash-attn", "triton", "transformers", "cuda-bindings"):
+        assert f"{name}:" in pre
+    assert "skipped" in (out / "gpu_tests.log").read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    assert [c["id"] for c in summary["claims"]] == [c[0] for c in gpu_summary.CLAIMS]
+    by = {c["id"]: c["verdict"] for c in summary["claims"]}
+    assert by["gpu_tests"] == "DIFFERS"  # every GPU test skipped is a failure, not a pass
+    assert set(by.values()) <= {"agrees", "DIFFERS", "not measured"}
+    assert summary["gpu"].startswith("NVIDIA H200")
+
+
+def test_readme_gpu_section_is_rendered_from_the_summary():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    committed = sorted(
+        p for p in os.listdir(os.path.join(ROOT, "benchmarks", "results"))
+        if p.startswith("gpu-summary") and p.endswith(".json")
+    )  # fmt: skip
+    summary = None
+    if committed:
+        summary = json.load(open(os.path.join(ROOT, "benchmarks", "results", committed[-1])))
+    assert gpu_summary.readme_section(summary) in readme
+
+
+def test_readme_compile_table_is_rendered_from_the_committed_json():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    doc = json.load(open(os.path.join(ROOT, "benchmarks", "results", "compile_sm90.json")))
+    table = gpu_summary.compile_table(doc)
+    assert table in readme
+    edited = table.replace("| 0 |", "| 1 |", 1)
+    assert edited != table and edited not in readme  # a hand edit would be caught
