@@ -40,3 +40,19 @@ FACTORIES = {
     "vm_token_major": lambda **kw: vm(layout="token_major", **kw),
     "paged": paged,
 }
+
+
+def record_coverage(name, counts):
+    """With ``VMCACHE_COVERAGE_OUT=FILE`` (``make coverage``), merge what a fixed-seed run of
+    a randomized test reached into FILE (JSON), from which the README's reliability table is
+    rendered. Without it, nothing is written."""
+    import json
+    import os
+
+    path = os.environ.get("VMCACHE_COVERAGE_OUT")
+    if not path:
+        return
+    doc = json.load(open(path)) if os.path.exists(path) else {}
+    doc[name] = {k: int(v) for k, v in sorted(dict(counts).items())}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)

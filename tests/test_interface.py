@@ -1,12 +1,21 @@
 """Both caches behind one interface: the same bad-input sweep and the same state machine
 against a plain-Python shadow model (DESIGN.md invariants 1-4 after every step)."""
 
+from collections import Counter
+
 import caches
 import pytest
 import torch
-from hypothesis import settings
+from caches import record_coverage
+from hypothesis import event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from vmcache import CacheFull
 
@@ -104,14 +113,22 @@ def test_swap_handle_from_another_cache_rejected(cache):
         cache.swap_in(h)
 
 
+COVERAGE: dict[str, Counter] = {}  # machine name -> what its runs reached (see below)
+
+
 class CacheMachine(RuleBasedStateMachine):
-    """Random grow/write/fork/free/swap against a shadow dict of token rows."""
+    """Random grow/write/fork/assign/truncate/write_group/reserve/free/swap against a shadow
+    dict of token rows, with pools small enough (12–14 pages) that they really run out. Every
+    CacheFull must leave stats, page tables, lengths and contents as they were; what the runs
+    reach (pool exhaustion, copy-on-write splits, swap round trips) is counted in COVERAGE."""
 
     factory = None
+    name = ""
 
     def __init__(self):
         super().__init__()
         self.c = type(self).factory()
+        self.seen = COVERAGE.setdefault(type(self).name, Counter())
         self.shadow: dict[int, list[torch.Tensor]] = {}  # seq -> per layer [len, 2, 2, 16]
         self.swapped: list[tuple[object, list[torch.Tensor]]] = []
         self.counter = 0
@@ -131,14 +148,57 @@ class CacheMachine(RuleBasedStateMachine):
 
     seqs = property(lambda self: sorted(self.shadow))
 
+    def _snapshot(self):
+        c = self.c
+        return (c.stats(), {s: (c.seq_len(s), c.page_table(s)) for s in c.sequences},
+                {s: [torch.stack(c.kv(layer, s), 1).clone() for layer in range(2)]
+                 for s in c.sequences})  # fmt: skip
+
+    def attempt(self, op, fn):
+        """Run ``fn``; on CacheFull check that nothing changed and count why it was full.
+        Returns True when ``fn`` completed."""
+        before = self._snapshot()
+        copies = self.c.cow_copies
+        try:
+            fn()
+        except CacheFull:
+            after = self._snapshot()
+            assert before[0] == after[0], f"{op}: CacheFull changed the stats"
+            assert before[1] == after[1], f"{op}: CacheFull changed page tables or lengths"
+            for s in before[2]:
+                for x, y in zip(before[2][s], after[2][s]):
+                    assert torch.equal(x.nan_to_num(7.5), y.nan_to_num(7.5)), op
+            slots = len(self.c._free_slots)
+            kind = "slots full" if op in ("new", "fork") and slots < 3 else "pool full"
+            event(f"{op}: {kind}")
+            self.seen[kind] += 1
+            return False
+        if self.c.cow_copies > copies:
+            event(f"{op}: copy-on-write split")
+            self.seen["cow split"] += 1
+        self.seen[op] += 1
+        return True
+
+    @initialize(n=st.integers(10, 40))
+    def a_forked_prompt(self, n):
+        """Every run starts from a written prompt and a fork of it (pages shared)."""
+        s = self.c.new_sequence()
+        self.c.grow(s, n)
+        val = self._value(n)
+        for layer in range(2):
+            self.c.write(layer, s, 0, val[:, 0], val[:, 1])
+        self.shadow[s] = [val.clone(), val.clone()]
+        (kid,) = self.c.fork(s, 1)
+        self.shadow[kid] = [val.clone(), val.clone()]
+
+    @precondition(lambda self: len(self.shadow) < 5)  # a full slot table comes from fork
     @rule()
     def new(self):
-        try:
-            s = self.c.new_sequence()
-        except CacheFull:
+        got = []
+        if not self.attempt("new", lambda: got.append(self.c.new_sequence())):
             assert len(self.shadow) == self.c.max_seqs
             return
-        self.shadow[s] = [torch.empty(0, 2, 2, 16) for _ in range(2)]
+        self.shadow[got[0]] = [torch.empty(0, 2, 2, 16) for _ in range(2)]
 
     @precondition(lambda self: self.shadow)
     @rule(data=st.data(), n=st.integers(0, 70))
@@ -146,9 +206,7 @@ class CacheMachine(RuleBasedStateMachine):
         s = data.draw(st.sampled_from(self.seqs))
         if len(self.shadow[s][0]) + n > self.c.max_seq_len:
             return
-        try:
-            self.c.grow(s, n)
-        except CacheFull:
+        if not self.attempt("grow", lambda: self.c.grow(s, n)):
             return
         for layer in range(2):
             # new positions never expose another owner's bytes; after truncate they may
@@ -167,9 +225,7 @@ class CacheMachine(RuleBasedStateMachine):
         n = data.draw(st.integers(1, length - start))
         layer = data.draw(st.integers(0, 1))
         val = self._value(n)
-        try:
-            self.c.write(layer, s, start, val[:, 0], val[:, 1])
-        except CacheFull:
+        if not self.attempt("write", lambda: self.c.write(layer, s, start, val[:, 0], val[:, 1])):
             return
         self.shadow[s][layer][start : start + n] = val
 
@@ -177,9 +233,8 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data(), n=st.integers(1, 3))
     def fork(self, data, n):
         s = data.draw(st.sampled_from(self.seqs))
-        try:
-            kids = self.c.fork(s, n)
-        except CacheFull:
+        kids = []
+        if not self.attempt("fork", lambda: kids.extend(self.c.fork(s, n))):
             return
         for k in kids:
             self.shadow[k] = [t.clone() for t in self.shadow[s]]
@@ -223,9 +278,9 @@ class CacheMachine(RuleBasedStateMachine):
         n = data.draw(st.integers(1, length - start))
         layer = data.draw(st.integers(0, 1))
         val = self._value(n)
-        try:
-            self.c.write_group(layer, group, start, val[:, 0], val[:, 1])
-        except CacheFull:
+        if not self.attempt(
+            "write_group", lambda: self.c.write_group(layer, group, start, val[:, 0], val[:, 1])
+        ):
             return
         for s in group:
             self.shadow[s][layer][start : start + n] = val
@@ -249,12 +304,11 @@ class CacheMachine(RuleBasedStateMachine):
     @rule()
     def swap_in(self):
         h, content = self.swapped[0]
-        try:
-            s = self.c.swap_in(h)
-        except CacheFull:
+        got = []
+        if not self.attempt("swap_in", lambda: got.append(self.c.swap_in(h))):
             return
         self.swapped.pop(0)
-        self.shadow[s] = content
+        self.shadow[got[0]] = content
 
     @invariant()
     def contents_match_shadow(self):
@@ -268,10 +322,18 @@ class CacheMachine(RuleBasedStateMachine):
         self.c.check_invariants()
 
 
+# 128 B token rows, 4 KiB pages: a 160-token sequence needs 20 pages (VM, both layouts) or
+# 10 blocks (paged, B = 16); the pools hold 14-16 pages / 12 blocks, so they run out
+POOLS = {"vm": {"pages": 16}, "vm_token_major": {"pages": 14}, "paged": {"blocks": 12}}
+
+
+def _machine_class(name):
+    make = lambda: caches.FACTORIES[name](max_seqs=6, max_seq_len=160, **POOLS[name])
+    return type(f"{name}Machine", (CacheMachine,), {"factory": staticmethod(make), "name": name})
+
+
 def _machine(name):
-    make = lambda: caches.FACTORIES[name](max_seqs=6, max_seq_len=160)
-    cls = type(f"{name}Machine", (CacheMachine,), {"factory": staticmethod(make)})
-    case = cls.TestCase
+    case = _machine_class(name).TestCase
     case.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
     return case
 
@@ -279,3 +341,20 @@ def _machine(name):
 TestVMMachine = _machine("vm")
 TestVMTokenMajorMachine = _machine("vm_token_major")
 TestPagedMachine = _machine("paged")
+
+
+@pytest.mark.parametrize("name", sorted(POOLS))
+def test_the_machines_reach_the_states_they_claim(name):
+    """A fixed-seed run of each machine reaches pool exhaustion (not only a full slot
+    table), copy-on-write splits and swap round trips: the machines can fail there."""
+    from hypothesis.stateful import run_state_machine_as_test
+
+    COVERAGE.pop(name, None)
+    run_state_machine_as_test(_machine_class(name), settings=settings(
+        max_examples=40, stateful_step_count=30, deadline=None, derandomize=True,
+        database=None))  # fmt: skip
+    seen = COVERAGE[name]
+    assert seen["pool full"] >= 5, seen
+    assert seen["cow split"] >= 5, seen
+    assert seen["swap_in"] >= 5, seen
+    record_coverage(f"cache machine {name}", seen)

@@ -4,6 +4,8 @@ import pytest
 import torch
 from caches import FACTORIES
 
+from vmcache import CacheFull
+
 CACHES = list(FACTORIES)
 
 
@@ -125,3 +127,50 @@ def test_cow_bytes_count_only_the_used_part_of_a_split_page(name):
     _fill(c, b, 1, 2)  # splits b's tail: 3 tokens in use, in every table of the page
     st = c.stats()
     assert st.cow_copies == len(c.page_table(b)) and st.cow_bytes_copied == c.spec.kv_bytes(3)
+
+
+def _state(c):
+    tables = {s: (c.seq_len(s), c.page_table(s)) for s in c.sequences}
+    kv = {s: [torch.cat(c.kv(layer, s)).clone() for layer in range(2)] for s in c.sequences}
+    return c.stats(), tables, kv
+
+
+@pytest.mark.parametrize("name", CACHES)
+def test_write_group_is_all_or_nothing_when_the_pool_runs_out(name):
+    """Members b and c share pages with a third sequence a: each needs its own copies. With
+    room for one member's copies only, the call raises CacheFull and changes nothing (it used
+    to commit b's copy-on-write split, then fail on c)."""
+    size = {"blocks": 6} if name == "paged" else {"pages": 12}
+    c = FACTORIES[name](**size)
+    a = c.new_sequence()
+    _fill(c, a, 40, 1)
+    b, d = c.fork(a, 2)
+    free = c.stats().free_pages
+    per_member = len(c._tables_of_layer(0)) * len(c.page_table(a)[0])  # a's layer-0 pages
+    assert per_member <= free < 2 * per_member  # room for one member's copies, not two
+    before = _state(c)
+    x = torch.full((40, 2, 16), 9.0)
+    with pytest.raises(CacheFull):
+        c.write_group(0, [b, d], 0, x, x)
+    after = _state(c)
+    assert before[0] == after[0] and before[1] == after[1]
+    assert all(torch.equal(p, q) for s in before[2] for p, q in zip(before[2][s], after[2][s]))
+    c.check_invariants()
+
+
+@pytest.mark.parametrize("name", CACHES)
+def test_assign_from_an_empty_sequence_gives_each_its_own_token_list(name):
+    """assign used to hand the destination the source's very list when it was empty; growing
+    the source then gave the destination tokens it did not hold, and it could never be
+    swapped back in."""
+    c = FACTORIES[name]()
+    a, b = c.new_sequence(), c.new_sequence()
+    c.grow(b, 2, token_ids=[5, 6])
+    c.assign([b], [a])
+    c.grow(a, 3, token_ids=[1, 2, 3])
+    assert c.seq_len(b) == 0
+    c.check_invariants()  # token ids known => as many as the sequence's length
+    back = c.swap_in(c.swap_out(b))
+    assert c.seq_len(back) == 0
+    c.grow(back, 1, token_ids=[7])
+    c.check_invariants()

@@ -306,45 +306,54 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
     def _split_and_extend(
         self, s: int, splits: list[tuple[int, int]], j_from: int, j_to: int
     ) -> None:
-        """Copy-on-write ``splits`` (table, page index) and map pages ``[j_from, j_to)`` in
-        every table: all of it, or (after an exception) none of it."""
-        tab = self._tables[s]
-        length = self._lens[s]
-        fresh = self.pool.allocate(len(splits) + self._T * (j_to - j_from))
+        """Copy-on-write ``splits`` (table, page index) of ``s`` and map pages
+        ``[j_from, j_to)`` in every table: all of it, or (after an exception) none of it."""
+        self._split_pages([(s, t, j) for t, j in splits], s, j_from, j_to)
+
+    def _split_pages(
+        self, splits: list[tuple[int, int, int]], s_ext: int | None = None, j_from: int = 0,
+        j_to: int = 0,
+    ) -> None:  # fmt: skip
+        """The transactional core: copy-on-write ``splits`` (sequence, table, page index),
+        possibly of several sequences, and map pages ``[j_from, j_to)`` in every table of
+        ``s_ext``. Every page is allocated first (``CacheFull`` here changes nothing), then
+        the fallible steps run with an undo log, then bookkeeping that cannot fail commits."""
+        n_ext = self._T * (j_to - j_from) if s_ext is not None else 0
+        fresh = self.pool.allocate(len(splits) + n_ext)
         undo: list[Callable[[], None]] = []
-        replaced: list[tuple[int, int, int, int]] = []
+        replaced: list[tuple[int, int, int, int, int]] = []  # (seq, table, index, old, new)
         if splits:
             self._sync()  # the old pages are unmapped below: no kernel may still read them
         try:
             it = iter(fresh)
-            for t, j in splits:
-                old, new = tab[t][j], next(it)
-                self._copy_page(old, new, self._used_units(j, length))
+            for s, t, j in splits:
+                old, new = self._tables[s][t][j], next(it)
+                self._copy_page(old, new, self._used_units(j, self._lens[s]))
                 self._detach(s, t, j, 1)
-                undo.append(lambda t=t, j=j, old=old: self._attach(s, t, j, [old]))
+                undo.append(lambda s=s, t=t, j=j, old=old: self._attach(s, t, j, [old]))
                 self._attach(s, t, j, [new])
-                undo.append(lambda t=t, j=j: self._detach(s, t, j, 1))
-                replaced.append((t, j, old, new))
+                undo.append(lambda s=s, t=t, j=j: self._detach(s, t, j, 1))
+                replaced.append((s, t, j, old, new))
             extension = []
-            for t in range(self._T):
+            for t in range(self._T if s_ext is not None else 0):
                 pages = [next(it) for _ in range(j_to - j_from)]
                 if pages:
-                    self._attach(s, t, j_from, pages)
-                    undo.append(lambda t=t, n=len(pages): self._detach(s, t, j_from, n))
+                    self._attach(s_ext, t, j_from, pages)
+                    undo.append(lambda t=t, n=len(pages): self._detach(s_ext, t, j_from, n))
                 extension.append(pages)
         except BaseException:
             for f in reversed(undo):
                 f()
             self.pool.decref(fresh)
             raise
-        for t, j, _, new in replaced:
-            tab[t][j] = new
-            self.cow_bytes_copied += self._used_units(j, length) * self.page_bytes // self._P
+        for s, t, j, _, new in replaced:
+            self._tables[s][t][j] = new
+            self.cow_bytes_copied += self._used_units(j, self._lens[s]) * self.page_bytes // self._P
         self.cow_copies += len(replaced)
         self.epoch += 1
-        self.pool.decref([old for _, _, old, _ in replaced])
+        self.pool.decref([old for *_, old, _ in replaced])
         for t, pages in enumerate(extension):
-            tab[t].extend(pages)
+            self._tables[s_ext][t].extend(pages)
 
     def _set_len(self, s: int, length: int) -> None:
         self._lens[s] = length
@@ -400,3 +409,8 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
         require(indexed == {p for p in range(pool.num_pages) if pool._indexed[p]})
         require(pool.index_only == sum(1 for p in indexed if pool.refcount(p) == 1))
         require(sorted(self._free_slots + self.sequences) == list(range(self.max_seqs)))
+        for s in self.sequences:
+            known = self._tokens[s]
+            require(known is None or len(known) == self._lens[s], "token ids", s, known)
+        ids = [id(self._tokens[s]) for s in self.sequences if self._tokens[s] is not None]
+        require(len(ids) == len(set(ids)), "two sequences share one token list")

@@ -85,8 +85,8 @@ class SharingOps:
             self._drop_reserved(d)  # the rows are about to be remapped
         new = {d: [list(t) for t in self._tables[s]] for d, s in zip(dsts, srcs)}
         new_len = {d: self._lens[s] for d, s in zip(dsts, srcs)}
-        new_ids = {d: (self._tokens[s] and list(self._tokens[s]), self._salts[s])
-                   for d, s in zip(dsts, srcs)}  # fmt: skip
+        new_ids = {d: (None if self._tokens[s] is None else list(self._tokens[s]),
+                       self._salts[s]) for d, s in zip(dsts, srcs)}  # fmt: skip
         plan = []  # (dst, table, first differing index, old pages from there, new pages)
         for d in dsts:
             for t in range(self._T):
@@ -165,10 +165,8 @@ class SharingOps:
         # decided for every member before any split changes a refcount
         plan = {s: [(t, j) for t, j, p in entries(s) if self.pool.refcount(p) > uses[p]]
                 for s in seqs}  # fmt: skip
-        for s, splits in plan.items():
-            if splits:
-                last = self._pages_for(self._lens[s])
-                self._split_and_extend(s, splits, last, last)
+        # every member's copies in one transaction: CacheFull or a driver error changes nothing
+        self._split_pages([(s, t, j) for s, splits in plan.items() for t, j in splits])
         written: set[tuple[int, ...]] = set()
         for s in seqs:
             key = tuple(p for _, _, p in entries(s))
