@@ -2,12 +2,20 @@
 pages only, tenant salts, eviction before CacheFull, and a stateful machine whose K/V are a
 function of (token, position), so that any reuse of a wrong page shows."""
 
+from collections import Counter
+
 import pytest
 import torch
-from caches import SPEC, strict_host
-from hypothesis import settings
+from caches import SPEC, record_coverage, strict_host
+from hypothesis import event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import CacheFull, VMKVCache
@@ -137,6 +145,9 @@ def test_bad_prefix_input():
     assert c.seq_len(s) == 0 and len(c.sequences) == 1
 
 
+PREFIX_COVERAGE: dict[str, Counter] = {}  # kind -> lookups, hits, hit tokens, swap_in
+
+
 class PrefixMachine(RuleBasedStateMachine):
     """Sequences over a 3-token alphabet (so prefixes repeat) on a small pool; K/V are a
     function of (token, position), so a wrongly shared page breaks the content check."""
@@ -145,8 +156,30 @@ class PrefixMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.c = make(type(self).kind, pages=24, max_seqs=6, max_seq_len=160)
+        # the same token capacity on both: 48 pages = 12 per (layer, K/V) table × 32 tokens,
+        # 24 blocks × 16 tokens; small enough that cached pages get evicted
+        pages = 48 if type(self).kind == "vm" else 24
+        self.c = make(type(self).kind, pages=pages, max_seqs=6, max_seq_len=160)
         self.tokens: dict[int, list[int]] = {}
+        self.swapped: list[tuple[object, list[int]]] = []
+        self.seeded: list[int] = []  # the prompt every run starts from (cached)
+        self.seen = PREFIX_COVERAGE.setdefault(type(self).kind, Counter())
+
+    @initialize(data=st.data())
+    def a_cached_prompt(self, data):
+        """Every run starts with two full pages of a prompt cached (then freed), so that
+        later prompts, drawn from the same chunks, can hit."""
+        P = tpp(self.c)
+        self.seeded = self._pages(data.draw(st.lists(st.integers(0, 2), min_size=2, max_size=2)))
+        s = self.c.new_sequence(prefix_tokens=self.seeded)
+        append(self.c, s, self.seeded[self.c.seq_len(s) :] + [0] * (P // 2))
+        self.c.free(s)  # indexes its full pages
+        assert self.c.prefix.stats().cached_pages > 0
+
+    def _pages(self, chunks):
+        P = tpp(self.c)
+        pages = [[0] * P, [1] * P, [0, 1] * (P // 2)]
+        return [t for i in chunks for t in pages[i]]
 
     def teardown(self):
         for s in list(self.tokens):
@@ -157,25 +190,33 @@ class PrefixMachine(RuleBasedStateMachine):
 
     seqs = property(lambda self: sorted(self.tokens))
 
-    def _ids(self, data, max_chunks):
+    def _ids(self, data, max_chunks, seeded=False):
         """Whole pages drawn from three page patterns (so the same page recurs under
-        different prefixes), then a short random tail."""
+        different prefixes), then a short random tail; with ``seeded``, often the start of
+        the cached prompt first."""
         P = tpp(self.c)
-        pages = [[0] * P, [1] * P, [0, 1] * (P // 2)]
-        chunks = data.draw(st.lists(st.integers(0, 2), max_size=max_chunks))
-        tail = data.draw(st.lists(st.integers(0, 2), max_size=P))
-        return [t for i in chunks for t in pages[i]] + tail
+        head = []
+        if seeded and data.draw(st.integers(0, 2)) != 2:  # the simplest draw takes the head
+            head = self.seeded[: P * data.draw(st.integers(1, len(self.seeded) // P))]
+        chunks = data.draw(st.lists(st.integers(0, 2), max_size=max_chunks - len(head) // P))
+        tail = data.draw(st.lists(st.integers(0, 2), min_size=1 if head else 0, max_size=P))
+        return head + self._pages(chunks) + tail
 
     @rule(data=st.data())
     def new_with_prefix(self, data):
-        ids = self._ids(data, 140 // tpp(self.c))
-        salt = data.draw(st.sampled_from([None, "x"]))
+        ids = self._ids(data, 140 // tpp(self.c), seeded=True)
+        salt = data.draw(st.sampled_from([None, None, "x"]))
         try:
             s = self.c.new_sequence(prefix_tokens=ids, salt=salt)
         except CacheFull:
             return
         n = self.c.seq_len(s)
         assert n % tpp(self.c) == 0 and n <= len(ids)
+        self.seen["lookups"] += 1
+        if n:
+            event("prefix hit")
+            self.seen["hits"] += 1
+            self.seen["hit tokens"] += n
         self.tokens[s] = ids[:n]
         self.c._salts[s] = salt  # noqa: SLF001 - the machine keeps salts per sequence
 
@@ -221,6 +262,34 @@ class PrefixMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
+    def assign(self, data):
+        dsts = data.draw(st.lists(st.sampled_from(self.seqs), min_size=1, unique=True))
+        srcs = [data.draw(st.sampled_from(self.seqs)) for _ in dsts]
+        before = {s: list(self.tokens[s]) for s in srcs}
+        self.c.assign(dsts, srcs)
+        for d, s in zip(dsts, srcs):
+            self.tokens[d] = list(before[s])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        s = data.draw(st.sampled_from(self.seqs))
+        self.swapped.append((self.c.swap_out(s), self.tokens.pop(s)))
+
+    @precondition(lambda self: self.swapped)
+    @rule()
+    def swap_in(self):
+        h, ids = self.swapped[0]
+        try:
+            s = self.c.swap_in(h)
+        except CacheFull:
+            return
+        self.swapped.pop(0)
+        self.tokens[s] = ids
+        self.seen["swap_in"] += 1
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
     def cache_prefix(self, data):
         self.c.cache_prefix(data.draw(st.sampled_from(self.seqs)))
 
@@ -241,9 +310,28 @@ class PrefixMachine(RuleBasedStateMachine):
         self.c.check_invariants()
 
 
+def _machine_class(kind):
+    return type(f"Prefix{kind}Machine", (PrefixMachine,), {"kind": kind})
+
+
+@pytest.mark.parametrize("kind", ["vm", "paged"])
+def test_the_prefix_machines_really_hit(kind):
+    """A fixed-seed run reuses cached pages often (the machine would pass if matching
+    always returned nothing otherwise) and swaps sequences out and back in."""
+    from hypothesis.stateful import run_state_machine_as_test
+
+    PREFIX_COVERAGE.pop(kind, None)
+    run_state_machine_as_test(_machine_class(kind), settings=settings(
+        max_examples=30, stateful_step_count=30, deadline=None, derandomize=True,
+        database=None))  # fmt: skip
+    seen = PREFIX_COVERAGE[kind]
+    assert seen["hits"] >= 10 and seen["hits"] >= seen["lookups"] // 5, seen
+    assert seen["swap_in"] >= 1, seen
+    record_coverage(f"prefix machine {kind}", seen)
+
+
 def _machine(kind):
-    cls = type(f"Prefix{kind}Machine", (PrefixMachine,), {"kind": kind})
-    case = cls.TestCase
+    case = _machine_class(kind).TestCase
     case.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
     return case
 
