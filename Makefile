@@ -11,7 +11,7 @@ OLD_STAMP := $(OLD)/.vmcache-installed
 # Without an NVIDIA GPU take the CPU build first, so no multi-GB CUDA build is pulled.
 CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q torch==2.13.0; fi
 
-.PHONY: bench test test-newest test-oldest compile-sm90 lint gpu-check clean
+.PHONY: bench test test-newest test-oldest test-long coverage compile-sm90 lint gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,6 +38,18 @@ test-newest: $(STAMP)
 # the oldest supported transformers and triton: the drop-in, the engine, the sm_90 compile
 test-oldest: $(OLD_STAMP)
 	$(OLD)/bin/pytest tests/test_hf.py tests/test_engine.py tests/test_compile_sm90.py
+
+# the randomized tests with fresh seeds and ten times the examples (CI's are derandomized)
+test-long: $(STAMP)
+	HYPOTHESIS_PROFILE=long $(VENV)/bin/pytest tests/test_interface.py tests/test_prefix.py \
+		tests/test_pool.py tests/test_soak.py tests/test_faults.py
+
+# what the fixed-seed randomized tests reach, into the JSON the README's reliability table
+# is rendered from (scripts/render_reliability.py)
+coverage: $(STAMP)
+	rm -f benchmarks/results/coverage.json
+	VMCACHE_COVERAGE_OUT=$(CURDIR)/benchmarks/results/coverage.json $(VENV)/bin/pytest \
+		tests/test_interface.py tests/test_prefix.py tests/test_soak.py tests/test_faults.py
 
 # every Triton kernel compiled for sm_90 with triton 3.6 (the GPU image's), registers and
 # spills into benchmarks/results/compile_sm90.json (a subset runs in `make test`)

@@ -70,9 +70,21 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
     H, D = spec.num_kv_heads, spec.head_dim
     shadow: dict[int, torch.Tensor] = {}  # seq -> [N_L, 2, len, H, D] on the CPU
     swapped: list[tuple[object, torch.Tensor]] = []
-    counts = {"cachefull": 0}
+    dirty: set[int] = set()  # truncated: regrown positions may hold the sequence's old bytes
+    counts = {"cachefull": 0, "pool_full": 0, "slots_full": 0}  # CacheFull, and why
+    done: dict[str, int] = {}  # operations that completed (``counts[op]``: chosen)
     violations: list[str] = []
     value = 0.0
+
+    def fill(s, start, n):
+        """Give positions [start, start+n) of s (all layers) a fresh known value."""
+        nonlocal value
+        value += 1
+        x = torch.full((n, H, D), value)
+        for layer in range(spec.num_layers):
+            c.write(layer, s, start, x.to(dev), (-x).to(dev))
+            shadow[s][layer, 0, start : start + n] = value
+            shadow[s][layer, 1, start : start + n] = -value
 
     def read(s):
         return torch.stack([torch.stack(c.kv(layer, s)) for layer in range(spec.num_layers)]).cpu()
@@ -83,8 +95,9 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
 
     t0 = time.perf_counter()
     for i in range(ops):
-        op = rng.choices(["new", "grow", "write", "fork", "free", "swap_out", "swap_in"],
-                         [2, 6, 6, 2, 2, 1, 1])[0]  # fmt: skip
+        op = rng.choices(["new", "grow", "write", "fork", "free", "swap_out", "swap_in",
+                          "assign", "truncate", "reserve", "write_group"],
+                         [2, 6, 6, 2, 2, 1, 1, 1, 1, 1, 2])[0]  # fmt: skip
         counts[op] = counts.get(op, 0) + 1
         seqs = sorted(shadow)
         try:
@@ -96,6 +109,13 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
                 n = min(rng.randint(1, 70), c.max_seq_len - shadow[s].shape[2])
                 c.grow(s, n)
                 shadow[s] = torch.cat([shadow[s], torch.zeros(spec.num_layers, 2, n, H, D)], 2)
+                if s in dirty and n:  # unknown bytes (a truncated tail): make them known
+                    try:
+                        fill(s, shadow[s].shape[2] - n, n)
+                    except CacheFull:
+                        c.truncate(s, shadow[s].shape[2] - n)  # undo the grow
+                        shadow[s] = shadow[s][:, :, :-n].clone()
+                        raise
                 check(s, op)
             elif op == "write" and seqs:
                 s = rng.choice(seqs)
@@ -114,22 +134,67 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
                 s = rng.choice(seqs)
                 for child in c.fork(s, rng.randint(1, 3)):
                     shadow[child] = shadow[s].clone()
+                    if s in dirty:
+                        dirty.add(child)
                     check(child, op)
             elif op == "free" and seqs:
                 s = rng.choice(seqs)
                 c.free(s)
                 del shadow[s]
+                dirty.discard(s)
             elif op == "swap_out" and seqs:
                 s = rng.choice(seqs)
                 swapped.append((c.swap_out(s), shadow.pop(s)))
+                dirty.discard(s)
             elif op == "swap_in" and swapped:
                 h, content = swapped[0]
                 s = c.swap_in(h)
                 swapped.pop(0)
                 shadow[s] = content
                 check(s, op)
+            elif op == "assign" and seqs:
+                dsts = rng.sample(seqs, rng.randint(1, min(3, len(seqs))))
+                srcs = [rng.choice(seqs) for _ in dsts]
+                c.assign(dsts, srcs)
+                before = {x: (shadow[x].clone(), x in dirty) for x in srcs}
+                for d, x in zip(dsts, srcs):
+                    shadow[d] = before[x][0].clone()
+                    (dirty.add if before[x][1] else dirty.discard)(d)
+                for d in dsts:
+                    check(d, op)
+            elif op == "truncate" and seqs:
+                s = rng.choice(seqs)
+                length = rng.randint(0, shadow[s].shape[2])
+                c.truncate(s, length)
+                shadow[s] = shadow[s][:, :, :length].clone()
+                dirty.add(s)
+                check(s, op)
+            elif op == "reserve" and seqs:
+                s = rng.choice(seqs)
+                c.reserve(s, rng.randint(1, 100))  # best effort, changes no content
+                check(s, op)
+            elif op == "write_group" and seqs:
+                live = [x for x in seqs if shadow[x].shape[2]]
+                if live:
+                    group = rng.sample(live, rng.randint(1, min(3, len(live))))
+                    length = min(shadow[x].shape[2] for x in group)
+                    start = rng.randrange(length)
+                    n = rng.randint(1, length - start)
+                    layer = rng.randrange(spec.num_layers)
+                    value += 1
+                    k = torch.full((n, H, D), value)
+                    c.write_group(layer, group, start, k.to(dev), (-k).to(dev))
+                    for x in group:
+                        shadow[x][layer, 0, start : start + n] = value
+                        shadow[x][layer, 1, start : start + n] = -value
+                        check(x, op)
+            else:
+                continue
+            done[op] = done.get(op, 0) + 1
         except CacheFull:
             counts["cachefull"] += 1
+            slots_short = op in ("new", "fork") and len(c._free_slots) < 3
+            counts["slots_full" if slots_short else "pool_full"] += 1
         if i % check_every == 0:
             for s in shadow:
                 check(s, "periodic")
@@ -146,7 +211,8 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
     c.check_invariants()
     c.close()
     return {"ops": ops, "ops_per_s": ops / elapsed, "violations": len(violations),
-            "leaked_pages": leaked, "first_violations": violations[:5], **counts}  # fmt: skip
+            "leaked_pages": leaked, "first_violations": violations[:5], **counts,
+            "done": done}  # fmt: skip
 
 
 def main(argv=None):
@@ -162,8 +228,8 @@ def main(argv=None):
         r = soak(make, args.ops, args.seed)
         rows.append({"cache": name, **r})
         print(f"{name}: {r['ops']} ops, {r['violations']} violations, {r['leaked_pages']} leaked")
-    print(table(rows, ["cache", "ops", "ops_per_s", "violations", "leaked_pages", "cachefull",
-                       "fork", "swap_in"]))  # fmt: skip
+    print(table(rows, ["cache", "ops", "ops_per_s", "violations", "leaked_pages", "pool_full",
+                       "slots_full"]))  # fmt: skip
     print(f"wrote {save('soak', torch.device(args.device), rows, out_dir=args.out)}")
     return rows
 

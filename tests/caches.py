@@ -14,6 +14,13 @@ from vmcache.backends.host import HostBackend
 from vmcache.backends.strict import StrictBackend
 
 
+def examples(n: int) -> int:
+    """``n`` examples for a randomized test; ten times that under ``make test-long``."""
+    import os
+
+    return n * (10 if os.environ.get("HYPOTHESIS_PROFILE") == "long" else 1)
+
+
 def strict_host(granularity=4096, inner=None):
     """The host backend under the CUDA page rules (owned by the cache it is given to)."""
     return StrictBackend(inner if inner is not None else HostBackend(), granularity)

@@ -11,6 +11,14 @@ import torch  # noqa: E402
 os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
 
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# CI is derandomized (a failure reproduces from the same seed); `make test-long` runs the
+# randomized tests with new seeds and ten times the examples (see caches.examples)
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("long", derandomize=False, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 from caches import strict_host  # noqa: E402
 
 from vmcache import KVSpec, VMKVCache  # noqa: E402

@@ -2,35 +2,40 @@
 either completes or leaves the cache exactly as it was (DESIGN.md: a failed call changes
 nothing)."""
 
+import itertools
 import subprocess
 import sys
 
 import pytest
 import torch
-from caches import strict_host
+from caches import record_coverage, strict_host
 
-from vmcache import DriverError, KVSpec, VMKVCache
+from vmcache import CacheFull, DriverError, KVSpec, VMKVCache
 from vmcache.backends.host import HostBackend
 
-SPEC = KVSpec(2, 2, 16, torch.float32)
-INJECTED: set[str] = (
-    set()
-)  # kinds of call that failed at least once  # 128 B per token row: 32 tokens per 4 KiB page
+SPEC = KVSpec(2, 2, 16, torch.float32)  # 128 B per token row: 32 tokens per 4 KiB page
+INJECTED: set[str] = set()  # kinds of call that failed at least once
+FAILURE_POINTS: dict[str, int] = {}  # op -> fallible calls it makes (each one failed once)
 
 
 class FaultyBackend(HostBackend):
-    """Fails the ``fail_at``-th fallible call (map, create_page or a page copy), once."""
+    """Fails the ``fail_at``-th fallible call (map, create_page or a page copy), once, with
+    error ``code`` (``only``: count just that kind of call)."""
 
     def __init__(self):
         super().__init__()
         self.calls = 0
         self.fail_at = None
+        self.code = "EINJECTED"
+        self.only = None
 
     def _maybe_fail(self, call):
+        if self.only is not None and call != self.only:
+            return
         self.calls += 1
         if self.calls == self.fail_at:
             INJECTED.add(call)
-            raise DriverError(call, "EINJECTED", "fault injection")
+            raise DriverError(call, self.code, "fault injection")
 
     def map(self, va, handles, page_size):
         self._maybe_fail("mmap(MAP_FIXED page)")
@@ -92,54 +97,78 @@ PREPARE = {
 }
 
 
-@pytest.mark.parametrize("op", sorted(OPS))
-def test_every_failure_rolls_back(op):
-    injected = 0
-    for k in range(1, 40):
-        be = FaultyBackend()
-        c, s, child = setup(be)
+def _run_with_fault_at(op, k, code="EINJECTED"):
+    """Build the scene, fail the k-th fallible call of ``op``; returns True when the op
+    completed before reaching call k, False when it failed and changed nothing."""
+    be = FaultyBackend()
+    be.code = code
+    c, s, child = setup(be)
+    try:
         if op == "swap_in":  # fail inside swap_in, not swap_out: count from after swap_out
             h = c.swap_out(child)
-            before = snapshot(c)
-            be.fail_at = be.calls + k
-            try:
-                c.swap_in(h)
-            except DriverError:
-                injected += 1
-                assert same(before, snapshot(c)) and not h.consumed
-                c.swap_in(h)  # the handle still works after the failure
-            else:
-                assert be.calls < be.fail_at
-                c.check_invariants()
-                c.close()
-                be.close()
-                break
+            run = lambda: c.swap_in(h)  # noqa: E731
         else:
             PREPARE.get(op, lambda *a: None)(c, s, child)
-            before = snapshot(c)
-            be.fail_at = be.calls + k
-            try:
-                OPS[op](c, s, child)
-            except DriverError:
-                injected += 1
-                assert same(before, snapshot(c)), f"{op}: map #{k} failed and changed state"
-            else:
-                assert be.calls < be.fail_at  # no more maps to fail: the op completed
-                c.check_invariants()
-                c.close()
-                be.close()
-                break
+            run = lambda: OPS[op](c, s, child)  # noqa: E731
+        before = snapshot(c)
+        be.fail_at = be.calls + k
+        expected = CacheFull if code == "ENOMEM" else DriverError
+        try:
+            run()
+        except expected:
+            assert same(before, snapshot(c)), f"{op}: call #{k} failed and changed state"
+            if op == "swap_in":
+                assert not h.consumed
+                c.swap_in(h)  # the handle still works after the failure
+            return False
+        assert be.calls < be.fail_at  # no more calls to fail: the op completed
+        return True
+    finally:
         c.check_invariants()
         c.close()
         be.close()
-    assert injected >= 1
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_every_failure_rolls_back(op):
+    """Fail the 1st, 2nd, ... fallible call until the operation completes: every failure
+    point, up to the last mapping step, is exercised."""
+    for k in itertools.count(1):
+        if _run_with_fault_at(op, k):
+            break
+        assert k < 500, f"{op} never completed"
+    assert k > 1  # at least one failure was injected
+    FAILURE_POINTS[op] = k - 1
+
+
+def test_out_of_memory_at_page_creation_is_cache_full_and_changes_nothing():
+    """ENOMEM from the host (CUDA_ERROR_OUT_OF_MEMORY from the driver) while creating pages
+    is exhaustion: CacheFull, state unchanged."""
+    be = FaultyBackend()
+    be.code = "ENOMEM"
+    be.only = "ftruncate(memfd)"
+    c, s, child = setup(be)
+    before = snapshot(c)
+    be.fail_at = be.calls + 1
+    with pytest.raises(CacheFull, match="exhausted"):
+        c.grow(s, 300)  # needs new pages: the next chunk's creation fails
+    assert same(before, snapshot(c))
+    c.grow(s, 300)  # the failure was transient: the pool grows now
+    c.check_invariants()
+    c.close()
+    be.close()
 
 
 def test_running_out_of_mappings_is_a_clear_error():
+    from vmcache.backends.host import max_map_count
+
+    n = max_map_count() // 2 + 5000  # isolated pages take a VMA each: past the host's limit
+    if n > 600_000:
+        pytest.skip(f"vm.max_map_count is {max_map_count()}: too many mappings to exhaust")
     code = (
         "from vmcache import MapLimitError\n"
         "from vmcache.backends.host import HostBackend\n"
-        "be = HostBackend(); P = 4096; n = 80000\n"
+        f"be = HostBackend(); P = 4096; n = {n}\n"
         "va = be.reserve(2 * n * P)\n"
         "try:\n"
         "    for i in range(n):  # isolated pages: every one is its own VMA\n"
@@ -152,7 +181,10 @@ def test_running_out_of_mappings_is_a_clear_error():
     assert "MapLimitError" in r.stdout and "vm.max_map_count" in r.stdout
 
 
-def test_all_three_kinds_were_injected():
+def test_all_three_kinds_were_injected_up_to_the_last_call():
     for op in sorted(OPS):
         test_every_failure_rolls_back(op)
-    assert INJECTED == {"mmap(MAP_FIXED page)", "ftruncate(memfd)", "copy page"}
+    assert INJECTED >= {"mmap(MAP_FIXED page)", "ftruncate(memfd)", "copy page"}
+    assert FAILURE_POINTS["grow taking reserved pages and more"] >= 40  # past the old cap, 39
+    record_coverage("fault injection", {f"{op}: failure points": k
+                                        for op, k in FAILURE_POINTS.items()})  # fmt: skip

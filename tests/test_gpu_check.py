@@ -77,3 +77,11 @@ def test_readme_compile_table_is_rendered_from_the_committed_json():
     assert table in readme
     edited = table.replace("| 0 |", "| 1 |", 1)
     assert edited != table and edited not in readme  # a hand edit would be caught
+
+
+def test_readme_coverage_table_is_rendered_from_the_committed_json():
+    import render_reliability
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    table = render_reliability.coverage_table(json.load(open(render_reliability.DEFAULT)))
+    assert table in readme

@@ -6,7 +6,7 @@ from collections import Counter
 import caches
 import pytest
 import torch
-from caches import record_coverage
+from caches import examples, record_coverage
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -334,7 +334,7 @@ def _machine_class(name):
 
 def _machine(name):
     case = _machine_class(name).TestCase
-    case.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+    case.settings = settings(max_examples=examples(100), stateful_step_count=30, deadline=None)
     return case
 
 

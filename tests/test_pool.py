@@ -1,4 +1,5 @@
 import pytest
+from caches import examples
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -132,4 +133,6 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 TestPoolMachine = PoolMachine.TestCase
-TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestPoolMachine.settings = settings(
+    max_examples=examples(150), stateful_step_count=40, deadline=None
+)

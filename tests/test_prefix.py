@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-from caches import SPEC, record_coverage, strict_host
+from caches import SPEC, examples, record_coverage, strict_host
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -332,7 +332,7 @@ def test_the_prefix_machines_really_hit(kind):
 
 def _machine(kind):
     case = _machine_class(kind).TestCase
-    case.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+    case.settings = settings(max_examples=examples(60), stateful_step_count=30, deadline=None)
     return case
 
 
