@@ -1,6 +1,8 @@
 """The engine: greedy outputs equal per-request generate(), with and without preemption, for
 both policies and both caches; nothing is lost on a tiny budget; forks share the prompt."""
 
+import copy
+
 import pytest
 import torch
 from caches import strict_host
@@ -20,7 +22,7 @@ SPEC = KVSpec.from_hf_config(CFG)
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    m = LlamaForCausalLM(CFG).eval()
+    m = LlamaForCausalLM(copy.deepcopy(CFG)).eval()
     m.generation_config.eos_token_id = None  # the engine's requests carry no stop token
     return m
 
@@ -46,9 +48,27 @@ def requests(shape, seed=0):
             for i, (n, m) in enumerate(shape)]  # fmt: skip
 
 
+_TWINS: dict = {}
+
+
+def sdpa_twin(model):
+    """The same weights in a model that runs transformers' own SDPA attention: the engine
+    switches the model it gets to attn "vmcache", so the reference must not share it."""
+    if id(model) not in _TWINS:
+        cfg = copy.deepcopy(CFG)  # its own config: the engine switches the model's
+        twin = LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()
+        twin.load_state_dict(model.state_dict())
+        twin.generation_config.eos_token_id = None
+        _TWINS[id(model)] = twin
+    twin = _TWINS[id(model)]
+    assert twin.config._attn_implementation == "sdpa"
+    return twin
+
+
 def reference(model, reqs):
-    return {r.req_id: model.generate(torch.tensor([r.prompt]), do_sample=False,
-                                     max_new_tokens=r.params.max_new_tokens)[0, len(r.prompt):]
+    twin = sdpa_twin(model)
+    return {r.req_id: twin.generate(torch.tensor([r.prompt]), do_sample=False,
+                                    max_new_tokens=r.params.max_new_tokens)[0, len(r.prompt):]
             .tolist() for r in reqs}  # fmt: skip
 
 
@@ -221,3 +241,104 @@ def test_a_step_that_writes_no_kv_fails_loudly(model, kind):
     engine.runner.cache_arg = "not_the_cache_keyword"
     with pytest.raises(RuntimeError, match="wrote no K/V"):
         engine.run([Request("a", (1, 2, 3), SamplingParams(max_new_tokens=2))])
+
+
+@pytest.mark.parametrize("victim", ["last", "first"])
+def test_the_victim_is_the_last_or_the_first_admitted(model, victim):
+    # a 5-token prompt per step (max_batch_tokens 8 holds it and <= 3 decodes): admitted at
+    # different steps, they outgrow the 20-page pool together
+    reqs = requests([(5, 60)] * 6, seed=2)
+    engine = Engine(model, make("vm", 20), preemption="swap", victim=victim,
+                    max_batch_tokens=8)  # fmt: skip
+    picks = []
+    real = engine.scheduler._pick_victim
+
+    def pick(exclude):  # the scheduler's own choice, recorded with its alternatives
+        chosen = real(exclude)
+        others = [s.admitted_at for s in engine.scheduler.running if s is not exclude]
+        picks.append((chosen.admitted_at if chosen else None, others))
+        return chosen
+
+    engine.scheduler._pick_victim = pick
+    assert engine.run(reqs) == {rid: [t] for rid, t in reference(model, reqs).items()}
+    assert any(len(others) > 1 and len(set(others)) > 1 for _, others in picks)
+    for chosen, others in picks:
+        assert chosen == (max(others) if victim == "last" else min(others))
+
+
+def test_a_full_swap_tier_falls_back_to_recompute(model):
+    kv = VMKVCache(SPEC, 8, 128, page_size=4096, backend=strict_host(), own_backend=True,
+                   pool_bytes=12 * 4096, swap_bytes=1)  # fmt: skip
+    reqs = requests(LONG, seed=1)
+    engine = Engine(model, kv, preemption="swap")
+    assert engine.run(reqs) == {rid: [t] for rid, t in reference(model, reqs).items()}
+    assert engine.stats.preempt_swap == 0 and engine.stats.preempt_recompute > 0
+
+
+def test_max_batch_tokens_bounds_every_step(model):
+    reqs = requests(MIXED)
+    engine = Engine(model, make("vm", 400), max_batch_tokens=40)
+    sizes = []
+    real = engine.runner.step
+
+    def step(slots, starts, tokens):
+        sizes.append(sum(len(t) for t in tokens))
+        return real(slots, starts, tokens)
+
+    engine.runner.step = step
+    assert engine.run(reqs) == {rid: [t] for rid, t in reference(model, reqs).items()}
+    # a prompt longer than the budget runs alone (no chunked prefill yet), else within it
+    assert all(n <= 40 or n == max(len(r.prompt) for r in reqs) for n in sizes), sizes
+    assert max(sizes) > 1 and engine.stats.max_running < len(reqs)
+
+
+def test_slot_limited_admission_and_forks_without_free_slots(model):
+    """3 slots: requests wait for slots; an n = 4 request can fork only as slots free up,
+    and still returns 4 outputs."""
+    kv = VMKVCache(SPEC, 3, 128, page_size=4096, backend=strict_host(), own_backend=True,
+                   pool_bytes=200 * 4096)  # fmt: skip
+    engine = Engine(model, kv)
+    reqs = requests([(10, 5)] * 4, seed=3)
+    out = engine.run(reqs)
+    assert out == {rid: [t] for rid, t in reference(model, reqs).items()}
+    assert engine.stats.max_running <= 3
+    greedy4 = Engine(model, VMKVCache(SPEC, 3, 128, page_size=4096, backend=strict_host(),
+                                      own_backend=True, pool_bytes=200 * 4096))  # fmt: skip
+    many = greedy4.run([Request("n4", reqs[0].prompt, SamplingParams(max_new_tokens=5, n=4))])
+    assert many["n4"] == [out["r0"][0]] * 4
+
+
+def test_a_request_that_can_never_fit_is_refused_before_it_runs(model):
+    engine = Engine(model, make("vm", 4))  # 4 pages: one 32-token page per (layer, K/V)
+    with pytest.raises(ValueError, match="the pool has 4"):  # refused, not left to hang
+        engine.add_request(Request("big", tuple(range(1, 60)), SamplingParams(max_new_tokens=60)))
+    assert not engine.scheduler.has_work()
+    # one that fits alone runs; n = 2 forks cannot both grow here: CacheFull, not a hang
+    ok = Request("fits", tuple(range(1, 20)), SamplingParams(max_new_tokens=10))
+    assert len(engine.run([ok])["fits"][0]) == 10
+
+
+def test_sampling_samples_differ_and_top_k_restricts_them(model):
+    prompt = tuple(range(1, 20))
+    params = SamplingParams(max_new_tokens=6, n=4, temperature=1.5, seed=11)
+    out = Engine(model, make("vm", 200)).run([Request("p", prompt, params)])["p"]
+    assert len({tuple(o) for o in out}) > 1  # four samples, not four copies
+    top1 = SamplingParams(max_new_tokens=6, n=2, temperature=1.5, top_k=1, seed=11)
+    (greedy,) = reference(model, [Request("g", prompt, SamplingParams(max_new_tokens=6))]).values()
+    got = Engine(model, make("vm", 200)).run([Request("p", prompt, top1)])["p"]
+    assert got == [greedy, greedy]  # top_k = 1 is greedy whatever the temperature
+
+
+def test_request_salts_keep_tenants_apart(model):
+    kv = VMKVCache(SPEC, 8, 128, page_size=4096, backend=strict_host(), own_backend=True,
+                   pool_bytes=200 * 4096, prefix_caching=True)  # fmt: skip
+    engine = Engine(model, kv)
+    prompt = tuple(range(1, 70))
+    p = SamplingParams(max_new_tokens=3)
+    first = engine.run([Request("a", prompt, p, salt="tenant-a")])
+    assert engine.stats.prefix_hit_tokens == 0
+    other = engine.run([Request("b", prompt, p, salt="tenant-b")])
+    assert engine.stats.prefix_hit_tokens == 0  # another tenant's pages are never matched
+    same = engine.run([Request("c", prompt, p, salt="tenant-a")])
+    assert engine.stats.prefix_hit_tokens > 0
+    assert first["a"] == other["b"] == same["c"]
