@@ -16,6 +16,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from vmcache import CacheFull
 from vmcache.hf import PagedCache, VMCache, cache_keyword
 
 KW = cache_keyword(LlamaForCausalLM)  # past_key_values (5.17-5.23) or cache (5.24+)
@@ -285,3 +286,80 @@ def test_batch_repeat_and_select_match_dynamic_cache(kind):
     ours.kv.check_invariants()
     with pytest.raises(ValueError):
         ours.batch_select_indices(torch.tensor([7]))
+
+
+def test_the_vmcache_attention_path_is_taken_in_generate():
+    """Unpadded steps attend straight from the cache (a silent fallback to SDPA would give
+    the same tokens); padded steps go through SDPA over the views."""
+    m = model("llama_gqa", "vmcache")
+    cache = VMCache(config=m.config, max_cache_len=64, page_size=4096)
+    calls = []
+    real = cache.attend
+    cache.attend = lambda layer, q, scale: calls.append(layer) or real(layer, q, scale)
+    kw = dict(input_ids=prompts([9])[0], max_new_tokens=5, do_sample=False)
+    assert torch.equal(gen(m, cache, **kw), gen(model("llama_gqa"), **kw))
+    assert calls == [0, 1] * 5  # every layer of the prefill and of the 4 decode steps
+    padded = VMCache(config=m.config, max_cache_len=64, page_size=4096)
+    padded.attend = lambda *a: pytest.fail("a padded step must not use the kernels")
+    ids, mask = prompts([5, 9])
+    gen(m, padded, input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
+
+
+def test_beam_reorder_moves_no_kv_bytes_counted_where_bytes_move():
+    """Count the bytes the cache physically copies and stores (its copy and store hooks),
+    not its own counters: reorders copy only tail pages, and K/V are stored once per token
+    (the prompt once for all beams)."""
+    m = model("llama_gqa")
+    cache = VMCache(config=m.config, max_cache_len=512, page_size=4096)
+    ids = prompts([200])[0]
+    new, beams = 16, 4
+    moved, stored = [0], [0]
+    orig_make = cache._make
+
+    def make(*a):
+        kv = orig_make(*a)
+        real_copy, real_store = kv._copy_page, kv._store
+        kv._copy_page = lambda src, dst, used: (
+            moved.__setitem__(0, moved[0] + used) or real_copy(src, dst, used)
+        )
+        kv._store = lambda layer, s, start, k, v: (
+            stored.__setitem__(
+                0, stored[0] + k.numel() * k.element_size() + v.numel() * v.element_size()
+            )
+            or real_store(layer, s, start, k, v)
+        )
+        return kv
+
+    cache._make = make
+    gen(m, cache, input_ids=ids, max_new_tokens=new, num_beams=beams, do_sample=False)
+    spec = cache.spec
+    per_token = 2 * spec.bytes_per_token_per_layer * spec.num_layers
+    assert stored[0] == per_token * (200 + beams * (new - 1))
+    assert 0 < moved[0] <= (new - 1) * beams * cache.kv._T * cache.kv.page_bytes
+    assert moved[0] < 0.05 * sum(beams * spec.kv_bytes(200 + t) for t in range(new - 1))
+
+
+def test_dtype_and_token_major_layout():
+    m = model("llama_gqa")
+    kw = dict(input_ids=prompts([20])[0], max_new_tokens=6, do_sample=False)
+    tm = VMCache(config=m.config, max_cache_len=64, page_size=4096, layout="token_major")
+    assert torch.equal(gen(m, tm, **kw), gen(m, **kw))
+    assert tm.kv.layout == "token_major"
+    half = VMCache(config=m.config, max_cache_len=64, page_size=4096, dtype=torch.bfloat16)
+    out = gen(m, half, **kw)
+    assert out.shape == (1, 26) and half.kv.kv(0, 0)[0].dtype == torch.bfloat16
+    half.kv.check_invariants()
+
+
+@pytest.mark.parametrize("kind", CACHES)
+def test_a_pool_that_runs_out_mid_generate_is_a_clear_error(kind):
+    m = model("llama_gqa")
+    small = {"pool_bytes": 8 * 4096} if kind == "vm" else {"num_blocks": 3}  # 64 / 48 tokens
+    cache = CACHES[kind](m, 256, **small)
+    kw = dict(input_ids=prompts([30])[0], max_new_tokens=60, min_new_tokens=60, do_sample=False)
+    with pytest.raises(CacheFull):
+        gen(m, cache, **kw)
+    cache.kv.check_invariants()  # nothing half-done
+    cache.reset()
+    short = dict(input_ids=prompts([10])[0], max_new_tokens=4, do_sample=False)
+    assert torch.equal(gen(m, cache, **short), gen(m, **short))  # still usable, and right

@@ -158,6 +158,7 @@ class _HFCache(Cache):
         start, end = layer.length, layer.length + q
         if end > self.max_cache_len:
             raise ValueError(f"{end} tokens would pass max_cache_len={self.max_cache_len}")
+        dtype_in = k.dtype
         k = k.to(self.spec.dtype).transpose(1, 2)  # [b, q, N_KV, d_h]
         v = v.to(self.spec.dtype).transpose(1, 2)
         if end > self._len:
@@ -174,6 +175,9 @@ class _HFCache(Cache):
                     self.kv.write(layer.idx, r, start, k[r], v[r])
         layer.length = end
         keys, values = self._views(layer.idx, end)
+        if keys.dtype != dtype_in and keys.stride(-1):  # stored narrower (dtype=): convert;
+            # zero-stride stand-ins stay as they are (the vmcache attention casts the query)
+            keys, values = keys.to(dtype_in), values.to(dtype_in)
         keys._vmcache = values._vmcache = (self, layer.idx)
         return keys, values
 
