@@ -17,7 +17,8 @@ DEFAULT = os.path.join(ROOT, "benchmarks", "results", "coverage.json")
 
 def coverage_table(doc: dict) -> str:
     lines = ["| randomized test (fixed seed) | pool full | slot table full | copy-on-write "
-             "splits | swap-ins done | prefix hits / lookups |", "|---|---|---|---|---|---|"]  # fmt: skip
+             "splits | swap-ins done | prefix hits / lookups |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
     for name, c in sorted(doc.items()):
         if name == "fault injection":
             continue
