@@ -23,6 +23,9 @@ def make(kind, spec, max_seq_len=1024, max_seqs=8, block_size=16):
     return VMKVCache(spec, max_seqs, max_seq_len, page_size=4096, layout=layout)
 
 
+WRITTEN: dict = {}  # (id(cache), seq, layer) -> (k, v) as the test wrote them: the oracle
+
+
 def fill(cache, lens, seed=0):
     g = torch.Generator().manual_seed(seed)
     spec = cache.spec
@@ -34,12 +37,14 @@ def fill(cache, lens, seed=0):
             k, v = (torch.randn(n, spec.num_kv_heads, spec.head_dim, generator=g).to(spec.dtype)
                     for _ in range(2))  # fmt: skip
             cache.write(layer, s, 0, k, v)
+            WRITTEN[id(cache), s, layer] = (k.clone(), v.clone())
         seqs.append(s)
     return seqs
 
 
 def expected_decode(cache, layer, q, seqs):
-    return torch.stack([dense_attention(q[i : i + 1], *cache.kv(layer, s))[0]
+    """The reference over what the test wrote (not over what the cache returns)."""
+    return torch.stack([dense_attention(q[i : i + 1], *WRITTEN[id(cache), s, layer])[0]
                         for i, s in enumerate(seqs)])  # fmt: skip
 
 
@@ -88,7 +93,7 @@ def test_a_non_default_scale_is_used(kind):
     cache = make(kind, spec)
     seqs = fill(cache, [7, 40])
     q = torch.randn(2, 4, 32)
-    ref = torch.stack([dense_attention(q[i : i + 1], *cache.kv(0, s), scale=0.37)[0]
+    ref = torch.stack([dense_attention(q[i : i + 1], *WRITTEN[id(cache), s, 0], scale=0.37)[0]
                        for i, s in enumerate(seqs)])  # fmt: skip
     for impl in _impls(kind):
         out = kernels.decode(cache, 0, q, seqs, scale=0.37, impl=impl)
@@ -105,6 +110,8 @@ def test_the_step_plan_is_built_once_per_step_and_follows_the_cache(kind):
     cache = make(kind, spec)
     (s,) = fill(cache, [20])
     (kid,) = cache.fork(s, 1)
+    for layer in range(3):
+        WRITTEN[id(cache), kid, layer] = WRITTEN[id(cache), s, layer]
     q = torch.randn(2, 4, 32)
 
     def step():
@@ -119,8 +126,13 @@ def test_the_step_plan_is_built_once_per_step_and_follows_the_cache(kind):
     assert step() == 0  # nothing changed: the plan stands
     for x in (s, kid):
         cache.grow(x, 1)
+    zero = torch.zeros(1, 2, 32)
     for layer in range(3):  # kid's shared tail page splits (a new block on the paged cache)
-        cache.write(layer, kid, 0, torch.full((21, 2, 32), 3.0), torch.full((21, 2, 32), -1.0))
+        k, v = WRITTEN[id(cache), s, layer]
+        WRITTEN[id(cache), s, layer] = (torch.cat([k, zero]), torch.cat([v, zero]))  # scrubbed
+        k, v = torch.full((21, 2, 32), 3.0), torch.full((21, 2, 32), -1.0)
+        cache.write(layer, kid, 0, k, v)
+        WRITTEN[id(cache), kid, layer] = (k, v)
     assert step() == 1
     cache.free(kid)
     (again,) = fill(cache, [21], seed=5)  # same slot, same length, other pages
@@ -140,7 +152,7 @@ def test_prefill_causal_over_cached_prefix(kind):
     out = kernels.prefill(cache, 0, q, seqs, q_lens)
     start = 0
     for s, ql in zip(seqs, q_lens):
-        ref = dense_attention(q[start : start + ql], *cache.kv(0, s))
+        ref = dense_attention(q[start : start + ql], *WRITTEN[id(cache), s, 0])
         torch.testing.assert_close(out[start : start + ql], ref, rtol=1e-4, atol=1e-5)
         start += ql
 
@@ -156,6 +168,10 @@ def test_decode_after_fork_and_swap(kind):
     h = cache.swap_out(kids[1])
     back = cache.swap_in(h)
     seqs = [s, kids[0], back]
+    k, v = WRITTEN[id(cache), s, 0]
+    WRITTEN[id(cache), back, 0] = (k, v)
+    WRITTEN[id(cache), kids[0], 0] = (torch.cat([k, torch.ones(1, 2, 64)]),
+                                      torch.cat([v, torch.ones(1, 2, 64)]))  # fmt: skip
     q = torch.randn(3, 4, 64)
     for impl in _impls(kind):
         out = kernels.decode(cache, 0, q, seqs, impl=impl)
@@ -219,3 +235,19 @@ def test_kernel_bad_input(bad):
     exc = TypeError if bad == "cache" else ValueError
     with pytest.raises(exc):
         kernels.decode(object() if bad == "cache" else cache, 0, q, seqs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_validates_q_lens_and_impl_names(kind):
+    spec = KVSpec(1, 2, 16, torch.float32, num_q_heads=4)
+    cache = make(kind, spec, max_seq_len=64)
+    seqs = fill(cache, [3, 5])
+    q = torch.randn(4, 4, 16)
+    for bad in ([4, 0], [1, 6], [3], [2, 3]):  # zero, past the length, too few, wrong total
+        with pytest.raises(ValueError):
+            kernels.prefill(cache, 0, q[: sum(bad)] if sum(bad) != 4 else q, seqs, bad)
+    with pytest.raises(ValueError, match="impl"):
+        kernels.prefill(cache, 0, q, seqs, [1, 3], impl="no_such_kernel")
+    with pytest.raises(ValueError, match="impl"):
+        kernels.decode(cache, 0, q[:2], seqs, impl="no_such_kernel")
+    assert [cache.seq_len(s) for s in seqs] == [3, 5]  # nothing changed

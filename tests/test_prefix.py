@@ -96,8 +96,8 @@ def test_lru_evicts_the_least_recently_used_unreferenced_prefix(kind):
     assert c.seq_len(live) == n
     freed = c.prefix.reclaim(1)
     assert freed >= 1
-    assert c.new_sequence(prefix_tokens=prompts[1]) is not None
-    s1 = c.sequences[-1]
+    s1 = c.new_sequence(prefix_tokens=prompts[1])
+    assert s1 in c.sequences and s1 != live
     assert c.seq_len(s1) < n  # prompt 1 (least recently used, unreferenced) lost pages
     for p in (prompts[0], prompts[2]):
         probe = c.new_sequence(prefix_tokens=p)
