@@ -7,6 +7,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import soak  # noqa: E402
+import soak_prefix  # noqa: E402
 from caches import record_coverage  # noqa: E402
 
 
@@ -33,3 +34,18 @@ def test_soak_under_the_cuda_page_rules_at_2_mib(name):
     r = soak.soak(make, ops=300, seed=3, check_every=100)
     assert r["violations"] == 0, r["first_violations"]
     assert r["leaked_pages"] == 0 and r["done"].get("fork", 0) > 0
+
+
+@pytest.mark.parametrize("name", sorted(soak_prefix.factories()))
+def test_prefix_soak_hits_evicts_and_loses_nothing(name):
+    """Prefix operations in a soak: K/V a function of (token, position), so a wrong reuse
+    shows; lookups hit, the pool runs out, every operation completes many times."""
+    r = soak_prefix.soak(soak_prefix.factories()[name], ops=2500, seed=4)
+    assert r["violations"] == 0, r["first_violations"]
+    assert r["leaked_pages"] == 0
+    assert r["hits"] >= r["lookups"] // 4 and r["pool_full"] > 0, r
+    for op in ("new", "append", "fork", "assign", "truncate", "free", "cache_prefix",
+               "swap_out", "swap_in", "evict"):  # fmt: skip
+        assert r["done"].get(op, 0) >= 10, (op, r["done"])
+    record_coverage(f"prefix soak {name}", {"hits": r["hits"], "lookups": r["lookups"],
+                                            "pool full": r["pool_full"], **r["done"]})  # fmt: skip
