@@ -87,6 +87,21 @@ def build(mode: str, spec: KVSpec, max_len: int = 5000):
     return cache, seqs
 
 
+def decode_launches(cache, mode: str, seqs: list[int], layer: int = 0) -> list:
+    """The kernel launches ``kernels.decode`` makes for ``seqs`` (one query each) at
+    ``layer``: the library's own plan and launch code, nothing rebuilt here."""
+    spec = cache.spec
+    p = plan(cache, seqs, [1] * len(seqs))
+    q = torch.zeros(len(seqs), spec.q_heads, spec.head_dim, dtype=spec.dtype)
+    if mode == "paged":
+        k, v, table, block = cache.k_pool(layer), cache.v_pool(layer), p.tables, cache.block_size
+    else:
+        k, v, table, block = cache.k_cache(layer), cache.v_cache(layer), p.slots, 1
+    _, runs = triton_decode.launches(q, k, v, table, p.lens, max_len=p.max_kv,
+                                     paged=mode == "paged", block=block)  # fmt: skip
+    return runs
+
+
 def ptxas_report(ptx: str, arch: int) -> dict:
     from triton.backends.nvidia.compiler import get_ptxas
 
@@ -113,14 +128,7 @@ def compile_one(shape: str, dtype: str, mode: str, arch: int) -> list[dict]:
     spec = KVSpec(layers, hk, d, DTYPES[dtype], num_q_heads=hq)
     cache, seqs = build(mode, spec)
     try:
-        p = plan(cache, seqs, [1] * len(seqs))
-        q = torch.zeros(len(seqs), hq, d, dtype=spec.dtype)
-        if mode == "paged":
-            k, v, table, block = cache.k_pool(1), cache.v_pool(1), p.tables, cache.block_size
-        else:
-            k, v, table, block = cache.k_cache(1), cache.v_cache(1), p.slots, 1
-        _, runs = triton_decode.launches(q, k, v, table, p.lens, max_len=p.max_kv,
-                                         paged=mode == "paged", block=block)  # fmt: skip
+        runs = decode_launches(cache, mode, seqs, layer=1)
         rows = []
         for kernel, grid, args, kwargs in runs:
             t0 = time.perf_counter()
@@ -149,15 +157,7 @@ def compilations_over_growth(mode: str, arch: int = 90) -> dict:
         for n in (1, 15, 16, 17, 255, 1023, 1024, 1025, 2049, 4999):
             for s in seqs:
                 cache.grow(s, n - cache.seq_len(s)) if n > cache.seq_len(s) else None
-            p = plan(cache, seqs[: 1 + n % 2], [1] * (1 + n % 2))
-            q = torch.zeros(len(p.key[0]), 32, 128, dtype=spec.dtype)
-            if mode == "paged":
-                k, v, table, block = cache.k_pool(0), cache.v_pool(0), p.tables, cache.block_size
-            else:
-                k, v, table, block = cache.k_cache(0), cache.v_cache(0), p.slots, 1
-            _, runs = triton_decode.launches(q, k, v, table, p.lens, max_len=p.max_kv,
-                                             paged=mode == "paged", block=block)  # fmt: skip
-            for kernel, grid, args, kwargs in runs:
+            for kernel, grid, args, kwargs in decode_launches(cache, mode, seqs[: 1 + n % 2]):
                 kernel.warmup(*args, grid=grid, **kwargs)
         return {k.fn.__name__: len(k.device_caches[0][0]) - b for k, b in zip(kernels, before)}
     finally:

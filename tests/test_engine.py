@@ -41,6 +41,11 @@ def make(kind, pages):
     return PagedKVCache(SPEC, num_blocks=pages, block_size=16, max_seq_len=128, max_seqs=8)
 
 
+def prefix_vm(pages, max_seqs=8):
+    return VMKVCache(SPEC, max_seqs, 128, page_size=4096, backend=strict_host(),
+                     own_backend=True, pool_bytes=pages * 4096, prefix_caching=True)  # fmt: skip
+
+
 def requests(shape, seed=0):
     g = torch.Generator().manual_seed(seed)
     prompt = lambda n: tuple(torch.randint(0, 128, (n,), generator=g).tolist())
@@ -171,16 +176,7 @@ def test_prefix_caching_changes_no_output_and_skips_shared_prefill(model, kind):
     plain = Engine(model, make(kind, 200))
     assert plain.run(reqs) == want
     if kind == "vm":
-        kv = VMKVCache(
-            SPEC,
-            8,
-            128,
-            page_size=4096,
-            backend=strict_host(),
-            own_backend=True,
-            pool_bytes=200 * 4096,
-            prefix_caching=True,
-        )
+        kv = prefix_vm(200)
     else:
         kv = PagedKVCache(SPEC, num_blocks=200, block_size=16, max_seq_len=128, max_seqs=8,
                           prefix_caching=True)  # fmt: skip
@@ -199,16 +195,7 @@ def test_a_fully_cached_prompt_recomputes_only_its_last_token(model):
     page, shared with the index, is copied on write; the output does not change."""
     prompt = tuple(range(1, 65))  # exactly two full 32-token pages per (layer, K/V) row
     (want,) = reference(model, [Request("x", prompt, SamplingParams(max_new_tokens=6))]).values()
-    kv = VMKVCache(
-        SPEC,
-        8,
-        128,
-        page_size=4096,
-        backend=strict_host(),
-        own_backend=True,
-        pool_bytes=100 * 4096,
-        prefix_caching=True,
-    )
+    kv = prefix_vm(100)
     engine = Engine(model, kv)
     assert engine.run([Request("a", prompt, SamplingParams(max_new_tokens=6))])["a"] == [want]
     copies = kv.stats().cow_copies
@@ -330,8 +317,7 @@ def test_sampling_samples_differ_and_top_k_restricts_them(model):
 
 
 def test_request_salts_keep_tenants_apart(model):
-    kv = VMKVCache(SPEC, 8, 128, page_size=4096, backend=strict_host(), own_backend=True,
-                   pool_bytes=200 * 4096, prefix_caching=True)  # fmt: skip
+    kv = prefix_vm(200)
     engine = Engine(model, kv)
     prompt = tuple(range(1, 70))
     p = SamplingParams(max_new_tokens=3)
