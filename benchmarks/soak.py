@@ -61,6 +61,30 @@ def factories(device: str, strict: bool = False) -> dict:
     return makers
 
 
+def check_all(c, seqs, check, violations: list[str], where: str) -> None:
+    """Every live sequence's contents, then the cache's invariants."""
+    for s in seqs:
+        check(s, "periodic")
+    try:
+        c.check_invariants()
+    except AssertionError as exc:
+        violations.append(f"{where}: invariant broken: {exc!r}")
+
+
+def finish(c, seqs, check) -> int:
+    """Final content checks, free everything (and the prefix index), close; returns the
+    pages still held (leaked)."""
+    for s in list(seqs):
+        check(s, "final")
+        c.free(s)
+    if c.prefix is not None:
+        c.prefix.clear()
+    st = c.stats()
+    c.check_invariants()
+    c.close()
+    return st.total_pages - st.free_pages
+
+
 def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
     """Run ``ops`` random operations; returns counts, operations/s and violations."""
     rng = random.Random(seed)
@@ -196,20 +220,9 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
             slots_short = op in ("new", "fork") and len(c._free_slots) < 3
             counts["slots_full" if slots_short else "pool_full"] += 1
         if i % check_every == 0:
-            for s in shadow:
-                check(s, "periodic")
-            try:
-                c.check_invariants()
-            except AssertionError as exc:
-                violations.append(f"op {i}: invariant broken: {exc!r}")
+            check_all(c, shadow, check, violations, f"op {i}")
     elapsed = time.perf_counter() - t0
-    for s in list(shadow):
-        check(s, "final")
-        c.free(s)
-    st = c.stats()
-    leaked = st.total_pages - st.free_pages
-    c.check_invariants()
-    c.close()
+    leaked = finish(c, shadow, check)
     return {"ops": ops, "ops_per_s": ops / elapsed, "violations": len(violations),
             "leaked_pages": leaked, "first_violations": violations[:5], **counts,
             "done": done}  # fmt: skip

@@ -19,6 +19,7 @@ import time
 
 import torch
 from common import add_out_arg, save, table
+from soak import check_all, finish
 from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import CacheFull, KVSpec, VMKVCache
@@ -157,22 +158,11 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 200) -> dict:
             slots_short = op in ("new", "fork") and not c._free_slots
             counts["slots_full" if slots_short else "pool_full"] += 1
         if i % check_every == 0:
-            for s in tokens:
-                check(s, "periodic")
-            try:
-                c.check_invariants()
-            except AssertionError as exc:
-                violations.append(f"op {i}: invariant broken: {exc!r}")
+            check_all(c, tokens, check, violations, f"op {i}")
     elapsed = time.perf_counter() - t0
-    for s in list(tokens):
-        check(s, "final")
-        c.free(s)
-    c.prefix.clear()
-    st = c.stats()
-    c.check_invariants()
-    c.close()
+    leaked = finish(c, tokens, check)
     return {"ops": ops, "ops_per_s": ops / elapsed, "violations": len(violations),
-            "leaked_pages": st.total_pages - st.free_pages, "first_violations": violations[:5],
+            "leaked_pages": leaked, "first_violations": violations[:5],
             **counts, "done": done}  # fmt: skip
 
 

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from .errors import CacheFull, check_int, require
+from .errors import CacheFull, check_int
+from .invariants import check_invariants
 from .pool import PagePool
 from .prefix import PrefixIndex, PrefixOps
 from .reserve import ReserveOps
@@ -382,35 +383,7 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
         )
 
     def check_invariants(self) -> None:
-        """Check invariants 1–2 (refcounts = mappings; free list ⇔ refcount 0); raises
-        :class:`~vmcache.errors.InvariantError`. For tests and soak runs; O(pages)."""
-        counts: dict[int, int] = {}
-        for s in self.sequences:
-            for p in (p for t in self._ahead[s] for p in t):
-                counts[p] = counts.get(p, 0) + 1
-        for p in self.prefix.references() if self.prefix is not None else []:
-            counts[p] = counts.get(p, 0) + 1
-        for s in self.sequences:
-            tab = self._tables[s]
-            require(len(tab) == self._T)
-            for t in tab:
-                require(len(t) == self._pages_for(self._lens[s]), (s, len(t), self._lens[s]))
-                for p in t:
-                    counts[p] = counts.get(p, 0) + 1
-        pool = self.pool
-        for p in range(pool.num_pages):
-            require(pool.refcount(p) == counts.get(p, 0), (p, pool.refcount(p), counts.get(p)))
-        free = set(pool._free)
-        require(len(free) == len(pool._free), "a page is twice on the free list")
-        for p in range(pool._created):
-            require((p in free) == (pool.refcount(p) == 0), p)
-        require(pool.num_used == len(counts))
-        indexed = set(self.prefix.references()) if self.prefix is not None else set()
-        require(indexed == {p for p in range(pool.num_pages) if pool._indexed[p]})
-        require(pool.index_only == sum(1 for p in indexed if pool.refcount(p) == 1))
-        require(sorted(self._free_slots + self.sequences) == list(range(self.max_seqs)))
-        for s in self.sequences:
-            known = self._tokens[s]
-            require(known is None or len(known) == self._lens[s], "token ids", s, known)
-        ids = [id(self._tokens[s]) for s in self.sequences if self._tokens[s] is not None]
-        require(len(ids) == len(set(ids)), "two sequences share one token list")
+        """Check invariants 1–2 (refcounts = mappings; free list ⇔ refcount 0) and the
+        bookkeeping around them; raises :class:`~vmcache.errors.InvariantError`. For tests and
+        soak runs; O(pages)."""
+        check_invariants(self)

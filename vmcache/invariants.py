@@ -1,0 +1,46 @@
+"""The invariants every cache keeps (checked by tests and soak runs; O(pages)):
+
+1. a page's refcount = the (sequence, table, index) entries, reserved pages and prefix-index
+   references that hold it;
+2. a created page is on the free list iff its refcount is 0, and at most once;
+plus the bookkeeping around them: tables as long as lengths need, the index's count of pages
+only it holds, slots, and token ids (known ones as many as the length, no list shared).
+"""
+
+from __future__ import annotations
+
+from .errors import require
+
+
+def check_invariants(cache) -> None:
+    """Raise :class:`~vmcache.errors.InvariantError` at the first invariant that fails."""
+    counts: dict[int, int] = {}  # page -> references found
+    for s in cache.sequences:
+        for p in (p for t in cache._ahead[s] for p in t):
+            counts[p] = counts.get(p, 0) + 1
+    for p in cache.prefix.references() if cache.prefix is not None else []:
+        counts[p] = counts.get(p, 0) + 1
+    for s in cache.sequences:
+        tab = cache._tables[s]
+        require(len(tab) == cache._T)
+        for t in tab:
+            require(len(t) == cache._pages_for(cache._lens[s]), (s, len(t), cache._lens[s]))
+            for p in t:
+                counts[p] = counts.get(p, 0) + 1
+    pool = cache.pool
+    for p in range(pool.num_pages):
+        require(pool.refcount(p) == counts.get(p, 0), (p, pool.refcount(p), counts.get(p)))
+    free = set(pool._free)
+    require(len(free) == len(pool._free), "a page is twice on the free list")
+    for p in range(pool._created):
+        require((p in free) == (pool.refcount(p) == 0), p)
+    require(pool.num_used == len(counts))
+    indexed = set(cache.prefix.references()) if cache.prefix is not None else set()
+    require(indexed == {p for p in range(pool.num_pages) if pool._indexed[p]})
+    require(pool.index_only == sum(1 for p in indexed if pool.refcount(p) == 1))
+    require(sorted(cache._free_slots + cache.sequences) == list(range(cache.max_seqs)))
+    for s in cache.sequences:
+        known = cache._tokens[s]
+        require(known is None or len(known) == cache._lens[s], "token ids", s, known)
+    ids = [id(cache._tokens[s]) for s in cache.sequences if cache._tokens[s] is not None]
+    require(len(ids) == len(set(ids)), "two sequences share one token list")
