@@ -1,6 +1,6 @@
 """Soak run: random new/grow/write/fork/free/swap operations against a plain shadow model, on
 both caches, with small pools so that CacheFull happens often. Every operation checks what it
-touched; every ``--check-every`` operations all contents and DESIGN.md's invariants are
+touched; every ``--check-every`` operations all contents and docs/DESIGN.md's invariants are
 checked. At the end everything is freed and the pool must be full again (no leaked page).
 
     python benchmarks/soak.py [--ops 100000] [--seed 0] [--device cpu|cuda] [--strict]

@@ -1,6 +1,9 @@
 """The A/B harness: allocator figures equal hand-computed values on a small fixed trace; the
 CSV reader names the bad line; the sizing backend runs the caches' real bookkeeping."""
 
+import json
+import os
+
 import pytest
 import torch
 from vmcache.paged_fallback import PagedKVCache
@@ -118,3 +121,15 @@ def test_preemption_policies_account_for_what_they_move(policy):
         assert r["swap_bytes"] == 0 and r["recompute_tokens"] > 0 and r["prefill_tokens"] > 24
     with pytest.raises(ValueError, match="preemption"):
         simulate(alloc, trace, preemption="drop")
+
+
+def test_results_carry_their_provenance_and_no_machine_paths(tmp_path):
+    from vmcache.bench.common import save
+
+    out = save("probe", torch.device("cpu"), [{"x": 1}],
+               {"args": {"trace": "/home/someone/traces/t.csv", "out": str(tmp_path)}},
+               out_dir=tmp_path)  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert len(doc["git_sha"] or "") == 40 and doc["git_dirty"] in (True, False)
+    assert doc["cpu"] and doc["cores"] >= 1 and doc["packages"]["torch"]
+    assert doc["args"]["trace"] == "t.csv" and not os.path.isabs(doc["args"]["out"])

@@ -1,5 +1,5 @@
 """Fault injection: the k-th map fails (the real host backend underneath); every public call
-either completes or leaves the cache exactly as it was (DESIGN.md: a failed call changes
+either completes or leaves the cache exactly as it was (docs/DESIGN.md: a failed call changes
 nothing)."""
 
 import itertools

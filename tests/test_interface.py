@@ -1,5 +1,5 @@
 """Both caches behind one interface: the same bad-input sweep and the same state machine
-against a plain-Python shadow model (DESIGN.md invariants 1-4 after every step)."""
+against a plain-Python shadow model (docs/DESIGN.md invariants 1-4 after every step)."""
 
 from collections import Counter
 

@@ -1,6 +1,6 @@
 """Typed errors shared by every cache.
 
-Tiers (see DESIGN.md): bad input raises ``ValueError``/``TypeError``/``KeyError``;
+Tiers (see docs/DESIGN.md): bad input raises ``ValueError``/``TypeError``/``KeyError``;
 exhaustion raises :class:`CacheFull`; driver failures raise :class:`DriverError`
 carrying the failing call's name; a broken internal invariant raises :class:`InvariantError`
 (never a bare ``assert``, which ``python -O`` removes).

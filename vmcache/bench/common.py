@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib.metadata as _md
 import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +24,51 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+def provenance() -> dict:
+    """What a result needs to be reproduced: the commit (and whether the tree was dirty), the
+    CPU model, Python and the versions of the packages that matter."""
+    root = RESULTS.parents[1]
+
+    def git(*args):
+        try:
+            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                                 timeout=10)  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                       cpu)  # fmt: skip
+    except OSError:
+        pass
+    versions = {}
+    for name in ("torch", "triton", "transformers", "numpy", "cuda-bindings"):
+        try:
+            versions[name] = _md.version(name)
+        except _md.PackageNotFoundError:
+            versions[name] = None
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"git_sha": git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None
+            else None, "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "packages": versions}  # fmt: skip
+
+
+def _portable(value):
+    """Absolute paths inside the checkout become relative; other absolute paths keep only
+    their file name (results must not carry one machine's directories)."""
+    if isinstance(value, dict):
+        return {k: _portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_portable(v) for v in value]
+    if isinstance(value, str) and os.path.isabs(value):
+        root = str(RESULTS.parents[1])
+        return os.path.relpath(value, root) if value.startswith(root) else os.path.basename(value)
+    return value
 
 
 def time_fn(
@@ -62,8 +109,9 @@ def save(name: str, device: torch.device, rows: list[dict], extra: dict | None =
         "date": date,
         "device": dev,
         "torch": torch.__version__,
+        **provenance(),
         "rows": rows,
-        **(extra or {}),
+        **_portable(extra or {}),
     }
     path.write_text(json.dumps(doc, indent=1))
     return path
