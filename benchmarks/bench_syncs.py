@@ -35,18 +35,12 @@ def make(kind: str, spec: KVSpec, dev: torch.device, batch: int, max_len: int):
         blocks = batch * -(-max_len // 16)
         return PagedKVCache(spec, num_blocks=blocks, block_size=16, device=dev,
                             max_seq_len=max_len, max_seqs=batch)  # fmt: skip
-    be = StrictBackend(make_backend(dev), make_backend_granularity(dev))
+    inner = make_backend(dev)
+    be = StrictBackend(inner, inner.granularity)  # counts syncs; the device's own granularity
     page = be.granularity if dev.type == "cuda" else 64 << 10
     layout = "token_major" if kind == "vm_token_major" else "layer_major"
     return VMKVCache(spec, batch, max_len, backend=be, own_backend=True, page_size=page,
                      layout=layout)  # fmt: skip
-
-
-def make_backend_granularity(dev: torch.device) -> int:
-    probe = make_backend(dev)
-    g = probe.granularity
-    probe.close()
-    return g
 
 
 def cuda_calls(prof) -> dict:

@@ -100,15 +100,21 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
     violations: list[str] = []
     value = 0.0
 
-    def fill(s, start, n):
-        """Give positions [start, start+n) of s (all layers) a fresh known value."""
+    def put(group, layers, start, n, grouped=False):
+        """Write a fresh value at positions [start, start+n) of ``layers`` in every sequence
+        of ``group`` (one ``write_group`` call per layer if ``grouped``, else ``write`` into
+        the only member), and record it in the shadow after each successful call."""
         nonlocal value
         value += 1
         x = torch.full((n, H, D), value)
-        for layer in range(spec.num_layers):
-            c.write(layer, s, start, x.to(dev), (-x).to(dev))
-            shadow[s][layer, 0, start : start + n] = value
-            shadow[s][layer, 1, start : start + n] = -value
+        for layer in layers:
+            if grouped:
+                c.write_group(layer, group, start, x.to(dev), (-x).to(dev))
+            else:
+                c.write(layer, group[0], start, x.to(dev), (-x).to(dev))
+            for s in group:
+                shadow[s][layer, 0, start : start + n] = value
+                shadow[s][layer, 1, start : start + n] = -value
 
     def read(s):
         return torch.stack([torch.stack(c.kv(layer, s)) for layer in range(spec.num_layers)]).cpu()
@@ -135,7 +141,7 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
                 shadow[s] = torch.cat([shadow[s], torch.zeros(spec.num_layers, 2, n, H, D)], 2)
                 if s in dirty and n:  # unknown bytes (a truncated tail): make them known
                     try:
-                        fill(s, shadow[s].shape[2] - n, n)
+                        put([s], range(spec.num_layers), shadow[s].shape[2] - n, n)
                     except CacheFull:
                         c.truncate(s, shadow[s].shape[2] - n)  # undo the grow
                         shadow[s] = shadow[s][:, :, :-n].clone()
@@ -147,12 +153,7 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
                 if length:
                     start = rng.randrange(length)
                     n = rng.randint(1, length - start)
-                    layer = rng.randrange(spec.num_layers)
-                    value += 1
-                    k = torch.full((n, H, D), value)
-                    c.write(layer, s, start, k.to(dev), (-k).to(dev))
-                    shadow[s][layer, 0, start : start + n] = value
-                    shadow[s][layer, 1, start : start + n] = -value
+                    put([s], [rng.randrange(spec.num_layers)], start, n)
                     check(s, op)
             elif op == "fork" and seqs:
                 s = rng.choice(seqs)
@@ -204,13 +205,8 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
                     length = min(shadow[x].shape[2] for x in group)
                     start = rng.randrange(length)
                     n = rng.randint(1, length - start)
-                    layer = rng.randrange(spec.num_layers)
-                    value += 1
-                    k = torch.full((n, H, D), value)
-                    c.write_group(layer, group, start, k.to(dev), (-k).to(dev))
+                    put(group, [rng.randrange(spec.num_layers)], start, n, grouped=True)
                     for x in group:
-                        shadow[x][layer, 0, start : start + n] = value
-                        shadow[x][layer, 1, start : start + n] = -value
                         check(x, op)
             else:
                 continue

@@ -89,9 +89,8 @@ def flat_rows(x: torch.Tensor, l_row: int) -> torch.Tensor:
 
 def _aten_fa2(cache, layer, q, seq_ids, q_lens, scale):
     p = plan(cache, seq_ids, q_lens, varlen=True)
-    l_row = cache.row_bytes // cache.token_bytes
-    k = flat_rows(cache.k_cache(layer), l_row)
-    v = flat_rows(cache.v_cache(layer), l_row)
+    k = flat_rows(cache.k_cache(layer), cache.row_tokens)
+    v = flat_rows(cache.v_cache(layer), cache.row_tokens)
     out = torch.ops.aten._flash_attention_forward(
         q.index_select(0, p.perm), k, v, p.cu_q, p.cu_k, p.max_q, p.max_kv, 0.0, True, False,
         scale=scale, seqused_k=p.used_k,

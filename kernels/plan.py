@@ -58,7 +58,7 @@ def plan(cache, seq_ids: list[int], q_lens: list[int], *, varlen: bool = False) 
         width = max([len(t) for t in tabs] + [1])
         parts["tables"] = [p for t in tabs for p in t + [0] * (width - len(t))]
     if varlen:
-        l_row = cache.row_bytes // cache.token_bytes  # whole tokens: rows are lcm-padded
+        l_row = cache.row_tokens
         order = sorted(range(b), key=lambda i: seq_ids[i])
         starts = [0]
         for n in q_lens:

@@ -120,6 +120,12 @@ class VMKVCache(SequenceCache):
         self.closed = False
 
     # --- kernel-facing views -----------------------------------------------------------
+    @property
+    def row_tokens(self) -> int:
+        """Tokens one padded row spans (a whole number: rows are lcm(page, token)-padded);
+        token t of row s is row ``s·row_tokens + t`` of a layer's flat varlen view."""
+        return self.row_bytes // self.token_bytes
+
     def k_cache(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s whole virtual K tensor ``[max_seqs, max_seq_len, N_KV, d_h]``
         (strided in ``token_major``). Only each sequence's first ``seq_len`` rows are mapped."""

@@ -283,7 +283,6 @@ class _HFCache(Cache):
         original, which keeps changing them)."""
         new = copy.copy(self)
         memo[id(self)] = new
-        new.config = self.config
         new.layers = [_Layer(new, i) for i in range(len(self.layers))]
         for mine, theirs in zip(new.layers, self.layers):
             mine.length, mine.is_initialized = theirs.length, theirs.is_initialized
