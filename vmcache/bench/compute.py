@@ -74,15 +74,18 @@ class Setup:
         probe.close()
         self.layout = "layer_major" if self.page_size <= 64 << 10 else "token_major"
 
+    def _tables(self, spec: KVSpec) -> tuple[int, int]:
+        """(page tables per sequence, bytes of one token in one table) in this layout."""
+        tables = 2 * spec.num_layers if self.layout == "layer_major" else 2
+        return tables, spec.bytes_per_token // tables
+
     def vm_bytes(self, spec: KVSpec, tokens: int) -> int:
         """Bytes VMKVCache maps for one sequence of ``tokens`` tokens (whole pages)."""
-        tables = 2 * spec.num_layers if self.layout == "layer_major" else 2
-        row = spec.bytes_per_token // tables  # one token in one table
+        tables, row = self._tables(spec)
         return tables * -(-tokens * row // self.page_size) * self.page_size
 
     def tokens_per_page(self, spec: KVSpec) -> int:
-        tables = 2 * spec.num_layers if self.layout == "layer_major" else 2
-        return self.page_size // (spec.bytes_per_token // tables)
+        return self.page_size // self._tables(spec)[1]
 
     def make_cache(self, kind: str, spec: KVSpec, budget: int, max_seqs: int,
                    prefix: bool = False, max_seq_len: int = MAX_SEQ_LEN):  # fmt: skip
