@@ -1,17 +1,22 @@
 # The two commands of the README: `make bench` and `make test`. Each creates its venv if missing.
+#   .venv-bench   the harness only: torch (CPU build), triton, transformers, matplotlib
 #   .venv         the newest supported releases (torch 2.13 CPU build, latest transformers, triton)
+#                 and the test tools
 #   .venv-oldest  the oldest supported transformers (5.17) and triton (3.6, the GPU image's)
+BENCH_VENV ?= .venv-bench
+BENCH_BIN := $(BENCH_VENV)/bin
 VENV ?= .venv
 OLD ?= .venv-oldest
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.vmcache-installed
-BENCH_STAMP := $(VENV)/.vmcache-bench-installed
+BENCH_STAMP := $(BENCH_VENV)/.vmcache-installed
 OLD_STAMP := $(OLD)/.vmcache-installed
 # Without an NVIDIA GPU take the CPU build first, so no multi-GB CUDA build is pulled.
 CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q torch==2.13.0; fi
 
-.PHONY: bench test test-newest test-oldest test-long coverage compile-sm90 lint gpu-check clean
+.PHONY: bench bench-30k readme test test-newest test-oldest test-long coverage compile-sm90 lint \
+	gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,8 +30,23 @@ $(OLD_STAMP): pyproject.toml
 	$(OLD)/bin/pip install -q 'transformers==5.17.0' 'triton==3.6.0' -e '.[test]'
 	touch $(OLD_STAMP)
 
-bench: $(STAMP)
-	$(VENV)/bin/vmcache-bench
+$(BENCH_STAMP): pyproject.toml
+	test -x $(BENCH_BIN)/python || python3 -m venv $(BENCH_VENV)
+	$(call CPU_TORCH,$(BENCH_VENV))
+	$(BENCH_BIN)/pip install -q -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+# the A/B harness on its default workload: sizing mode (7 traces, a rate sweep) + compute mode
+bench: $(BENCH_STAMP)
+	$(BENCH_BIN)/vmcache-bench
+
+# a 30,000-request heavy-tailed trace through every default allocator (sizing mode)
+bench-30k: $(BENCH_STAMP)
+	$(BENCH_BIN)/vmcache-bench --mode sizing --traces heavy --scale 15 --rates 12 --tag heavy30k
+
+# the README's result tables from the committed JSON (tests/test_readme_results.py checks them)
+readme: $(STAMP)
+	$(PY) scripts/render_readme.py
 
 # the pytest script, not `python -m`, keeps the repository root off sys.path (see kernels/);
 # tests/conftest.py interprets Triton only where no GPU is visible
@@ -63,4 +83,4 @@ gpu-check:
 	bash scripts/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) $(OLD) build *.egg-info
+	rm -rf $(VENV) $(OLD) $(BENCH_VENV) build *.egg-info

@@ -10,7 +10,7 @@ runs only in its interpreter, whose timings mean nothing, so the CPU grid times 
 from __future__ import annotations
 
 import torch
-from common import parse_args, save, table, time_fn
+from common import parse_args, save, table, time_repeats
 from vmcache.kernels import contiguous, triton_decode
 from vmcache.kernels.common import sdpa_per_sequence
 from vmcache.paged_fallback import PagedKVCache
@@ -60,14 +60,19 @@ def run_point(dev, spec, batch, ctx, iters) -> list[dict]:
     cands["paged/torch (gather+sdpa)"] = lambda: kernels.decode(pg, 0, q, seqs[1], impl="torch")
     rows = []
     for name, fn in cands.items():
-        t = time_fn(fn, dev, iters=iters)
-        rows.append({"impl": name, "batch": batch, "context": ctx, "us": t * 1e6,
-                     "GB_s": kv_bytes / t / 1e9})  # fmt: skip
+        t = time_repeats(fn, dev, repeats=5, iters=iters)
+        rows.append({"impl": name, "batch": batch, "context": ctx, "us": t["median"] * 1e6,
+                     "us_min": t["min"] * 1e6, "us_max": t["max"] * 1e6, "repeats": 5,
+                     "GB_s": kv_bytes / t["median"] / 1e9})  # fmt: skip
     base = {r["impl"].split(" on ")[0]: r["us"] for r in rows if r["impl"].endswith("torch.empty")}
     for r in rows:
         key = r["impl"].split(" on ")[0]
         if r["impl"].endswith("on vmcache") and key in base:
             r["vs_plain"] = r["us"] / base[key]
+            plain = next(x for x in rows if x["impl"] == f"{key} on torch.empty")
+            # the ratio's effect against the runs' own spread (both timings' min–max)
+            noise = max((x["us_max"] - x["us_min"]) / x["us"] for x in (r, plain))
+            r["spread_note"] = "spread > effect" if noise > abs(r["vs_plain"] - 1) else ""
     vm.close()
     return rows
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 import torch
-from common import parse_args, save, table, time_fn
+from common import parse_args, save, table, time_repeats
 
 from vmcache import KVSpec, VMKVCache
 from vmcache.backends import make_backend
@@ -54,13 +54,17 @@ def cache_ops(device: torch.device, page_size: int, prompt: int) -> list[dict]:
         def copy_prompt():
             return [t.clone() for layer in range(2) for t in c.kv(layer, s)]
 
-        t_fork = time_fn(fork_free, device, iters=20)
-        t_copy = time_fn(copy_prompt, device, iters=20)
+        fork, copy = (
+            time_repeats(fn, device, repeats=5, iters=20) for fn in (fork_free, copy_prompt)
+        )
+        t_fork, t_copy = fork["median"], copy["median"]
         rows.append({"op": "grow by 1 token (avg)", "page_size": page_size, "us": per_token * 1e6})
         rows.append({"op": f"fork+free {prompt}-token prompt", "page_size": page_size,
-                     "us": t_fork * 1e6})  # fmt: skip
+                     "us": t_fork * 1e6, "us_min": fork["min"] * 1e6,
+                     "us_max": fork["max"] * 1e6})  # fmt: skip
         rows.append({"op": f"copy {prompt}-token prompt K/V", "page_size": page_size,
-                     "us": t_copy * 1e6, "fork_vs_copy": t_fork / t_copy})  # fmt: skip
+                     "us": t_copy * 1e6, "us_min": copy["min"] * 1e6, "us_max": copy["max"] * 1e6,
+                     "fork_vs_copy": t_fork / t_copy})  # fmt: skip
     for scrub in (True, False):
         with VMKVCache(spec, 8, 4096, device=device, page_size=page_size,
                        scrub_on_reuse=scrub) as c:  # fmt: skip

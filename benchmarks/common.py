@@ -8,6 +8,16 @@ from vmcache.bench.common import (
     save,
     table,
     time_fn,
+    time_repeats,
 )
 
-__all__ = ["RESULTS", "add_out_arg", "device_name", "parse_args", "save", "table", "time_fn"]
+__all__ = [
+    "RESULTS",
+    "add_out_arg",
+    "device_name",
+    "parse_args",
+    "save",
+    "table",
+    "time_fn",
+    "time_repeats",
+]

@@ -13,7 +13,9 @@ from vmcache.backends.sizing import SizingBackend
 from vmcache.bench import traces
 from vmcache.bench.__main__ import main as bench_main
 from vmcache.bench.allocators import CacheAlloc, OrcaAlloc, StaticAlloc
+from vmcache.bench.report import verdicts
 from vmcache.bench.simulate import simulate
+from vmcache.bench.sizing import make_alloc
 
 # one K (or V) row of a token in one layer = 16 B; a token = 2 layers × K,V = 64 B
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32)
@@ -80,7 +82,8 @@ def test_beam_reorder_copies_on_static_and_remaps_on_caches():
 def test_csv_reader_names_the_bad_line(tmp_path):
     good = tmp_path / "t.csv"
     good.write_text("prompt_len,output_len,n,arrival_s\n500,200,1,0.5\n700,100,4,0.1\n")
-    rows = traces.read_csv(good)
+    rows, skipped = traces.read_csv(good)
+    assert skipped == 0
     assert [r.prompt_len for r in rows] == [700, 500] and rows[0].n == 4  # arrival order
     bad = tmp_path / "bad.csv"
     bad.write_text("prompt_len,output_len\n500,200\n500,abc\n")
@@ -101,10 +104,24 @@ def test_csv_reader_names_the_bad_line(tmp_path):
 def test_sizing_cli_on_a_user_trace(tmp_path, capsys):
     trace = tmp_path / "mine.csv"
     trace.write_text("prompt_len,output_len\n" + "600,40\n" * 20)
-    bench_main(["--mode", "sizing", "--trace", str(trace), "--budget-gb", "1", "--no-plot",
-                "--out", str(tmp_path)])  # fmt: skip
+    bench_main(
+        [
+            "--mode",
+            "sizing",
+            "--trace",
+            str(trace),
+            "--budget-gb",
+            "1",
+            "--no-plot",
+            "--rates",
+            "20",
+            "--out",
+            str(tmp_path),
+        ]
+    )  # fmt: skip (two worker processes)
     out = capsys.readouterr().out
-    assert "paged-16" in out and "vm-layer-2M" in out and "radix-paged-16" in out
+    assert "paged-16" in out and "vm-layer-2M" in out and "Poisson 20 req/s" in out
+    assert "radix-paged-16" not in out  # a CSV carries no token ids: no prefix to find
     assert list(tmp_path.glob("ab-*.json"))
 
 
@@ -133,3 +150,83 @@ def test_results_carry_their_provenance_and_no_machine_paths(tmp_path):
     assert len(doc["git_sha"] or "") == 40 and doc["git_dirty"] in (True, False)
     assert doc["cpu"] and doc["cores"] >= 1 and doc["packages"]["torch"]
     assert doc["args"]["trace"] == "t.csv" and not os.path.isabs(doc["args"]["out"])
+
+
+class OverMapping(CacheAlloc):
+    """Maps one page per row more than a sequence needs (pages reserved ahead count as the
+    sequence's memory): the VM claim must then read DIFFERS."""
+
+    def _ahead(self, h):
+        self.kv.reserve(h, 32)  # the next page of every row, before it is needed
+
+    def admit(self, tokens, ids=None):
+        h = super().admit(tokens, ids)
+        self._ahead(h)
+        return h
+
+    def grow(self, h, n, ids=None):
+        super().grow(h, n, ids)
+        self._ahead(h)
+
+
+def _claim_row(alloc, trace, name="vm-layer-64K", tname="enterprise"):
+    row = {"trace": tname, "rate_rps": None, "allocator": name, "model": "llama-3-8b",
+           "requests": len(trace), **simulate(alloc, trace)}  # fmt: skip
+    verdicts([row])
+    return row
+
+
+def test_a_vm_verdict_reads_differs_when_an_allocator_over_maps():
+    spec = KVSpec.preset("llama-3-8b")
+    trace = traces.builtin("enterprise", 12)
+    honest = _claim_row(make_alloc("vm-layer-64K", spec, int(2e9)), trace)
+    kv = make_alloc("vm-layer-64K", spec, int(2e9)).kv
+    over = _claim_row(OverMapping("vm-layer-64K", kv), trace)
+    assert honest["verdict"].startswith("agrees") and honest["seq_waste_max_tok"] < 32
+    assert over["verdict"].startswith("DIFFERS") and over["seq_waste_max_tok"] >= 32
+    # the mean alone would not have caught it: both stay within a few pages per sequence
+    assert over["waste_tokens_per_seq"] < 3 * 32
+
+
+def test_a_row_where_memory_never_binds_says_so():
+    spec = KVSpec.preset("llama-3-8b")
+    trace = traces.builtin("enterprise", 4)
+    roomy = _claim_row(make_alloc("paged-16", spec, int(16e9)), trace, "paged-16")
+    tight = _claim_row(make_alloc("paged-16", spec, int(0.5e9)), traces.builtin("enterprise", 30),
+                       "paged-16")  # fmt: skip
+    assert not roomy["memory_binding"] and "memory not binding" in roomy["verdict"]
+    assert tight["memory_binding"] and "memory not binding" not in tight["verdict"]
+    assert tight["mem_refusals"] > 0
+
+
+def test_open_loop_arrivals_change_latency_not_work():
+    """Arrivals spread out: requests wait less (TTFT), the same tokens are generated."""
+    spec = KVSpec.preset("llama-3-8b")
+    trace = traces.builtin("heavy", 60)
+    burst = simulate(make_alloc("paged-16", spec, int(2e9)), trace)
+    spread = simulate(make_alloc("paged-16", spec, int(2e9)), traces.with_rate(trace, 0.5))
+    assert burst["generated_tokens"] == spread["generated_tokens"]
+    assert spread["model_ttft_p50_s"] < burst["model_ttft_p50_s"]
+    assert spread["modelled_s"] > 60 / 0.5 * 0.5  # the clock follows the arrivals
+
+
+def test_chunked_prefill_keeps_every_step_within_the_token_budget():
+    spec = KVSpec.preset("llama-3-8b")
+    trace = [traces.TraceRequest(3000, 4), traces.TraceRequest(10, 4)]
+    r = simulate(make_alloc("paged-16", spec, int(4e9)), trace, max_batch_tokens=512)
+    assert r["prefill_tokens"] == 3010 and r["steps"] >= 3000 // 512
+
+
+def test_sizing_cli_options(tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text("prompt_len,output_len\n" + "600,40\n" * 30 + "9000,10\n")
+    bench_main(["--mode", "sizing", "--trace", str(trace), "--skip-long", "--sample", "10",
+                "--allocators", "paged-16,vm-token-2M", "--rates", "", "--budget-gb", "1",
+                "--no-plot", "--jobs", "1", "--out", str(tmp_path)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "skipped 1 rows longer than --l-max 8192" in out and "vm-token-2M" in out
+    doc = json.loads(next(tmp_path.glob("ab-*.json")).read_text())
+    assert {r["allocator"] for r in doc["rows"]} == {"paged-16", "vm-token-2M"}
+    assert all(r["requests"] == 10 for r in doc["rows"]) and doc["wall_s"] > 0
+    with pytest.raises(SystemExit, match="unknown allocator 'paged-17x'"):
+        bench_main(["--mode", "sizing", "--allocators", "paged-17x", "--out", str(tmp_path)])

@@ -22,12 +22,13 @@ def test_the_gpu_setup_uses_2_mib_token_major_pages():
 
 
 def test_every_budget_runs_both_caches_at_2_mib_pages():
-    rows = compute.run(CPU, 6, [1, 4], setup=gpu_like())
+    rows = compute.run(CPU, 6, [100.0], [1, 4], repeats=1, setup=gpu_like())
     assert {(r["cache"], r["budget_requests"]) for r in rows} == {
         (c, n) for c in ("vmcache", "paged") for n in (1, 4)
     }
     for r in rows:
         assert r["steps"] > 0 and r["tok_per_s"] > 0 and r["page_bytes"] == CUDA_GRANULARITY
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and r["tpot_p50_s"] > 0
     one = [r for r in rows if r["budget_requests"] == 1 and r["cache"] == "vmcache"][0]
     four = [r for r in rows if r["budget_requests"] == 4 and r["cache"] == "vmcache"][0]
     assert one["max_running"] >= 1 and four["max_running"] > one["max_running"]

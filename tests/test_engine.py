@@ -274,9 +274,53 @@ def test_max_batch_tokens_bounds_every_step(model):
 
     engine.runner.step = step
     assert engine.run(reqs) == {rid: [t] for rid, t in reference(model, reqs).items()}
-    # a prompt longer than the budget runs alone (no chunked prefill yet), else within it
-    assert all(n <= 40 or n == max(len(r.prompt) for r in reqs) for n in sizes), sizes
-    assert max(sizes) > 1 and engine.stats.max_running < len(reqs)
+    # every step within the budget: the 50-token prompt is prefilled in chunks
+    assert max(sizes) == 40 and all(n <= 40 for n in sizes), sizes
+    assert engine.stats.prefill_tokens == sum(len(r.prompt) for r in reqs)
+
+
+@pytest.mark.parametrize("kind", ["vm", "paged"])
+@pytest.mark.parametrize("budget", [1, 7, 16])
+def test_chunked_prefill_changes_no_output(model, kind, budget):
+    """Prompts several times the step budget: fed in chunks (K/V written chunk by chunk,
+    positions continuing), decodes first; greedy outputs equal per-request generate()."""
+    reqs = requests([(45, 6), (3, 9), (31, 5), (60, 4)], seed=5)
+    engine = Engine(model, make(kind, 400), max_batch_tokens=budget)
+    fed = []
+    real = engine.runner.step
+
+    def step(slots, starts, tokens):
+        fed.append([len(t) for t in tokens])
+        return real(slots, starts, tokens)
+
+    engine.runner.step = step
+    assert engine.run(reqs) == {rid: [t] for rid, t in reference(model, reqs).items()}
+    assert all(sum(f) <= budget for f in fed), fed
+    assert len(fed) >= -(-60 // budget)  # the longest prompt alone needs that many steps
+    engine.kv.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["vm", "paged"])
+def test_requests_sharing_a_prefix_in_one_step_share_it(model, kind):
+    """Four requests with one system prompt arrive together: one prefills it, the others
+    wait for it (``prefix_waits``) and then map it; outputs unchanged."""
+    g = torch.Generator().manual_seed(6)
+    system = torch.randint(0, 128, (70,), generator=g).tolist()
+    reqs = [Request(f"s{i}", tuple(system + torch.randint(0, 128, (4 + i,), generator=g)
+                                   .tolist()), SamplingParams(max_new_tokens=5))
+            for i in range(4)]  # fmt: skip
+    want = {rid: [toks] for rid, toks in reference(model, reqs).items()}
+    if kind == "vm":
+        kv = prefix_vm(200)
+    else:
+        kv = PagedKVCache(SPEC, num_blocks=200, block_size=16, max_seq_len=128, max_seqs=8,
+                          prefix_caching=True)  # fmt: skip
+    engine = Engine(model, kv)
+    assert engine.run(reqs) == want
+    full = 70 // kv.prefix.tokens_per_page * kv.prefix.tokens_per_page
+    assert engine.stats.prefix_waits >= 3 and engine.stats.prefix_hit_tokens == 3 * full
+    assert engine.stats.prefill_tokens == sum(len(r.prompt) for r in reqs) - 3 * full
+    kv.check_invariants()
 
 
 def test_slot_limited_admission_and_forks_without_free_slots(model):

@@ -148,7 +148,7 @@ class VMKVCache(SequenceCache):
         return self.base + (t * self.max_seqs + s) * self.row_bytes + j * self.page_size
 
     def _attach(self, s: int, t: int, j0: int, pages: list[int]) -> None:
-        handles = [self.store.handle(p) for p in pages]
+        handles = self.store.handles(pages)
         self.backend.map(self._va(s, t, j0), handles, self.page_size)
 
     def _detach(self, s: int, t: int, j0: int, n: int) -> None:

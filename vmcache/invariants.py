@@ -38,6 +38,12 @@ def check_invariants(cache) -> None:
     indexed = set(cache.prefix.references()) if cache.prefix is not None else set()
     require(indexed == {p for p in range(pool.num_pages) if pool._indexed[p]})
     require(pool.index_only == sum(1 for p in indexed if pool.refcount(p) == 1))
+    require(pool.num_shared == sum(1 for p in range(pool.num_pages) if pool.refcount(p) > 1))
+    if cache.prefix is not None:  # the eviction queue holds exactly the evictable leaves
+        ix = cache.prefix
+        want = {e.key for e in ix._entries.values()
+                if e.children == 0 and all(pool.refcount(p) == 1 for p in e.pages)}  # fmt: skip
+        require(set(ix._evictable) == want, "prefix eviction queue", len(want))
     require(sorted(cache._free_slots + cache.sequences) == list(range(cache.max_seqs)))
     for s in cache.sequences:
         known = cache._tokens[s]

@@ -28,6 +28,10 @@ class VMPageStore:
     def handle(self, page: int) -> Any:
         return self._handles[page]
 
+    def handles(self, pages: list[int]) -> list[Any]:
+        h = self._handles
+        return [h[p] for p in pages]
+
     def view(self, page: int) -> torch.Tensor:
         """The page's bytes: a ``uint8`` tensor of ``page_size`` elements on the device."""
         return self._window_view[page * self.page_size : (page + 1) * self.page_size]

@@ -25,6 +25,9 @@ class Reclaimer(Protocol):
 
     def reclaim(self, pages: int) -> int: ...
 
+    def alone_changed(self, page: int, alone: bool) -> None:
+        """An indexed page's refcount reached 1 (only the reclaimer holds it) or left 1."""
+
 
 class PageStore(Protocol):
     def create(self, start: int, count: int) -> None:
@@ -67,6 +70,7 @@ class PagePool:
         self.reclaimer: Reclaimer | None = None  # asked for pages before CacheFull
         self._indexed = [False] * num_pages  # referenced by the reclaimer (the prefix index)
         self.index_only = 0  # pages the reclaimer alone references (refcount 1, indexed)
+        self.num_shared = 0  # pages with refcount > 1 (kept as refcounts change: O(1) stats)
 
     # --- queries -----------------------------------------------------------------------
     @property
@@ -93,8 +97,8 @@ class PagePool:
         return [p for p in range(self._created) if self._refcount[p] > 0]
 
     def stats(self) -> PoolStats:
-        shared = sum(1 for p in range(self._created) if self._refcount[p] > 1)
-        return PoolStats(self.num_pages, self.num_used, self.num_free, shared, self._created)
+        return PoolStats(self.num_pages, self.num_used, self.num_free, self.num_shared,
+                         self._created)  # fmt: skip
 
     # --- changes -----------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
@@ -131,11 +135,15 @@ class PagePool:
                 self._indexed[p] = flag
                 if self._refcount[p] == 1:
                     self.index_only += 1 if flag else -1
+                    self.reclaimer.alone_changed(p, flag)
 
     def _set_refcount(self, p: int, new: int) -> None:
         old, self._refcount[p] = self._refcount[p], new
+        if (old > 1) != (new > 1):
+            self.num_shared += 1 if new > 1 else -1
         if self._indexed[p] and (old == 1) != (new == 1):
             self.index_only += 1 if new == 1 else -1
+            self.reclaimer.alone_changed(p, new == 1)
 
     def incref(self, pages: Iterable[int], k: int = 1) -> None:
         pages = list(pages)
@@ -148,17 +156,45 @@ class PagePool:
     def decref(self, pages: Iterable[int]) -> list[int]:
         """Drop one reference per entry; returns the pages that went back to the free list."""
         pages = list(pages)
+        if not pages:
+            return []
+        if len(set(pages)) == len(pages):  # each page once: the common case, one pass
+            return self._decref_once(pages)
         counts: dict[int, int] = {}
         for p in pages:
             counts[p] = counts.get(p, 0) + 1
+        rc = self._refcount
         for p, c in counts.items():
-            if self._refcount[p] < c:
-                raise ValueError(f"decref of page {p} below zero (refcount {self._refcount[p]})")
+            if rc[p] < c:
+                raise ValueError(f"decref of page {p} below zero (refcount {rc[p]})")
         freed = []
         for p, c in counts.items():
-            self._set_refcount(p, self._refcount[p] - c)
-            if self._refcount[p] == 0:
+            old = rc[p]
+            if old == 1 + c or self._indexed[p] or old > 1 >= old - c:
+                self._set_refcount(p, old - c)  # the shared / index-only counters change
+            else:
+                rc[p] = old - c
+            if rc[p] == 0:
                 require(not self._indexed[p], f"page {p} freed while the index holds it")
+                freed.append(p)
+        self._free.extend(sorted(freed, reverse=True))
+        return freed
+
+    def _decref_once(self, pages: list[int]) -> list[int]:
+        rc, indexed = self._refcount, self._indexed
+        for p in pages:
+            if rc[p] < 1:
+                raise ValueError(f"decref of page {p} below zero (refcount {rc[p]})")
+        freed = []
+        for p in pages:
+            old = rc[p]
+            if old == 2 or indexed[p]:
+                self._set_refcount(p, old - 1)  # the shared / index-only counters change
+            else:
+                rc[p] = old - 1
+            if old == 1:
+                if indexed[p]:
+                    require(False, f"page {p} freed while the index holds it")
                 freed.append(p)
         self._free.extend(sorted(freed, reverse=True))
         return freed

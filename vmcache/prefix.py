@@ -27,6 +27,7 @@ class _Entry:
     pages: tuple[int, ...]  # one physical page per table
     children: int = 0
     last_used: int = 0
+    alone: int = 0  # of its pages, those only the index holds (refcount 1)
 
 
 @dataclass
@@ -51,11 +52,25 @@ class PrefixIndex:
     _entries: dict[tuple, _Entry] = field(default_factory=dict)
     _tick: int = 0
     _stats: PrefixStats = field(default_factory=PrefixStats)
+    _of_page: dict[int, _Entry] = field(default_factory=dict)  # page -> the entry holding it
+    # leaves whose pages only the index holds, oldest release first: eviction is O(1) each
+    _evictable: dict[tuple, _Entry] = field(default_factory=dict)
 
     def _key(self, parent: _Entry | None, tokens: Sequence[int], j: int, salt) -> tuple:
         """Page ``j`` of ``tokens`` after ``parent``: exact, so no two prefixes collide."""
         P = self.tokens_per_page
         return (id(parent), tuple(tokens[j * P : (j + 1) * P]), salt)
+
+    def peek(self, tokens: Sequence[int], salt=None) -> int:
+        """Tokens of ``tokens`` the index holds now (whole pages), touching nothing: no
+        recency, no stats (for schedulers deciding whether to wait for a prefix)."""
+        parent, j = None, 0
+        while j < len(tokens) // self.tokens_per_page:
+            parent = self._entries.get(self._key(parent, tokens, j, salt))
+            if parent is None:
+                break
+            j += 1
+        return j * self.tokens_per_page
 
     def match(self, tokens: Sequence[int], salt=None) -> list[_Entry]:
         """The longest run of cached full pages that starts ``tokens`` (touched as used)."""
@@ -66,6 +81,8 @@ class PrefixIndex:
             if e is None:
                 break
             e.last_used = self._tick
+            if self._evictable.pop(e.key, None) is not None:
+                self._evictable[e.key] = e  # used now: the back of the eviction queue
             found.append(e)
         st = self._stats
         st.lookups += 1
@@ -86,19 +103,34 @@ class PrefixIndex:
             if e is None:
                 e = _Entry(key, parent, tuple(t[j] for t in tables))
                 self.pool.incref(e.pages)
+                for p in e.pages:
+                    self._of_page[p] = e
                 self.pool.set_indexed(e.pages, True)
                 self._entries[key] = e
                 if parent is not None:
                     parent.children += 1
+                    self._update(parent)
                 new += len(e.pages)
             e.last_used = self._tick
             parent = e
         self._stats.inserted_pages += new
         return new
 
-    def _evictable(self) -> list[_Entry]:
-        rc = self.pool.refcount
-        return [e for e in self._entries.values() if all(rc(p) == 1 for p in e.pages)]
+    def _update(self, e: _Entry) -> None:
+        """Keep ``e``'s place in the eviction queue: a leaf whose pages nobody else maps
+        joins at the back (most recently released); anything else leaves it."""
+        evictable = e.children == 0 and e.alone == len(e.pages) and e.key in self._entries
+        if evictable and e.key not in self._evictable:
+            self._evictable[e.key] = e
+        elif not evictable:
+            self._evictable.pop(e.key, None)
+
+    def alone_changed(self, page: int, alone: bool) -> None:
+        """The pool's notice that an indexed page's refcount reached or left 1."""
+        e = self._of_page.get(page)
+        if e is not None:
+            e.alone += 1 if alone else -1
+            self._update(e)
 
     def reclaimable(self) -> int:
         """Pages that eviction could return to the pool now: those only the index holds
@@ -106,23 +138,22 @@ class PrefixIndex:
         return self.pool.index_only
 
     def reclaim(self, pages: int) -> int:
-        """Evict least recently used unreferenced entries (leaves first) until ``pages``
-        pages went back to the pool or nothing evictable is left; returns pages freed."""
+        """Evict unreferenced leaves, least recently released first (a parent becomes a leaf
+        when its last child goes), until ``pages`` pages went back to the pool or nothing
+        evictable is left; returns pages freed. O(entries evicted)."""
         freed = 0
-        while freed < pages:
-            leaves = [e for e in self._evictable() if e.children == 0]
-            if not leaves:
-                break
-            for e in sorted(leaves, key=lambda e: e.last_used):
-                del self._entries[e.key]
-                if e.parent is not None:
-                    e.parent.children -= 1
-                self.pool.set_indexed(e.pages, False)
-                self.pool.decref(e.pages)
-                freed += len(e.pages)
-                self._stats.evicted_pages += len(e.pages)
-                if freed >= pages:
-                    break
+        while freed < pages and self._evictable:
+            e = next(iter(self._evictable.values()))
+            del self._evictable[e.key], self._entries[e.key]
+            for p in e.pages:
+                del self._of_page[p]
+            if e.parent is not None:
+                e.parent.children -= 1
+                self._update(e.parent)
+            self.pool.set_indexed(e.pages, False)
+            self.pool.decref(e.pages)
+            freed += len(e.pages)
+            self._stats.evicted_pages += len(e.pages)
         return freed
 
     def clear(self) -> int:
@@ -155,6 +186,11 @@ class PrefixOps:
         n = len(entries) * self.prefix.tokens_per_page
         self._tables[s], self._tokens[s] = tables, list(tokens[:n])
         self._set_len(s, n)
+
+    def cached_prefix_tokens(self, tokens, salt=None) -> int:
+        """How many leading tokens of ``tokens`` a new sequence would find cached under
+        ``salt`` now (0 without prefix caching); changes nothing."""
+        return 0 if self.prefix is None else self.prefix.peek(list(tokens), salt)
 
     def cache_prefix(self, s: int) -> int:
         """Index sequence ``s``'s full pages of known tokens now (``free`` does it too), so

@@ -20,6 +20,24 @@ from .errors import check_int
 class ReserveOps:
     """Mixed into :class:`~vmcache.seqcache.SequenceCache` (its tables, hooks and pool)."""
 
+    def mapped_pages(self, s: int) -> int:
+        """Pages sequence ``s`` maps, every table: its tables' pages (shared ones counted
+        per sequence; tables grow together) and the pages reserved ahead of it."""
+        s = self._check_seq(s)
+        return self._T * len(self._tables[s][0]) + sum(len(a) for a in self._ahead[s])
+
+    def headroom(self, s: int) -> int:
+        """Tokens ``grow(s, n)`` can add without taking a page from the pool: what the
+        mapped tail page still holds, 0 when it is shared (the next grow copies it)."""
+        s = self._check_seq(s)
+        length = self._lens[s]
+        room = len(self._tables[s][0]) * self._P // self._u - length
+        if room and (length * self._u) % self._P:  # the tail page is partly used: shared?
+            j, rc = self._pages_for(length) - 1, self.pool.refcount
+            if any(rc(t[j]) > 1 for t in self._tables[s]):
+                return 0
+        return room
+
     def reserve(self, s: int, n: int) -> int:
         """Map now the pages a later ``grow(s, k ≤ n)`` would map; returns pages mapped."""
         s = self._check_seq(s)

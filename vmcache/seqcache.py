@@ -17,6 +17,7 @@ bookkeeping that cannot fail. The caches alone change page tables; the pool alon
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import islice
 from typing import Any
 
 import torch
@@ -150,6 +151,10 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
         return [s for s in range(self.max_seqs) if self._tables[s] is not None]
 
     @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
     def seq_lens(self) -> torch.Tensor:
         """``[max_seqs]`` int32 on the cache's device; 0 for slots not in use."""
         if self._lens_tensor is None:
@@ -161,13 +166,11 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
         return [list(t) for t in self._tables[self._check_seq(s)]]
 
     def _splits(self, s: int, tables: list[int], j_lo: int, j_hi: int) -> list[tuple[int, int]]:
-        tab = self._tables[s]
-        return [
-            (t, j)
-            for t in tables
-            for j in range(j_lo, min(j_hi, len(tab[t])))
-            if self.pool.refcount(tab[t][j]) > 1
-        ]
+        tab, rc = self._tables[s], self.pool.refcount
+        if j_hi - j_lo == 1:  # one page per table (a grow's tail): the common case
+            return [(t, j_lo) for t in tables if j_lo < len(tab[t]) and rc(tab[t][j_lo]) > 1]
+        return [(t, j) for t in tables for j in range(j_lo, min(j_hi, len(tab[t])))
+                if rc(tab[t][j]) > 1]  # fmt: skip
 
     def _grow_plan(self, s: int, n: int) -> tuple[list[tuple[int, int]], int, int]:
         length = self._lens[s]
@@ -335,13 +338,11 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
                 self._attach(s, t, j, [new])
                 undo.append(lambda s=s, t=t, j=j: self._detach(s, t, j, 1))
                 replaced.append((s, t, j, old, new))
-            extension = []
-            for t in range(self._T if s_ext is not None else 0):
-                pages = [next(it) for _ in range(j_to - j_from)]
-                if pages:
-                    self._attach(s_ext, t, j_from, pages)
-                    undo.append(lambda t=t, n=len(pages): self._detach(s_ext, t, j_from, n))
-                extension.append(pages)
+            n = j_to - j_from
+            extension = [list(islice(it, n)) for _ in range(self._T if s_ext is not None else 0)]
+            if n and extension:
+                self._attach_row(s_ext, j_from, extension)  # all tables or none
+                undo.append(lambda: [self._detach(s_ext, t, j_from, n) for t in range(self._T)])
         except BaseException:
             for f in reversed(undo):
                 f()

@@ -1,167 +1,198 @@
 """The A/B harness (the README's first command): allocators compared on the same traces.
 
-    python -m vmcache.bench [--mode sizing|compute|both] [--full] [--trace FILE] [--out DIR]
+    python -m vmcache.bench [--mode sizing|compute|both] [options]
 
-Sizing mode replays traces through each allocator's real bookkeeping at real model scale
-(default Llama-3-8B, 16 GB of KV; ``--full``: 60 GB and 5× the requests) on the sizing backend,
-which backs no bytes. Compute mode runs the engine with a small random model (see compute.py).
-Prints tables beside the seed's claims, writes JSON and PNG plots under benchmarks/results.
+SIZING MODE replays request traces through each allocator's real bookkeeping at real model
+scale (default Llama-3-8B, 16 GB of KV) on the sizing backend, which backs no bytes: page
+tables, refcounts, copy-on-write and the prefix index run for real, no model does. Time is
+modelled (vmcache.bench.latency.StepModel: per-step, per-prompt-token, per-sequence and
+K/V-read costs of an 8B model on an H100-class GPU), so its latencies are modelled seconds.
+By default: six capacity traces queued at t = 0 (sized so memory binds), then the heavy-
+tailed trace arriving open-loop (Poisson) at each of --rates.
+
+COMPUTE MODE runs the engine with a small random Llama (transformers) over VMKVCache and
+PagedKVCache at several KV budgets and at --compute-rates requests/s: measured tokens/s and
+TTFT / TPOT percentiles, median of --repeats runs with the spread (min–max).
+
+TRACES (--traces): enterprise, long, parallel (n = 4), beam (width 4), shared (2,000-token
+system prompt), multiturn (4 turns), heavy (lognormal prompts <= 4k, outputs <= 3k); see
+vmcache/bench/traces.py. Or --trace FILE: a CSV with a header naming prompt_len, output_len
+and optionally n (samples) and arrival_s (seconds; rows are replayed in arrival order), e.g.
+
+    prompt_len,output_len,n,arrival_s
+    812,190,1,0.00
+    95,1024,4,0.35
+
+ALLOCATORS (--allocators, comma-separated; default all but the extras, radix rows only on the
+shared and multiturn traces): static (L_max slots),
+orca-256 (contiguous extents grown by 256 tokens), paged-8/16/32 (block tables, B tokens),
+vm-layer-2M / vm-layer-64K (a virtual range per layer and K/V, 2 MiB or 64 KiB pages),
+vm-token-2M (one range per K/V, all layers of a token together), radix-<cache> (prefix caching
+on); extras: vm-token-64K, <cache>-copy (forks copy: the baseline sharing is measured against).
+
+CLAIMS: each row with a claim from the literature gets a verdict that can read DIFFERS (rules
+in vmcache/bench/report.py: verdicts); a row where memory never bound says so instead of
+quoting a capacity. Results: JSON (with commit, CPU, package versions) and PNG under --out;
+scripts/render_readme.py turns committed JSON into the README's tables.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 
-from ..backends.sizing import SizingBackend
-from ..cache import VMKVCache
-from ..paged_fallback import PagedKVCache
-from ..spec import KVSpec
-from . import traces
-from .allocators import CacheAlloc, OrcaAlloc, StaticAlloc
+from . import sizing, traces
 from .common import add_out_arg, save, table
-from .report import CLAIMS, plot, verdicts
-from .simulate import DoesNotFit, simulate
+from .report import plot, unique_prompt_tokens, verdicts
 
-ALLOCATORS = ("static", "orca-256", "paged-8", "paged-16", "paged-32", "radix-paged-16",
-              "vm-layer-2M", "vm-layer-64K", "vm-token-2M", "vm-token-64K",
-              "radix-vm-layer-64K")  # fmt: skip
-NUM_REQUESTS = {"enterprise": 200, "long": 40, "parallel": 80, "beam": 80, "shared": 120,
-                "multiturn": 120}  # fmt: skip
-
-
-def make_alloc(name: str, spec: KVSpec, budget: int, max_seqs: int):
-    """One allocator by row name; ``radix-`` rows are the same cache with prefix caching."""
-    bpt = spec.bytes_per_token
-    prefix = name.startswith("radix-")
-    name = name.removeprefix("radix-")
-    if name == "static":
-        return StaticAlloc(bpt, budget, traces.L_MAX)
-    if name.startswith("orca"):
-        return OrcaAlloc(bpt, budget, traces.L_MAX, int(name.split("-")[1]))
-    if name.startswith("paged"):
-        b = int(name.split("-")[1])
-        kv = PagedKVCache(spec, pool_bytes=budget, block_size=b, device="meta",
-                          max_seq_len=traces.L_MAX, max_seqs=max_seqs,
-                          prefix_caching=prefix)  # fmt: skip
-        return CacheAlloc(name, kv)
-    if name.startswith("vm"):
-        _, layout, size = name.split("-")
-        page = (2 << 20) if size == "2M" else (64 << 10)
-        kv = VMKVCache(spec, max_seqs, traces.L_MAX, backend=SizingBackend(granularity=page),
-                       pool_bytes=budget, layout=f"{layout}_major",
-                       prefix_caching=prefix)  # fmt: skip
-        return CacheAlloc(name, kv)
-    raise ValueError(f"unknown allocator {name!r}")
+COLUMNS = ["allocator", "internal_waste_pct", "reservation_waste_pct", "seq_waste_max_tok",
+           "frag_stalls", "max_concurrent_seqs", "cow_saving_pct", "preemptions",
+           "recompute_tokens", "prefill_tokens", "bytes_copied", "verdict"]  # fmt: skip
+RATE_COLUMNS = ["allocator", "rate_rps", "model_ttft_p50_s", "model_ttft_p99_s",
+                "model_tpot_p50_s", "model_tpot_p99_s", "model_goodput_rps", "preemptions",
+                "max_concurrent_seqs", "memory_binding"]  # fmt: skip
 
 
-def progress(label: str):
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def workloads(args) -> tuple[dict, dict]:
+    """{(trace name, rate or None): requests} and {trace name: unique prompt tokens}."""
+    out = {}
+    if args.trace:
+        trace, skipped = traces.read_csv(args.trace, args.l_max, args.skip_long)
+        if skipped:
+            print(f"{args.trace}: skipped {skipped} rows longer than --l-max {args.l_max}")
+        trace = sizing.sample(trace, args.sample, args.seed)
+        out[(args.trace, None)] = trace
+        for rate in _floats(args.rates):
+            out[(args.trace, rate)] = traces.with_rate(trace, rate, args.seed)
+        return out, {}
+    unique = {}
+    for name in args.traces.split(","):
+        n = sizing.NUM_REQUESTS[name] * args.scale
+        trace = sizing.sample(traces.builtin(name, n, args.seed), args.sample, args.seed)
+        if name == "heavy":
+            for rate in _floats(args.rates):
+                out[(name, rate)] = traces.with_rate(trace, rate, args.seed)
+        else:
+            out[(name, None)] = trace
+        if name in ("shared", "multiturn"):
+            unique[name] = unique_prompt_tokens(trace)
+    return out, unique
+
+
+def run_sizing(args) -> list[dict]:
+    work, unique = workloads(args)
+    names = args.allocators.split(",") if args.allocators else None  # None: the defaults
+    for a in names or ():  # a typo fails here, before any work
+        try:
+            sizing.make_alloc(a, sizing.KVSpec.preset("llama-3-8b"), 1 << 30, max_seqs=1)
+        except ValueError as exc:
+            raise SystemExit(f"python -m vmcache.bench: error: {exc}") from None
+    rows = sizing.run(work, names, args, args.jobs)
+    verdicts(rows, unique)
+    for (tname, rate), trace in work.items():
+        rs = [r for r in rows if r["trace"] == tname and r["rate_rps"] == rate]
+        when = f"Poisson {rate:g} req/s" if rate else "all queued at t = 0"
+        print(f"\n-- trace: {tname} ({len(trace)} requests, {when}) --")
+        print(table(rs, COLUMNS if rate is None else RATE_COLUMNS + ["internal_waste_pct"]))
+    return rows
+
+
+def run_compute(args, dev: torch.device) -> list[dict]:
+    from . import compute  # needs transformers (the bench extra)
+
+    print(f"\n== compute mode: engine + small random Llama on {dev} ==")
+    rows = compute.run(dev, args.compute_requests, _floats(args.compute_rates),
+                       [int(b) for b in _floats(args.budgets)], args.repeats,
+                       sizing_progress("compute"))  # fmt: skip
+    print(table(rows, ["cache", "budget_requests", "rate_rps", "tok_per_s", "ttft_p50_s",
+                       "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "preempt_swap",
+                       "spread_note"]))  # fmt: skip
+    n = args.compute_requests
+    print(f"\n-- radix rows, compute mode: {n} requests sharing a system prompt --")
+    radix = compute.run_prefix(dev, n, max(2, n // 3), sizing_progress("radix"))
+    print(table(radix, ["cache", "prefix_caching", "prefill_tokens", "prefix_hit_tokens",
+                        "prefix_waits", "tok_per_s", "max_running"]))  # fmt: skip
+    return rows + [{"scenario": "shared_prompt", **r} for r in radix]
+
+
+def sizing_progress(label: str):
     def show(done: int, total: int) -> None:
-        bar = "#" * int(20 * done / max(total, 1))
-        print(f"\r  {label:<28} [{bar:<20}] {done}/{total}", end="", file=sys.stderr, flush=True)
+        print(f"\r  {label}: {done}/{total} runs", end="" if done < total else "\n",
+              file=sys.stderr, flush=True)  # fmt: skip
 
     return show
 
 
-def run_sizing(args) -> list[dict]:
-    spec = KVSpec.preset(args.model)
-    budget = int(args.budget_gb * 1e9)
-    scale = 5 if args.full else 1
-    if args.trace:
-        workloads = {args.trace: traces.read_csv(args.trace)}
-    else:
-        names = args.traces.split(",")
-        workloads = {n: traces.builtin(n, NUM_REQUESTS[n] * scale, args.seed) for n in names}
-    rows = []
-    for tname, trace in workloads.items():
-        base = None
-        for aname in ALLOCATORS:
-            alloc = make_alloc(aname, spec, budget, max_seqs=1024)
-            row = {"trace": tname, "allocator": aname, "model": args.model,
-                   "budget_GB": args.budget_gb, "requests": len(trace)}  # fmt: skip
-            try:
-                row.update(simulate(alloc, trace, args.seed, progress(f"{tname}/{aname}"),
-                                    preemption=args.preemption))  # fmt: skip
-            except DoesNotFit as exc:
-                row["note"] = f"does not fit: {exc}"
-            print(file=sys.stderr)
-            if "steps" in row and aname == "static":
-                base = row
-            if "steps" in row and base is not None:
-                row["concurrency_vs_static"] = row["tokens_per_step"] / base["tokens_per_step"]
-            family = "radix" if aname.startswith("radix") else aname.split("-")[0]
-            row["seed_claim"] = CLAIMS.get((tname, family), "")
-            rows.append(row)
-    verdicts(rows)
-    return rows
-
-
-def main(argv=None) -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m vmcache.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--mode", choices=("sizing", "compute", "both"), default="both")
-    ap.add_argument("--model", default="llama-3-8b", help="KVSpec preset for sizing mode")
-    ap.add_argument("--budget-gb", type=float, default=None, help="KV budget (default 16; 60 full)")
-    ap.add_argument("--traces", default=",".join(traces.TRACES))
-    ap.add_argument("--trace", help="CSV of prompt_len,output_len[,n][,arrival_s] rows")
-    ap.add_argument("--full", action="store_true", help="60 GB budget, 5x the requests")
-    ap.add_argument("--quick", action="store_true",
-                    help="compute mode on fewer requests and budgets (the GPU check)")  # fmt: skip
+    g = ap.add_argument_group("sizing mode")
+    g.add_argument("--model", default="llama-3-8b", help="KVSpec preset (llama-3-8b, -70b, ...)")
+    g.add_argument("--budget-gb", type=float, default=16.0, help="KV budget in GB (16)")
+    g.add_argument("--traces", default=",".join(traces.TRACES), help="built-in traces to run")
+    g.add_argument("--trace", help="a CSV trace instead (format above)")
+    g.add_argument("--rates", default="8,16,32",
+                   help="Poisson rates, req/s, for heavy or --trace (8,16,32)")  # fmt: skip
+    g.add_argument("--scale", type=int, default=1, help="multiply built-in trace sizes")
+    g.add_argument("--sample", type=int, help="replay N requests drawn from the trace")
+    g.add_argument("--allocators", help="comma-separated allocator names (see ALLOCATORS)")
+    g.add_argument("--l-max", type=int, default=traces.L_MAX, help="max tokens per request")
+    g.add_argument("--skip-long", action="store_true",
+                   help="skip (and count) CSV rows longer than --l-max")  # fmt: skip
+    g.add_argument("--max-batch-tokens", type=int, default=8192,
+                   help="tokens per step: decodes + prefill chunks (8192)")  # fmt: skip
+    g.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
+    g.add_argument("--jobs", type=int, help="worker processes (default: every core)")
+    c = ap.add_argument_group("compute mode")
+    c.add_argument("--compute-requests", type=int, default=24)
+    c.add_argument("--compute-rates", default="2,8,32", help="arrival rates, req/s (2,8,32)")
+    c.add_argument("--budgets", default="8", help="KV budgets, in longest requests held (8)")
+    c.add_argument("--repeats", type=int, default=3)
+    c.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="small everything (CI, the GPU check)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--tag", default="", help="suffix for the results' file names")
-    ap.add_argument("--preemption", choices=("recompute", "swap"), default="recompute",
-                    help="how sizing mode brings a preempted request back")  # fmt: skip
     add_out_arg(ap)
+    return ap
+
+
+def main(argv=None) -> None:
+    ap = parser()
     args = ap.parse_args(argv)
-    if args.budget_gb is None:
-        args.budget_gb = 60.0 if args.full else 16.0
+    if args.quick:
+        args.compute_requests, args.repeats, args.compute_rates, args.budgets = 8, 1, "4", "4,8"
     if args.trace:
         try:
-            traces.read_csv(args.trace)
+            traces.read_csv(args.trace, args.l_max, args.skip_long)
         except (OSError, ValueError) as exc:
             ap.error(str(exc))
+    for t in args.traces.split(","):
+        if t not in traces.TRACES:
+            ap.error(f"unknown trace {t!r}; expected some of {','.join(traces.TRACES)}")
     dev = torch.device(args.device)
-    sizing, comp = [], []
+    rows, t0 = [], time.perf_counter()
     if args.mode in ("sizing", "both"):
         print(f"== sizing mode: {args.model}, {args.budget_gb:g} GB KV budget, sizing backend "
-              "(bookkeeping only, no bytes) ==")  # fmt: skip
-        sizing = run_sizing(args)
-        for tname in dict.fromkeys(r["trace"] for r in sizing):
-            print(f"\n-- trace: {tname} --")
-            print(table([r for r in sizing if r["trace"] == tname], [
-                "allocator", "internal_waste_pct", "reservation_waste_pct", "waste_tokens_per_seq",
-                "frag_stalls", "max_concurrent_seqs", "concurrency_vs_static", "cow_saving_pct",
-                "preemptions", "prefill_tokens", "verdict"]))  # fmt: skip
+              "(bookkeeping only, no bytes; modelled time) ==")  # fmt: skip
+        rows += run_sizing(args)
     if args.mode in ("compute", "both"):
-        print(f"\n== compute mode: engine + small random Llama on {dev} ==")
-        # budgets: how many of the longest requests the VM cache holds at once (bytes)
-        budgets = [4, 8] if args.quick else [4, 8, 16] if not args.full else [4, 8, 16, 32]
-        num = 12 if args.quick else 32 if not args.full else 96
-        from . import compute  # needs transformers (the bench extra)
-
-        comp = compute.run(dev, num, budgets, progress("compute"))
-        print(file=sys.stderr)
-        print(table(comp, ["budget_requests", "cache", "tok_per_s", "step_ms", "map_ms_per_step",
-                           "premap_ms_per_step", "max_running", "preempt_swap"]))  # fmt: skip
-        num = 8 if args.quick else 24 if not args.full else 96
-        print(f"\n-- radix rows, compute mode: {num} requests sharing a system prompt --")
-        # a budget of a third of the requests: later admissions find the prompt cached (two
-        # admitted in the same step both miss)
-        radix = compute.run_prefix(dev, num, max(2, num // 3), progress("radix"))
-        print(file=sys.stderr)
-        print(table(radix, ["cache", "prefix_caching", "prefill_tokens", "prefix_hit_tokens",
-                            "tok_per_s", "max_running"]))  # fmt: skip
-        comp += [{"scenario": "shared_prompt", **r} for r in radix]
+        rows += [{"mode": "compute", **r} for r in run_compute(args, dev)]
     name = "ab" + (f"-{args.tag}" if args.tag else "")
-    rows = sizing + [{"mode": "compute", **r} for r in comp]
-    path = save(name, dev, rows, {"args": vars(args)}, out_dir=args.out)
+    wall = time.perf_counter() - t0
+    path = save(name, dev, rows, {"args": vars(args), "wall_s": wall}, out_dir=args.out)
+    print(f"\nwall time {wall:.0f} s")
     print(f"\nsaved {path}")
     if not args.no_plot:
-        for p in plot(sizing, comp, path):
+        for p in plot(rows, path):
             print(f"plot  {p}")
 
 

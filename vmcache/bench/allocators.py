@@ -6,9 +6,13 @@
                   (copy); fails when no hole fits even if the free total would (fragmentation)
     CacheAlloc    the real VMKVCache / PagedKVCache (on the sizing backend / meta device)
 
-Handles are ints. ``snapshot()`` returns bytes: ``held`` (physical), ``logical`` (per-sequence
-allocation, shared pages counted per sequence), ``granule`` (allocation rounded to the
-allocator's growth unit), ``used`` (tokens × bytes/token).
+Handles are ints. Every query the simulator asks per step is O(1) or O(one sequence):
+``mapped_bytes(h)`` (what the sequence's allocation covers; shared pages counted per
+sequence), ``headroom(h)`` (tokens it can still take without allocating), ``held_bytes()``
+(physical bytes in use; cached pages nobody maps excluded), ``can_admit(tokens, k, growing)``
+(``growing``: running sequences whose next token needs new memory; admission leaves room for
+them). ``reserves`` is True where unused allocation is a reservation (static) rather than a
+partly filled granule.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from ..errors import CacheFull
 class StaticAlloc:
     kind = "static"
     can_fragment = False  # equal slots: any free slot fits any request
+    reserves = True  # unused slot space is reservation waste
 
     def __init__(self, bytes_per_token: int, budget_bytes: int, l_max: int) -> None:
         self.bpt, self.l_max = bytes_per_token, l_max
@@ -33,18 +38,34 @@ class StaticAlloc:
     def need_bytes(self, tokens: int) -> int:
         return self.l_max * self.bpt
 
-    def can_admit(self, tokens: int, running: int = 0, k: int = 1) -> bool:
+    def can_admit(self, tokens: int, k: int = 1, growing: int = 0) -> bool:
         return len(self.lens) + k <= self.slots
 
     uses_ids = False  # token ids matter only to a prefix-caching cache
     last_hit = 0  # prompt tokens the last admit found cached
 
     def admit(self, tokens: int, ids=None) -> int:
+        """A sequence of ``tokens`` tokens (the first chunk of its prompt)."""
         if not self.can_admit(tokens):
             raise CacheFull("no free static slot", wanted=1, free=0)
         self._next += 1
         self.lens[self._next] = tokens
         return self._next
+
+    def cached_tokens(self, ids) -> int:
+        return 0
+
+    def cache_prefix(self, h: int) -> None:
+        pass
+
+    def mapped_bytes(self, h: int) -> int:
+        return self.l_max * self.bpt
+
+    def headroom(self, h: int) -> int:
+        return self.l_max - self.lens[h]
+
+    def held_bytes(self) -> int:
+        return len(self.lens) * self.l_max * self.bpt
 
     def can_grow(self, h: int, n: int) -> bool:
         return self.lens[h] + n <= self.l_max
@@ -67,15 +88,11 @@ class StaticAlloc:
     def free(self, h: int) -> None:
         del self.lens[h]
 
-    def snapshot(self) -> dict:
-        used = sum(self.lens.values()) * self.bpt
-        held = len(self.lens) * self.l_max * self.bpt
-        return {"held": held, "logical": held, "granule": used, "used": used}
-
 
 class OrcaAlloc(StaticAlloc):
     kind = "orca"
     can_fragment = True  # free memory can be split into holes too small to use
+    reserves = False  # unused extent space is internal (a partly filled chunk)
 
     def __init__(self, bytes_per_token: int, budget_bytes: int, l_max: int, chunk: int) -> None:
         super().__init__(bytes_per_token, budget_bytes, l_max)
@@ -83,6 +100,7 @@ class OrcaAlloc(StaticAlloc):
         self.capacity = budget_bytes // bytes_per_token  # arena size in tokens
         self.holes: list[list[int]] = [[0, self.capacity]]  # sorted [start, end)
         self.ext: dict[int, list[int]] = {}  # handle -> [start, size]
+        self._held = 0  # bytes of all extents
 
     def _round(self, tokens: int) -> int:
         return -(-tokens // self.chunk) * self.chunk
@@ -113,7 +131,7 @@ class OrcaAlloc(StaticAlloc):
                 merged.append([s, e])
         self.holes = merged
 
-    def can_admit(self, tokens: int, running: int = 0, k: int = 1) -> bool:
+    def can_admit(self, tokens: int, k: int = 1, growing: int = 0) -> bool:
         size, free = self._round(tokens), [e - s for s, e in self.holes]
         for _ in range(k):  # k extents, first fit
             i = next((i for i, f in enumerate(free) if f >= size), None)
@@ -129,6 +147,7 @@ class OrcaAlloc(StaticAlloc):
             raise CacheFull(f"no hole of {size} tokens", wanted=size, free=0)
         self._next += 1
         self.lens[self._next], self.ext[self._next] = tokens, [start, size]
+        self._held += size * self.bpt
         return self._next
 
     def can_grow(self, h: int, n: int) -> bool:
@@ -149,6 +168,7 @@ class OrcaAlloc(StaticAlloc):
                 if hole[0] == hole[1]:
                     self.holes.remove(hole)
                 self.ext[h][1] += extra
+                self._held += extra * self.bpt
             else:  # move: first fit elsewhere, copy, release the old extent
                 new = self._first_fit(size + extra)
                 if new is None:
@@ -158,63 +178,89 @@ class OrcaAlloc(StaticAlloc):
                 self.copied_bytes += self.lens[h] * self.bpt
                 self._release(start, size)
                 self.ext[h] = [new, size + extra]
+                self._held += extra * self.bpt
         self.lens[h] += n
 
     def free(self, h: int) -> None:
         start, size = self.ext.pop(h)
         self._release(start, size)
         del self.lens[h]
+        self._held -= size * self.bpt
 
-    def snapshot(self) -> dict:
-        used = sum(self.lens.values()) * self.bpt
-        held = sum(size for _, size in self.ext.values()) * self.bpt
-        return {"held": held, "logical": held, "granule": held, "used": used}
+    def mapped_bytes(self, h: int) -> int:
+        return self.ext[h][1] * self.bpt
+
+    def headroom(self, h: int) -> int:
+        return self.ext[h][1] - self.lens[h]
+
+    def held_bytes(self) -> int:
+        return self._held
 
 
 class CacheAlloc:
-    """A real cache: admission keeps one page per table free for each running sequence."""
+    """A real cache. Admission leaves one growth step of pages for every running sequence at
+    a page boundary (its next token needs new pages), and for each fork the copy of the
+    shared tail page its first token makes: headroom in tokens, not in pages per sequence."""
 
     can_fragment = False  # any free page serves any sequence
+    reserves = False
 
-    def __init__(self, kind: str, cache) -> None:
+    def __init__(self, kind: str, cache, share: bool = True) -> None:
         self.kind, self.kv = kind, cache
+        self.share = share  # False: a fork copies its parent (the no-sharing baseline)
         self.bpt = cache.spec.bytes_per_token
         self.uses_ids = cache.prefix is not None
         self.last_hit = 0
+        self._copied = 0  # bytes copied by forks without sharing
+        self._step_pages = cache.pages_for_tokens(1)  # pages one token past a boundary needs
 
     @property
     def copied_bytes(self) -> int:
-        return self.kv.cow_bytes_copied
+        return self.kv.cow_bytes_copied + self._copied
+
+    @property
+    def prefix_page_tokens(self) -> int:
+        """Tokens of one prefix-index entry (a full page of every table)."""
+        return self.kv.prefix.tokens_per_page
 
     def free_bytes(self) -> int:
-        return self.kv.pool.stats().free_pages * self.kv.page_bytes
+        return self.kv.pool.num_free * self.kv.page_bytes
 
     def need_bytes(self, tokens: int) -> int:
         return self.kv.pages_for_tokens(tokens) * self.kv.page_bytes
 
-    def can_admit(self, tokens: int, running: int = 0, k: int = 1) -> bool:
+    def can_admit(self, tokens: int, k: int = 1, growing: int = 0) -> bool:
         kv = self.kv
-        slots = kv.max_seqs - len(kv.sequences) >= k
-        # the first write of each fork copies its partly used tail page
-        pages = kv.pages_for_tokens(tokens) + (k - 1 + running) * kv.pages_for_tokens(1)
-        return slots and kv.pool.can_allocate(pages)
+        if kv.num_free_slots < k:
+            return False
+        first = kv.pages_for_tokens(tokens)
+        forks = (k - 1) * (self._step_pages if self.share else first)
+        return kv.pool.can_allocate(first + forks + growing * self._step_pages)
+
+    def cached_tokens(self, ids) -> int:
+        return self.kv.cached_prefix_tokens(ids) if self.uses_ids else 0
 
     def admit(self, tokens: int, ids=None) -> int:
-        """A sequence of ``tokens``; with prefix caching its cached prefix is mapped in and
-        only the rest is allocated (at least the last token: it yields the next logits)."""
+        """A sequence whose first ``tokens`` prompt tokens need K/V; with prefix caching
+        ``ids`` is the whole prompt: its cached prefix is mapped in (``last_hit`` tokens, at
+        most all but its last token) and ``tokens`` more are allocated after it."""
         kv = self.kv
         s = kv.new_sequence(prefix_tokens=ids if self.uses_ids else None)
-        hit = min(kv.seq_len(s), tokens - 1)
-        try:
+        hit = kv.seq_len(s)
+        if self.uses_ids and hit >= len(ids):
+            hit = len(ids) - 1
             kv.truncate(s, hit)
-            kv.grow(s, tokens - hit, token_ids=ids[hit:] if self.uses_ids else None)
+        try:
+            kv.grow(s, tokens, token_ids=ids[hit : hit + tokens] if self.uses_ids else None)
         except CacheFull:
             kv.free(s)
             raise
-        if self.uses_ids:
-            kv.cache_prefix(s)
         self.last_hit = hit
         return s
+
+    def cache_prefix(self, h: int) -> None:
+        if self.uses_ids:
+            self.kv.cache_prefix(h)
 
     def can_grow(self, h: int, n: int) -> bool:
         return self.kv.can_grow(h, n)
@@ -223,18 +269,31 @@ class CacheAlloc:
         self.kv.grow(h, n, token_ids=ids)
 
     def fork(self, h: int, k: int) -> list[int]:
-        return self.kv.fork(h, k)
+        if self.share:
+            return self.kv.fork(h, k)
+        n = self.kv.seq_len(h)
+        kids = [self.kv.new_sequence() for _ in range(k)]
+        for c in kids:
+            self.kv.grow(c, n)
+        self._copied += k * n * self.bpt
+        return kids
 
     def assign(self, dsts: list[int], srcs: list[int]) -> None:
-        self.kv.assign(dsts, srcs)
+        if self.share:
+            self.kv.assign(dsts, srcs)
+        else:  # a gather copy of each history that changes hands
+            self._copied += sum(self.kv.seq_len(s) for d, s in zip(dsts, srcs) if d != s) * self.bpt
 
     def free(self, h: int) -> None:
         self.kv.free(h)
 
-    def snapshot(self) -> dict:
-        st = self.kv.stats()
-        # pages only the prefix index holds are a cache, evicted on demand: not "held"
-        cached = self.kv.prefix.reclaimable() if self.kv.prefix is not None else 0
-        return {"held": st.physical_bytes - cached * self.kv.page_bytes,
-                "logical": st.mapped_bytes, "granule": st.mapped_bytes,
-                "used": st.used_bytes, "cached": cached * self.kv.page_bytes}  # fmt: skip
+    def mapped_bytes(self, h: int) -> int:
+        return self.kv.mapped_pages(h) * self.kv.page_bytes
+
+    def headroom(self, h: int) -> int:
+        return self.kv.headroom(h)
+
+    def held_bytes(self) -> int:
+        """Pages in use, less those only the prefix index holds (a cache, evicted on demand)."""
+        pool = self.kv.pool
+        return (pool.num_used - pool.index_only) * self.kv.page_bytes

@@ -95,6 +95,16 @@ def time_fn(
     return statistics.median(samples)
 
 
+def time_repeats(
+    fn: Callable[[], object], device: torch.device, repeats: int = 5, iters: int = 20
+) -> dict:
+    """``repeats`` timings (each the median of ``iters`` calls, seconds) → median, min, max:
+    the spread a figure must be shown with."""
+    runs = [time_fn(fn, device, iters=iters, warmup=3 if i == 0 else 1) for i in range(repeats)]
+    return {"median": statistics.median(runs), "min": min(runs), "max": max(runs),
+            "repeats": repeats}  # fmt: skip
+
+
 def save(name: str, device: torch.device, rows: list[dict], extra: dict | None = None,
          out_dir: Path | None = None) -> Path:  # fmt: skip
     """Write ``{name}-{date}-{device}.json`` with the machine described; returns the path."""

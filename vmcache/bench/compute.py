@@ -12,6 +12,8 @@ rows spans two full pages, so prefix caching can hit whatever the page size.
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 from ..backends import Backend, make_backend
@@ -19,6 +21,7 @@ from ..cache import VMKVCache
 from ..engine import Engine, Request, SamplingParams
 from ..paged_fallback import PagedKVCache
 from ..spec import KVSpec
+from .latency import poisson_arrivals, spread, summarize
 
 MAX_SEQ_LEN = 512  # the main trace's requests: prompts <= 100, outputs <= 28
 
@@ -98,31 +101,65 @@ class Setup:
                             prefix_caching=prefix)  # fmt: skip
 
 
-def run(device: torch.device, num_requests: int, budgets_requests: list[int], progress=None,
-        setup: Setup | None = None):  # fmt: skip
-    """Both caches at budgets of ``budgets_requests`` longest requests (VM bytes) each."""
+METRICS = ("tok_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "e2e_p50_s")
+
+
+def _once(model, setup, spec, kind, budget, reqs, rate, seed) -> dict:
+    engine = Engine(model, setup.make_cache(kind, spec, budget, 64), preemption="swap")
+    arrivals = poisson_arrivals(len(reqs), rate, seed)
+    engine.serve(reqs, arrivals)
+    d = engine.stats.as_dict()
+    lat = summarize(engine.latency_records())
+    return {"tok_per_s": d["generated_tokens"] / lat["span_s"], **d,
+            **{k: lat[k] for k in METRICS[1:]}}  # fmt: skip
+
+
+def run(device: torch.device, num_requests: int, rates: list[float], budgets_requests: list[int],
+        repeats: int = 3, progress=None, setup: Setup | None = None):  # fmt: skip
+    """Both caches at budgets of ``budgets_requests`` longest requests (VM bytes) each, the
+    requests arriving open-loop (Poisson) at each rate; ``repeats`` runs per point, the two
+    caches interleaved so drift hits both, reported as median with min and max. Tokens/s is
+    generated tokens over the span from the first arrival to the last finish."""
     setup = setup or Setup(device)
     model = small_model(device)
     model.generation_config.eos_token_id = None
     spec = KVSpec.from_hf_config(model.config, next(model.parameters()).dtype)
     reqs = requests(num_requests)
     longest = max(len(r.prompt) + r.params.max_new_tokens for r in reqs)
-    rows = []
+    for kind in ("vmcache", "paged"):  # warm up (first-call costs) once per cache
+        Engine(model, setup.make_cache(kind, spec, 4 * setup.vm_bytes(spec, longest), 64)).run(
+            reqs[:2]
+        )
+    rows, total = [], len(budgets_requests) * len(rates) * repeats * 2
     for n in budgets_requests:
         budget = n * setup.vm_bytes(spec, longest)
-        for kind in ("vmcache", "paged"):
-            engine = Engine(model, setup.make_cache(kind, spec, budget, 64), preemption="swap")
-            engine.run(reqs[:2])  # warm up (first-call costs)
-            engine = Engine(model, setup.make_cache(kind, spec, budget, 64), preemption="swap")
-            engine.run(reqs)
-            d = engine.stats.as_dict()
-            keys = ("tok_per_s", "step_ms", "map_ms_per_step", "premap_ms_per_step", "steps",
-                    "max_running", "preempt_swap", "swap_bytes")  # fmt: skip
-            rows.append({"cache": kind, "budget_requests": n, "budget_bytes": budget,
-                         "page_bytes": setup.page_size, "vm_layout": setup.layout,
-                         **{k: d[k] for k in keys}})  # fmt: skip
-            if progress is not None:
-                progress(len(rows), 2 * len(budgets_requests))
+        for rate in rates:
+            runs: dict[str, list[dict]] = {"vmcache": [], "paged": []}
+            for rep in range(repeats):
+                for kind in runs:
+                    runs[kind].append(_once(model, setup, spec, kind, budget, reqs, rate, rep))
+                    if progress is not None:
+                        progress(sum(map(len, runs.values())) + len(rows) * repeats, total)
+            for kind, rs in runs.items():
+                row = {"cache": kind, "budget_requests": n, "budget_bytes": budget,
+                       "rate_rps": rate, "repeats": repeats, "page_bytes": setup.page_size,
+                       "vm_layout": setup.layout}  # fmt: skip
+                for m in METRICS:
+                    sp = spread([r[m] for r in rs])
+                    row.update({m: sp["median"], f"{m}_min": sp["min"], f"{m}_max": sp["max"]})
+                for k in ("steps", "max_running", "preempt_swap", "swap_bytes",
+                          "map_ms_per_step", "premap_ms_per_step", "step_ms"):  # fmt: skip
+                    row[k] = statistics.median(r[k] for r in rs)
+                rows.append(row)
+            vm, pg = rows[-2], rows[-1]
+            ratio = vm["tok_per_s"] / pg["tok_per_s"]
+            noise = max(
+                (r["tok_per_s_max"] - r["tok_per_s_min"]) / r["tok_per_s"] for r in (vm, pg)
+            )
+            for r in (vm, pg):
+                r["vm_vs_paged_tok_per_s"] = ratio
+                r["spread_note"] = ("spread > effect" if noise > abs(ratio - 1) else
+                                    "effect > spread")  # fmt: skip
     return rows
 
 
@@ -130,7 +167,8 @@ def run_prefix(device: torch.device, num_requests: int, budget_requests: int, pr
                setup: Setup | None = None):  # fmt: skip
     """The radix rows in compute mode: the same shared-prompt requests with and without
     prefix caching, on both caches: prompt tokens computed, tokens/s. The system prompt is
-    192 tokens or two VM pages, whichever is longer, so whole pages can be shared."""
+    192 tokens or two VM pages, whichever is longer, so whole pages can be shared; requests
+    admitted together wait a step for the one prefilling it (``prefix_waits``)."""
     setup = setup or Setup(device)
     model = small_model(device)
     model.generation_config.eos_token_id = None
@@ -147,8 +185,8 @@ def run_prefix(device: torch.device, num_requests: int, budget_requests: int, pr
             out = engine.run(reqs)
             d = engine.stats.as_dict()
             rows.append({"cache": kind, "prefix_caching": prefix, "requests": len(out), **{
-                k: d[k] for k in ("prefill_tokens", "prefix_hit_tokens", "tok_per_s",
-                                  "elapsed_s", "max_running")}})  # fmt: skip
+                k: d[k] for k in ("prefill_tokens", "prefix_hit_tokens", "prefix_waits",
+                                  "tok_per_s", "elapsed_s", "max_running")}})  # fmt: skip
             if progress is not None:
                 progress(len(rows), 4)
     return rows

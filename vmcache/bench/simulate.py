@@ -1,10 +1,22 @@
-"""Sizing mode: replay a trace through one allocator's real bookkeeping, step by step.
+"""Sizing mode: replay a trace through one allocator's real bookkeeping, step by step, in
+modelled time (:class:`~vmcache.bench.latency.StepModel`).
 
-Every step, each running request's sequences (1, or n samples, or beam-width beams) gain one
-token; a request that cannot grow preempts the most recently admitted one (recompute: its
-memory is freed and it is re-prefilled later, prompt + tokens so far). Waiting requests are
-admitted FIFO while the allocator accepts them. Beams are reordered every step with a seeded
-choice of parents (``assign`` on the caches; a gather copy on static / Orca).
+Requests arrive at their ``arrival_s`` (open loop). Each step, in this order:
+  1. every decoding sequence gains the token it produced last step, oldest request first; a
+     sequence that cannot grow preempts the most recently admitted request (``recompute``:
+     freed, prefilled again later; ``swap``: its K/V leave and come back, bytes counted);
+  2. requests still prefilling take their next chunk of the step's token budget
+     (``max_batch_tokens`` minus the decoding sequences: chunked prefill);
+  3. if nobody was preempted, waiting requests are admitted FIFO with their first chunk while
+     the allocator accepts them, leaving room for the running sequences whose next token needs
+     new memory; with prefix caching, a request whose prefix another request is computing
+     right now waits for it (it would miss the cache this step and hit it once written);
+  4. the clock advances by the step's modelled time; sequences whose prefill completed or who
+     decoded produce a token; a finished request frees its memory.
+
+Bookkeeping is O(what changed) per step: a sequence's memory is asked about only when its
+allocation changes; in between, its length runs ahead of the allocator's (``synced``), inside
+what its pages already hold (``cap``), and is brought up to date before anything reads it.
 
 Per-step sums give the figures (ratios of sums over all steps):
     internal waste    = Σ(granule − used) / Σ logical      (partly filled pages / chunks)
@@ -12,6 +24,7 @@ Per-step sums give the figures (ratios of sums over all steps):
     CoW saving        = Σ(logical − held) / Σ logical      (pages shared by forks / beams)
     stalls            = requests whose admission was refused while the free total would have
                         sufficed (external fragmentation; only contiguous arenas have it)
+and per request the worst waste any of its sequences had at any step (``seq_waste_*``).
 """
 
 from __future__ import annotations
@@ -20,6 +33,8 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..errors import CacheFull
+from .latency import StepModel, percentile, summarize
 from .traces import TraceRequest, token_id
 
 
@@ -32,115 +47,304 @@ class _Group:
     rid: int
     req: TraceRequest
     handles: list[int] = field(default_factory=list)
+    synced: list[int] = field(default_factory=list)  # each handle's length in the allocator
+    cap: list[int] = field(default_factory=list)  # length each handle reaches without memory
+    mapped: list[int] = field(default_factory=list)  # bytes each handle's allocation covers
     generated: int = 0
-    admitted_at: int = -1
     length: int = 0  # tokens each of its sequences holds
+    target: int = 0  # tokens whose K/V must exist before it decodes (prompt + generated)
+    decoding: bool = False
+    completes: bool = False  # its prefill ends this step: it produces a token
+    admitted_at: int = -1
+    first_s: float | None = None
+    worst_waste: int = 0  # bytes: the most any of its sequences over-allocated, any step
 
     @property
     def width(self) -> int:
         return max(self.req.n, self.req.beam)
 
+    def ids(self, lo: int, hi: int) -> list[int]:
+        return [token_id(self.req, self.rid, p) for p in range(lo, hi)]
 
-def simulate(alloc, trace: list[TraceRequest], seed: int = 0, progress=None,
-             preemption: str = "recompute") -> dict:  # fmt: skip
-    """Replay ``trace``; ``preemption`` is how a victim comes back: ``recompute`` (its tokens
-    are prefilled again) or ``swap`` (its K/V go to the host and back: bytes moved, no
-    prefill)."""
-    if preemption not in ("recompute", "swap"):
-        raise ValueError(f"preemption must be 'recompute' or 'swap', got {preemption!r}")
-    rng = random.Random(seed)
-    waiting: deque[_Group] = deque(_Group(i, r) for i, r in enumerate(trace))
-    running: list[_Group] = []
-    sums = dict(held=0, logical=0, granule=0, used=0)
-    stalled: set[int] = set()
-    steps = preemptions = recompute_tokens = swap_bytes = max_seqs = 0
-    swapped: set[int] = set()  # requests whose K/V wait on the host
-    peak_held = generated = seq_steps = prefill_tokens = 0
-    total = len(trace)
-    while waiting or running:
-        # 1. decode growth for running requests, oldest first; preempt the newest when short
-        for g in sorted(running, key=lambda g: g.admitted_at):
-            if g not in running:
+
+class _Sim:
+    def __init__(self, alloc, trace, seed, progress, preemption, max_batch_tokens, model):
+        if preemption not in ("recompute", "swap"):
+            raise ValueError(f"preemption must be 'recompute' or 'swap', got {preemption!r}")
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        self.alloc, self.progress, self.preemption = alloc, progress, preemption
+        self.budget_tokens, self.model = max_batch_tokens, model
+        self.rng = random.Random(seed)
+        order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
+        self.groups = [_Group(i, trace[i]) for i in order]
+        self.waiting: deque[_Group] = deque()
+        self.running: list[_Group] = []  # admission order: the newest is last
+        self.swapped: set[int] = set()
+        self.used_tokens = self.mapped_bytes = 0  # running totals over live sequences
+        self.n = dict(steps=0, preemptions=0, recompute_tokens=0, swap_bytes=0, max_seqs=0,
+                      generated=0, seq_steps=0, prefill_tokens=0, mem_refusals=0,
+                      prefix_waits=0, peak_held=0)  # fmt: skip
+        self.sums = dict(held=0, logical=0, granule=0, used=0)
+        self.stalled: set[int] = set()
+        self.records: list[tuple[float, float, float, int]] = []
+        self.worst: list[int] = []
+        self.t = 0.0
+        self.growing = 0  # running sequences whose next token needs new memory
+
+    # --- one sequence's allocation ---------------------------------------------------------
+    def _refresh(self, g: _Group, i: int) -> None:
+        a, h = self.alloc, g.handles[i]
+        self.mapped_bytes += a.mapped_bytes(h) - g.mapped[i]
+        g.mapped[i] = a.mapped_bytes(h)
+        g.synced[i] = g.length
+        g.cap[i] = g.length + a.headroom(h)
+        if not a.reserves:
+            g.worst_waste = max(g.worst_waste, g.mapped[i] - g.length * a.bpt)
+
+    def _add(self, g: _Group, hs: list[int]) -> None:
+        for h in hs:
+            g.handles.append(h)
+            g.synced.append(g.length)
+            g.cap.append(g.length)
+            g.mapped.append(0)
+            self.used_tokens += g.length
+            self._refresh(g, len(g.handles) - 1)
+
+    def _sync(self, g: _Group, i: int, grow: bool = True) -> None:
+        """Bring handle ``i``'s allocator length up to ``g.length`` (preempting for memory)."""
+        need = g.length - g.synced[i]
+        if need <= 0:
+            return
+        h = g.handles[i]
+        while not self.alloc.can_grow(h, need):
+            self._preempt(exclude=g)
+        ids = g.ids(g.synced[i], g.length) if self.alloc.uses_ids else None
+        self.alloc.grow(h, need, ids)
+        self._refresh(g, i)
+
+    def _drop(self, g: _Group) -> None:
+        """Free every sequence of ``g`` (known token ids first go to the prefix index)."""
+        for i, h in enumerate(g.handles):
+            if self.alloc.uses_ids:
+                self._sync(g, i)
+            self.alloc.free(h)
+            self.mapped_bytes -= g.mapped[i]
+            self.used_tokens -= g.length
+        g.handles, g.synced, g.cap, g.mapped = [], [], [], []
+        self.running.remove(g)
+
+    def _preempt(self, exclude: _Group) -> None:
+        victim = next((x for x in reversed(self.running) if x is not exclude), None)
+        if victim is None:
+            raise DoesNotFit(f"request {exclude.rid} alone does not fit the budget")
+        width = len(victim.handles)
+        self._drop(victim)
+        self.n["preemptions"] += 1
+        held = victim.req.prompt_len + victim.generated
+        if self.preemption == "swap" and victim.decoding:
+            self.n["swap_bytes"] += held * self.alloc.bpt * width  # out
+            self.swapped.add(victim.rid)
+        else:
+            self.n["recompute_tokens"] += victim.length
+        victim.decoding = victim.completes = False
+        self.waiting.appendleft(victim)
+        self.preempted = True
+
+    # --- the step ----------------------------------------------------------------------
+    def _decode(self) -> int:
+        seqs = 0
+        self.growing = 0
+        for g in list(self.running):
+            if not g.decoding or not g.handles:
                 continue
             if g.req.beam > 1 and g.generated:
-                parents = [h if rng.random() < 0.75 else rng.choice(g.handles)
+                for i in range(len(g.handles)):
+                    self._sync(g, i)
+                parents = [h if self.rng.random() < 0.75 else self.rng.choice(g.handles)
                            for h in g.handles]  # fmt: skip
-                alloc.assign(g.handles, parents)
-            for h in g.handles:  # one at a time: a grow can change what the next one finds
-                while not alloc.can_grow(h, 1):
-                    victim = max((x for x in running if x is not g),
-                                 key=lambda x: x.admitted_at, default=None)  # fmt: skip
-                    if victim is None:
-                        raise DoesNotFit(f"request {g.rid} alone does not fit the budget")
-                    for v in victim.handles:
-                        alloc.free(v)
-                    running.remove(victim)
-                    preemptions += 1
-                    held = victim.req.prompt_len + victim.generated
-                    if preemption == "swap":
-                        swap_bytes += held * alloc.bpt * len(victim.handles)  # out
-                        swapped.add(victim.rid)
-                    else:
-                        recompute_tokens += held
-                    victim.handles = []
-                    waiting.appendleft(victim)
-                ids = [token_id(g.req, g.rid, g.length)] if alloc.uses_ids else None
-                alloc.grow(h, 1, ids)
+                self.alloc.assign(g.handles, parents)
+                for i in range(len(g.handles)):
+                    self._refresh(g, i)
             g.length += 1
-        # 2. admission, FIFO
-        while waiting:
-            g = waiting[0]
+            self.used_tokens += len(g.handles)
+            for i in range(len(g.handles)):
+                if g.length > g.cap[i]:
+                    self._sync(g, i)
+                if g.cap[i] <= g.length:
+                    self.growing += 1
+            seqs += len(g.handles)
+        return seqs
+
+    def _prefill(self, budget: int) -> int:
+        done = 0
+        for g in list(self.running):
+            if g.decoding or g.completes or not g.handles or budget - done <= 0:
+                continue
+            chunk = min(g.target - g.length, budget - done)
+            g.length += chunk
+            self.used_tokens += chunk
+            self._sync(g, 0)
+            done += chunk
+            g.completes = g.length >= g.target
+        return done
+
+    def _in_flight_prefix(self, g: _Group, ids: list[int], hit: int) -> bool:
+        """Whether a request still prefilling shares more whole pages with ``ids`` than the
+        cache holds now (it will, once that prefill is written)."""
+        page = self.alloc.prefix_page_tokens
+        for a in self.running:
+            if a.decoding or not a.handles:
+                continue
+            common = 0
+            for p in range(min(a.target, len(ids))):
+                if token_id(a.req, a.rid, p) != ids[p]:
+                    break
+                common += 1
+            if common // page * page > hit:
+                return True
+        return False
+
+    def _admit(self, budget: int, step: int) -> int:
+        alloc, done, i = self.alloc, 0, 0
+        while i < len(self.waiting) and budget - done > 0:
+            g = self.waiting[i]
             tokens = g.req.prompt_len + g.generated
-            if not alloc.can_admit(tokens, sum(len(x.handles) for x in running), g.width):
-                if alloc.can_fragment and alloc.free_bytes() >= alloc.need_bytes(tokens) * g.width:
-                    stalled.add(g.rid)  # free memory sufficed, its shape did not
-                if not running:
+            back = g.rid in self.swapped  # its K/V come back: nothing to compute
+            ids = g.ids(0, tokens) if alloc.uses_ids else None
+            hit = min(alloc.cached_tokens(ids), tokens - 1) if ids else 0
+            if ids and not back and self._in_flight_prefix(g, ids, hit):
+                self.n["prefix_waits"] += 1
+                i += 1
+                continue
+            first = tokens if back else min(tokens - hit, budget - done)
+            k = g.width if back else 1
+            h = None
+            if alloc.can_admit(first, k, self.growing):
+                try:  # a prefix hit pins cached pages that can_admit counted as evictable
+                    h = alloc.admit(first, ids)
+                except CacheFull:
+                    pass
+            if h is None:
+                self.n["mem_refusals"] += 1
+                if alloc.can_fragment and alloc.free_bytes() >= alloc.need_bytes(first):
+                    self.stalled.add(g.rid)  # free memory sufficed, its shape did not
+                if not self.running:
                     raise DoesNotFit(f"request {g.rid} ({tokens} tokens × {g.width}) does not "
                                      "fit the budget even alone")  # fmt: skip
                 break
-            waiting.popleft()
-            ids = [token_id(g.req, g.rid, p) for p in range(tokens)] if alloc.uses_ids else None
-            h = alloc.admit(tokens, ids)
-            if g.rid in swapped:  # swapped back in: the same bytes again, nothing computed
-                swapped.discard(g.rid)
-                swap_bytes += tokens * alloc.bpt * g.width
+            del self.waiting[i]
+            g.length, g.target, g.admitted_at = alloc.last_hit + first, tokens, step
+            self.running.append(g)
+            self._add(g, [h])
+            if back:
+                self.swapped.discard(g.rid)
+                self.n["swap_bytes"] += tokens * alloc.bpt * g.width
+                self._add(g, alloc.fork(h, g.width - 1) if g.width > 1 else [])
+                g.completes = True
             else:
-                prefill_tokens += tokens - alloc.last_hit
-            g.length = tokens
-            g.handles = [h] + (alloc.fork(h, g.width - 1) if g.width > 1 else [])
-            g.admitted_at = steps
-            running.append(g)
-        # 3. the step: every running sequence produced one token (prefills produce the first)
-        for g in list(running):
+                done += first
+                g.completes = g.length >= g.target
+            self.growing += sum(1 for c in g.cap if c <= g.length)
+        return done
+
+    def _finish_step(self) -> None:
+        for g in list(self.running):
+            if not (g.decoding or g.completes):
+                if g.handles:  # a chunk was written: its full pages can be found now
+                    self.alloc.cache_prefix(g.handles[0])
+                continue
+            if g.completes:
+                self.alloc.cache_prefix(g.handles[0])
+                if len(g.handles) < g.width:
+                    while not self.alloc.can_admit(g.length, g.width - 1, 0):
+                        self._preempt(exclude=g)
+                    self._add(g, self.alloc.fork(g.handles[0], g.width - len(g.handles)))
+                g.decoding, g.completes = True, False
             g.generated += 1
-            generated += len(g.handles)
+            self.n["generated"] += len(g.handles)
+            if g.first_s is None:
+                g.first_s = self.t
             if g.generated >= g.req.output_len:
-                for h in g.handles:
-                    alloc.free(h)
-                running.remove(g)
-        snap = alloc.snapshot()
-        for k in sums:
-            sums[k] += snap[k]
-        peak_held = max(peak_held, snap["held"])
-        live = sum(len(g.handles) for g in running)
-        max_seqs, seq_steps = max(max_seqs, live), seq_steps + live
-        steps += 1
-        if progress is not None and steps % 50 == 0:
-            progress(total - len(waiting) - len(running), total)
-    logical = max(sums["logical"], 1)
-    return {
-        "internal_waste_pct": 100 * (sums["granule"] - sums["used"]) / logical,
-        "reservation_waste_pct": 100 * (sums["logical"] - sums["granule"]) / logical,
-        "cow_saving_pct": 100 * (sums["logical"] - sums["held"]) / logical,
-        "waste_tokens_per_seq": (sums["granule"] - sums["used"]) / alloc.bpt / max(seq_steps, 1),
-        "frag_stalls": len(stalled),
-        "max_concurrent_seqs": max_seqs,
-        "preemptions": preemptions,
-        "recompute_tokens": recompute_tokens,
-        "swap_bytes": swap_bytes,
-        "bytes_copied": alloc.copied_bytes,
-        "steps": steps,
-        "prefill_tokens": prefill_tokens,  # prompt tokens computed (cached ones excluded)
-        "tokens_per_step": generated / max(steps, 1),
-        "peak_held_GB": peak_held / 1e9,
-    }
+                self._drop(g)
+                self.records.append((g.req.arrival_s, g.first_s, self.t, g.req.output_len))
+                self.worst.append(g.worst_waste)
+
+    def step(self) -> None:
+        n = self.n
+        self.preempted = False
+        decode_seqs = self._decode()
+        budget = max(self.budget_tokens - decode_seqs, 0)
+        prefill = self._prefill(budget)
+        if not self.preempted:
+            prefill += self._admit(budget - prefill, n["steps"])
+        n["prefill_tokens"] += prefill
+        self.t += self.model.seconds(prefill, decode_seqs, self.used_tokens * self.alloc.bpt)
+        self._finish_step()
+        used = self.used_tokens * self.alloc.bpt
+        held = self.alloc.held_bytes()
+        granule = used if self.alloc.reserves else self.mapped_bytes
+        for k, v in (("held", held), ("logical", self.mapped_bytes), ("granule", granule),
+                     ("used", used)):  # fmt: skip
+            self.sums[k] += v
+        n["peak_held"] = max(n["peak_held"], held)
+        live = sum(len(g.handles) for g in self.running)
+        n["max_seqs"], n["seq_steps"] = max(n["max_seqs"], live), n["seq_steps"] + live
+        n["steps"] += 1
+
+    def run(self) -> dict:
+        total, nxt = len(self.groups), 0
+        while nxt < total or self.waiting or self.running:
+            while nxt < total and self.groups[nxt].req.arrival_s <= self.t:
+                self.waiting.append(self.groups[nxt])
+                nxt += 1
+            if not self.waiting and not self.running:
+                self.t = self.groups[nxt].req.arrival_s
+                continue
+            self.step()
+            if self.progress is not None and self.n["steps"] % 256 == 0:
+                self.progress(len(self.records), total)
+        return self.result()
+
+    def result(self) -> dict:
+        n, sums, bpt = self.n, self.sums, self.alloc.bpt
+        logical = max(sums["logical"], 1)
+        worst = [w / bpt for w in self.worst]
+        binding = n["mem_refusals"] > 0 or n["preemptions"] > 0
+        out = {
+            "internal_waste_pct": 100 * (sums["granule"] - sums["used"]) / logical,
+            "reservation_waste_pct": 100 * (sums["logical"] - sums["granule"]) / logical,
+            "cow_saving_pct": 100 * (sums["logical"] - sums["held"]) / logical,
+            "waste_tokens_per_seq": (sums["granule"] - sums["used"]) / bpt / max(n["seq_steps"], 1),
+            "seq_waste_p50_tok": percentile(worst, 50),
+            "seq_waste_p99_tok": percentile(worst, 99),
+            "seq_waste_max_tok": max(worst, default=0.0),
+            "seq_waste_cdf_tok": [percentile(worst, q) for q in range(0, 101, 5)],
+            "frag_stalls": len(self.stalled),
+            "max_concurrent_seqs": n["max_seqs"],
+            "memory_binding": binding,
+            "mem_refusals": n["mem_refusals"],
+            "prefix_waits": n["prefix_waits"],
+            "preemptions": n["preemptions"],
+            "recompute_tokens": n["recompute_tokens"],
+            "swap_bytes": n["swap_bytes"],
+            "bytes_copied": self.alloc.copied_bytes,
+            "steps": n["steps"],
+            "prefill_tokens": n["prefill_tokens"],  # prompt tokens computed (cache hits not)
+            "generated_tokens": n["generated"],
+            "tokens_per_step": n["generated"] / max(n["steps"], 1),
+            "modelled_s": self.t,
+            "tokens_per_modelled_s": n["generated"] / self.t if self.t else 0.0,
+            "peak_held_GB": n["peak_held"] / 1e9,
+        }
+        out.update({f"model_{k}": v for k, v in summarize(self.records).items()})
+        return out
+
+
+def simulate(alloc, trace: list[TraceRequest], seed: int = 0, progress=None,
+             preemption: str = "recompute", *, max_batch_tokens: int = 8192,
+             model: StepModel = StepModel()) -> dict:  # fmt: skip
+    """Replay ``trace`` through ``alloc``; returns the figures (see the module doc).
+    ``preemption``: how a victim comes back (``recompute``: its tokens are prefilled again;
+    ``swap``: its K/V go to the host and back, bytes moved, no prefill)."""
+    return _Sim(alloc, trace, seed, progress, preemption, max_batch_tokens, model).run()

@@ -9,6 +9,11 @@ A trace is a list of :class:`TraceRequest` in arrival order. Built-in traces (se
     shared       2,000-token system prompt shared by every request + U[50, 300] of its own
     multiturn    conversations of 4 turns over a 500-token system prompt: each turn's prompt is
                  the whole conversation so far + a new message U[50, 200]; completions ~150
+    heavy        heavy-tailed chat lengths: prompts lognormal (median 400, σ 1.1) in [8, 4096],
+                 completions lognormal (median 180, σ 1.0) in [4, 3072] (the shape of public
+                 chat traces: most requests short, a long tail to several thousand tokens)
+
+Built-in traces arrive at t = 0 unless given a rate (``with_rate``: Poisson arrivals).
 
 CSV (``--trace FILE``): a header naming ``prompt_len,output_len`` and optionally ``n``,
 ``arrival_s``; one request per row.
@@ -17,9 +22,13 @@ CSV (``--trace FILE``): a header naming ``prompt_len,output_len`` and optionally
 from __future__ import annotations
 
 import csv
+import dataclasses
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
+
+from .latency import poisson_arrivals
 
 L_MAX = 8192
 
@@ -74,6 +83,10 @@ def builtin(name: str, num: int, seed: int = 0) -> list[TraceRequest]:
             out.append(TraceRequest(*_enterprise(rng), n=4))
         elif name == "beam":
             out.append(TraceRequest(*_enterprise(rng), beam=4))
+        elif name == "heavy":
+            p = min(4096, max(8, round(rng.lognormvariate(math.log(400), 1.1))))
+            o = min(3072, max(4, round(rng.lognormvariate(math.log(180), 1.0))))
+            out.append(TraceRequest(p, o))
         elif name == "shared":
             p, o = 2000 + rng.randint(50, 300), min(400, max(20, round(rng.gauss(200, 50))))
             out.append(TraceRequest(p, o, shared_prefix=2000))
@@ -82,13 +95,22 @@ def builtin(name: str, num: int, seed: int = 0) -> list[TraceRequest]:
     return out
 
 
-TRACES = ("enterprise", "long", "parallel", "beam", "shared", "multiturn")
+TRACES = ("enterprise", "long", "parallel", "beam", "shared", "multiturn", "heavy")
 
 
-def read_csv(path: str | Path) -> list[TraceRequest]:
-    """Read a ``prompt_len,output_len[,n][,arrival_s]`` CSV; a malformed row raises
-    ``ValueError`` naming the file, the line and what was expected."""
+def with_rate(trace: list[TraceRequest], rate: float, seed: int = 0) -> list[TraceRequest]:
+    """The same requests arriving as a Poisson process at ``rate`` requests/s."""
+    times = poisson_arrivals(len(trace), rate, seed)
+    return [dataclasses.replace(r, arrival_s=t) for r, t in zip(trace, times)]
+
+
+def read_csv(path: str | Path, l_max: int = L_MAX, skip_long: bool = False):
+    """Read a ``prompt_len,output_len[,n][,arrival_s]`` CSV → (requests in arrival order,
+    rows skipped). A malformed row raises ``ValueError`` naming the file, the line and what
+    was expected; a row longer than ``l_max`` tokens raises too, unless ``skip_long`` (then it
+    is counted in the second value)."""
     path = Path(path)
+    skipped = 0
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         cols = reader.fieldnames or []
@@ -106,12 +128,26 @@ def read_csv(path: str | Path) -> list[TraceRequest]:
             except (TypeError, ValueError):
                 raise ValueError(f"{path}:{line}: expected integers prompt_len, output_len "
                                  f"(and n), a number arrival_s; got {row}") from None  # fmt: skip
-            if p < 1 or o < 1 or n < 1 or t < 0 or p + o > L_MAX:
-                raise ValueError(
-                    f"{path}:{line}: need prompt_len >= 1, output_len >= 1, n >= 1, "
-                    f"arrival_s >= 0, prompt_len + output_len <= {L_MAX}; got {row}"
-                )
+            if p < 1 or o < 1 or n < 1 or t < 0:
+                raise ValueError(f"{path}:{line}: need prompt_len >= 1, output_len >= 1, "
+                                 f"n >= 1, arrival_s >= 0; got {row}")  # fmt: skip
+            if p + o > l_max:
+                if skip_long:
+                    skipped += 1
+                    continue
+                raise ValueError(f"{path}:{line}: prompt_len + output_len = {p + o} exceeds "
+                                 f"--l-max {l_max} (raise it, or --skip-long)")  # fmt: skip
             out.append(TraceRequest(p, o, n=n, arrival_s=t))
     if not out:
-        raise ValueError(f"{path}: no requests")
-    return sorted(out, key=lambda r: r.arrival_s)  # arrival order; ties keep file order
+        raise ValueError(f"{path}: no requests" + (f" ({skipped} skipped as too long)"
+                                                   if skipped else ""))  # fmt: skip
+    return sorted(out, key=lambda r: r.arrival_s), skipped  # ties keep file order
+
+
+def write_csv(path: str | Path, trace: list[TraceRequest]) -> None:
+    """The inverse of :func:`read_csv` (n and arrival_s included)."""
+    with Path(path).open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["prompt_len", "output_len", "n", "arrival_s"])
+        for r in trace:
+            w.writerow([r.prompt_len, r.output_len, r.n, f"{r.arrival_s:.6f}"])

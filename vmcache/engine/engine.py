@@ -32,6 +32,7 @@ class EngineStats:
     swap_bytes: int = 0  # bytes copied to the host tier by swap-outs
     recompute_tokens: int = 0  # tokens whose K/V were dropped and computed again
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix index
+    prefix_waits: int = 0  # admissions deferred a step to hit a prefix being prefilled
     map_s: float = 0.0  # time in the schedule phase (grows map what was not mapped ahead)
     premap_s: float = 0.0  # time mapping next-step pages while the step runs (map_ahead)
     premapped_pages: int = 0
@@ -61,9 +62,11 @@ class Engine:
         self.stats = EngineStats()
         self.outputs: dict[str, list[list[int] | None]] = {}  # req_id -> n token lists
         self._pending_forks: dict[str, int] = {}  # req_id -> sequences still to create
+        self.times: dict[str, list] = {}  # req_id -> [arrival, first token, finish] (perf_counter)
 
-    def add_request(self, req: Request) -> None:
-        """Queue a request; bad input raises here, before anything changes."""
+    def add_request(self, req: Request, arrival_s: float | None = None) -> None:
+        """Queue a request (arrived at ``arrival_s``, a ``time.perf_counter()`` value; now by
+        default); bad input raises here, before anything changes."""
         if not isinstance(req, Request):
             raise TypeError(f"add_request takes a Request, got {type(req).__name__}")
         if req.req_id in self.outputs:
@@ -81,6 +84,8 @@ class Engine:
                              f"{self.kv.pages_for_tokens(total)} pages, the pool has "
                              f"{self.kv.pool.num_pages}")  # fmt: skip
         self.outputs[req.req_id] = [None] * req.params.n
+        self.times[req.req_id] = [time.perf_counter() if arrival_s is None else arrival_s,
+                                  None, None]  # fmt: skip
         self._pending_forks[req.req_id] = req.params.n - 1
         self.scheduler.waiting.append(self._seq(req, 0, prompt))
 
@@ -106,7 +111,10 @@ class Engine:
             self.kv.free(seq.slot)
             self.scheduler.running.remove(seq)
             seq.slot, seq.status = None, Status.FINISHED
-            self.outputs[seq.req.req_id][seq.index] = seq.generated
+            out = self.outputs[seq.req.req_id]
+            out[seq.index] = seq.generated
+            if all(o is not None for o in out):
+                self.times[seq.req.req_id][2] = time.perf_counter()
 
     def _fork_siblings(self, seq: Seq, logits: torch.Tensor) -> None:
         """After a request's prefill: its other n−1 sequences share the prompt's pages."""
@@ -135,9 +143,11 @@ class Engine:
         if not batch:
             raise CacheFull("nothing can run: the pool cannot hold the next waiting request",
                             wanted=1, free=0)  # fmt: skip
-        st.prefill_tokens += sum(len(s.pending) for s in batch if len(s.pending) > 1)
+        decodes = [bool(s.generated) and s.chunk == 1 and s.cached == len(s.tokens) - 1
+                   for s in batch]  # fmt: skip
+        st.prefill_tokens += sum(s.chunk for s, d in zip(batch, decodes) if not d)
         logits = self.runner.step([s.slot for s in batch], [s.cached for s in batch],
-                                  [s.pending for s in batch])  # fmt: skip
+                                  [s.scheduled for s in batch])  # fmt: skip
         premap = 0.0
         if self.map_ahead:  # on a GPU the step is still running: map the next one's pages
             tp = time.perf_counter()
@@ -146,10 +156,15 @@ class Engine:
                 if p.stop_token_id is None and len(seq.generated) + 1 < p.max_new_tokens:
                     st.premapped_pages += self.kv.reserve(seq.slot, 1)
             premap = time.perf_counter() - tp
-        for seq, row in zip(batch, logits):
-            if len(seq.pending) > 1:
+        now = time.perf_counter()
+        for seq, row, decode in zip(batch, logits, decodes):
+            seq.cached += seq.chunk
+            if not decode:
                 self.kv.cache_prefix(seq.slot)  # its prompt's full pages, for later requests
-            seq.cached = len(seq.tokens)
+            if seq.cached < len(seq.tokens):
+                continue  # a prompt chunk: the rest comes in later steps, no token yet
+            times = self.times[seq.req.req_id]
+            times[1] = now if times[1] is None else times[1]
             self._fork_siblings(seq, row)  # before the parent's own token joins its context
             self._append(seq, self._sample(row, seq))
         t2 = time.perf_counter()
@@ -160,8 +175,33 @@ class Engine:
         st.step_s.append(t2 - t0)
         st.max_running = max(st.max_running, len(sched.running))
         for name in ("preempt_swap", "preempt_recompute", "swap_bytes", "recompute_tokens",
-                     "prefix_hit_tokens"):  # fmt: skip
+                     "prefix_hit_tokens", "prefix_waits"):  # fmt: skip
             setattr(st, name, getattr(sched, name))
+
+    def serve(self, requests: list[Request], arrivals_s: list[float]) -> dict:
+        """Open loop: request ``i`` is added ``arrivals_s[i]`` seconds (wall clock) after the
+        start, whether or not earlier ones finished; steps run while anything is queued and
+        the engine sleeps until the next arrival when nothing is. Returns the outputs."""
+        if len(arrivals_s) != len(requests) or sorted(arrivals_s) != list(arrivals_s):
+            raise ValueError("arrivals_s must be one sorted time per request")
+        t0 = time.perf_counter()
+        i = 0
+        while i < len(requests) or self.scheduler.has_work():
+            now = time.perf_counter() - t0
+            while i < len(requests) and arrivals_s[i] <= now:
+                self.add_request(requests[i], t0 + arrivals_s[i])
+                i += 1
+            if not self.scheduler.has_work():
+                time.sleep(max(arrivals_s[i] - now, 0))
+                continue
+            self.step()
+        self.stats.elapsed_s += time.perf_counter() - t0
+        return {rid: out for rid, out in self.outputs.items()}
+
+    def latency_records(self) -> list[tuple[float, float, float, int]]:
+        """(arrival, first token, finish, tokens per sequence) of every finished request."""
+        return [(a, f, e, len(self.outputs[rid][0])) for rid, (a, f, e) in self.times.items()
+                if e is not None]  # fmt: skip
 
     def run(self, requests: list[Request] = ()) -> dict[str, list[list[int]]]:
         """Add ``requests``, step until every queued request finished; returns the outputs."""

@@ -62,10 +62,16 @@ class Seq:
     swap: object | None = None  # SwapHandle while SWAPPED
     admitted_at: int = -1  # engine step of the last admission (victim order)
     generated: list[int] = field(default_factory=list)
+    chunk: int = 0  # tokens scheduled this step (chunked prefill: maybe fewer than pending)
 
     @property
     def pending(self) -> list[int]:
         return self.tokens[self.cached :]
+
+    @property
+    def scheduled(self) -> list[int]:
+        """The tokens this step feeds: ``tokens[cached : cached + chunk]``."""
+        return self.tokens[self.cached : self.cached + self.chunk]
 
     def done(self) -> bool:
         p = self.req.params

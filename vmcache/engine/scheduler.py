@@ -1,11 +1,17 @@
-"""Which sequences run next step, and who is preempted when memory runs out.
+"""Which sequences run next step, how many tokens each, and who is preempted when memory
+runs out.
 
-Each step: (1) every running sequence is grown for its next token, oldest first; when the pool
-cannot cover one, a victim (``victim="last"``: the most recently admitted, or ``"first"``) is
+Each step has a token budget (``max_batch_tokens``). (1) Running sequences are grown for what
+they feed this step, oldest first: decodes (one token each) before prompts still being
+prefilled, which take what is left of the budget (chunked prefill: a prompt longer than the
+budget is fed over several steps, its K/V written chunk by chunk). When the pool cannot cover
+a sequence, a victim (``victim="last"``: the most recently admitted, or ``"first"``) is
 preempted by ``swap`` (K/V to the host tier, ``swap_in`` later) or ``recompute`` (pages freed,
 tokens kept, re-prefilled later). (2) Only if nobody was preempted, swapped sequences come back
-and waiting ones are admitted, FIFO, while the pool keeps one page per table for each running
-sequence's next token (a watermark, so admission does not force the next preemption).
+and waiting ones are admitted, FIFO, with their first chunk, while the pool keeps room for the
+running sequences whose next token needs a new page (headroom in tokens, not pages per
+sequence). With prefix caching, a waiting request whose prefix a running one is prefilling
+right now waits a step for it rather than computing it again (``prefix_waits``).
 Growing here, before the model runs, is the step's map phase (timed by the engine).
 """
 
@@ -35,13 +41,14 @@ class Scheduler:
         self.preempt_swap = self.preempt_recompute = 0
         self.swap_bytes = self.recompute_tokens = 0
         self.prefix_hit_tokens = 0  # prompt tokens whose K/V came from the prefix index
+        self.prefix_waits = 0  # admissions deferred a step to hit a prefix being prefilled
+        self._growing = 0  # running sequences whose next token needs a page (this step)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.swapped or self.running)
 
     def _room(self, pages: int) -> bool:
-        watermark = self.kv.pages_for_tokens(1) * len(self.running)
-        return self.kv.pool.can_allocate(pages + watermark)
+        return self.kv.pool.can_allocate(pages + self._growing * self.kv.pages_for_tokens(1))
 
     def _pick_victim(self, exclude: Seq) -> Seq | None:
         others = [s for s in self.running if s is not exclude]
@@ -72,36 +79,62 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preempt_recompute += 1
 
-    def _start(self, seq: Seq, step: int, batch: list[Seq]) -> None:
-        seq.status, seq.admitted_at = Status.RUNNING, step
+    def _start(self, seq: Seq, step: int, batch: list[Seq], chunk: int) -> None:
+        seq.status, seq.admitted_at, seq.chunk = Status.RUNNING, step, chunk
         self.running.append(seq)
-        self.kv.grow(seq.slot, len(seq.pending), token_ids=seq.pending)
+        self.kv.grow(seq.slot, chunk, token_ids=seq.scheduled)
         batch.append(seq)
+        if self.kv.headroom(seq.slot) == 0:
+            self._growing += 1
 
-    def _admit(self, seq: Seq) -> bool:
+    def _waits_for_prefix(self, seq: Seq) -> bool:
+        """Whether a running sequence still prefilling shares more whole pages with ``seq``
+        than the cache holds now: admitted next step instead, ``seq`` finds them cached."""
+        kv = self.kv
+        if kv.prefix is None:
+            return False
+        page = kv.prefix.tokens_per_page
+        hit = kv.cached_prefix_tokens(seq.tokens, seq.req.salt)
+        for a in self.running:
+            if a.req.salt != seq.req.salt or a.generated:
+                continue  # decoding: its prompt's pages were indexed after its prefill
+            common = 0
+            for x, y in zip(a.tokens, seq.tokens):
+                if x != y:
+                    break
+                common += 1
+            if common // page * page > hit:
+                return True
+        return False
+
+    def _admit(self, seq: Seq, budget: int) -> int:
         """Give a waiting sequence a slot, its cached prefix mapped in (prefix caching on),
-        if the rest of its tokens fit; at least its last token is left to compute."""
+        if its first chunk (at most ``budget`` tokens) fits; at least its last token is left
+        to compute. Returns the chunk, 0 if it was not admitted."""
         kv, n = self.kv, len(seq.tokens)
         slot = kv.new_sequence(prefix_tokens=seq.tokens if kv.prefix else None, salt=seq.req.salt)
         hit = kv.seq_len(slot)
         if hit >= n:
             kv.truncate(slot, n - 1)
             hit = n - 1
-        if not self._room(kv.pages_for_tokens(n) - kv.pages_for_tokens(hit)):
+        chunk = min(n - hit, budget)
+        if not self._room(kv.pages_for_tokens(hit + chunk) - kv.pages_for_tokens(hit)):
             kv.free(slot)
-            return False
+            return 0
         seq.slot, seq.cached = slot, hit
         self.prefix_hit_tokens += hit
-        return True
+        return chunk
 
     def schedule(self, step: int) -> list[Seq]:
-        """The sequences to run this step, each grown to cover its pending tokens."""
+        """The sequences to run this step, each grown to cover its ``scheduled`` tokens."""
         batch: list[Seq] = []
         preempted = False
-        for seq in sorted(self.running, key=lambda s: s.admitted_at):
-            if seq not in self.running:
-                continue  # preempted as a victim earlier in this loop
-            n = len(seq.pending)
+        budget = self.max_batch_tokens
+        order = sorted(self.running, key=lambda s: (len(s.pending) > 1, s.admitted_at))
+        for seq in order:  # decodes first, then prefill chunks; oldest first within each
+            if seq not in self.running or budget == 0:
+                continue  # preempted as a victim earlier in this loop, or no budget left
+            n = min(len(seq.pending), budget)
             while not self.kv.can_grow(seq.slot, n):
                 victim = self._pick_victim(exclude=seq)
                 if victim is None:
@@ -109,27 +142,33 @@ class Scheduler:
                                     "in this pool", wanted=n, free=0)  # fmt: skip
                 self._preempt(victim, batch)
                 preempted = True
-            self.kv.grow(seq.slot, n, token_ids=seq.pending)
+            seq.chunk = n
+            self.kv.grow(seq.slot, n, token_ids=seq.scheduled)
             batch.append(seq)
+            budget -= n
         if preempted:
             return batch
-        while self.swapped and len(self.kv.sequences) < self.kv.max_seqs:
+        self._growing = sum(1 for s in self.running if self.kv.headroom(s.slot) == 0)
+        while self.swapped and self.kv.num_free_slots:
             seq = self.swapped[0]
             if not self._room(self.kv.pages_for_tokens(seq.swap.length + 1)):
                 break
             seq.slot = self.kv.swap_in(seq.swap)
             seq.swap = None
             self.swapped.popleft()
-            self._start(seq, step, batch)
-        tokens = sum(len(s.pending) for s in batch)
-        while self.waiting and len(self.kv.sequences) < self.kv.max_seqs:
-            seq = self.waiting[0]
-            n = len(seq.pending)
-            if tokens + n > self.max_batch_tokens and tokens > 0:
+            self._start(seq, step, batch, min(len(seq.pending), max(budget, 1)))
+            budget = max(budget - seq.chunk, 0)
+        i = 0
+        while i < len(self.waiting) and self.kv.num_free_slots and budget > 0:
+            seq = self.waiting[i]
+            if self._waits_for_prefix(seq):
+                self.prefix_waits += 1
+                i += 1
+                continue
+            chunk = self._admit(seq, budget)
+            if not chunk:
                 break
-            if not self._admit(seq):
-                break
-            self.waiting.popleft()
-            self._start(seq, step, batch)
-            tokens += len(seq.pending)
+            del self.waiting[i]
+            self._start(seq, step, batch, chunk)
+            budget -= chunk
         return batch

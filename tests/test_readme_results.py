@@ -1,0 +1,41 @@
+"""Every result table in the README is rendered from committed JSON: the check passes on the
+README as committed, and catches a figure edited by hand."""
+
+import importlib.util
+import os
+import re
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+PATH = os.path.join(ROOT, "scripts", "render_readme.py")
+spec = importlib.util.spec_from_file_location("render_readme", PATH)
+render_readme = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(render_readme)
+
+
+def readme() -> str:
+    return open(os.path.join(ROOT, "README.md")).read()
+
+
+def test_every_generated_block_matches_its_json():
+    text = readme()
+    names = [m.group(2) for m in render_readme.BLOCK.finditer(text)]
+    assert set(names) == set(render_readme.BLOCKS), names  # every renderer has its block
+    assert render_readme.differing(text) == []
+
+
+def test_a_figure_edited_by_hand_is_caught():
+    text = readme()
+    for m in render_readme.BLOCK.finditer(text):
+        body = m.group(3)
+        digit = re.search(r"\| [^|]*?(\d)", body)  # the first digit in a table cell
+        assert digit, m.group(2)
+        k = m.start(3) + digit.start(1)
+        edited = text[:k] + str((int(text[k]) + 1) % 10) + text[k + 1 :]
+        assert render_readme.differing(edited) == [m.group(2)]
+
+
+def test_no_figure_outside_the_blocks_cites_a_stale_results_file():
+    text = readme()
+    results = os.path.join(ROOT, "benchmarks", "results")
+    for name in re.findall(r"benchmarks/results/([\w.-]+\.(?:png|json))", text):
+        assert os.path.exists(os.path.join(results, name)), name
