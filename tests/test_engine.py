@@ -165,21 +165,29 @@ def test_bad_requests_raise_before_anything_changes(model):
     assert engine.run() == {"ok": [engine.outputs["ok"][0]]} and not engine.kv.sequences
 
 
+def system_prompt_requests(seed: int, own: int, new: int) -> list[Request]:
+    """Four requests: one 70-token system prompt, then ``own + i`` tokens of their own."""
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(0, 128, (70,), generator=g).tolist()
+    return [Request(f"s{i}", tuple(system + torch.randint(0, 128, (own + i,), generator=g)
+                                   .tolist()), SamplingParams(max_new_tokens=new))
+            for i in range(4)]  # fmt: skip
+
+
+def prefix_cache(kind: str):
+    if kind == "vm":
+        return prefix_vm(200)
+    return PagedKVCache(SPEC, num_blocks=200, block_size=16, max_seq_len=128, max_seqs=8,
+                        prefix_caching=True)  # fmt: skip
+
+
 @pytest.mark.parametrize("kind", ["vm", "paged"])
 def test_prefix_caching_changes_no_output_and_skips_shared_prefill(model, kind):
-    g = torch.Generator().manual_seed(4)
-    system = torch.randint(0, 128, (70,), generator=g).tolist()
-    reqs = [Request(f"s{i}", tuple(system + torch.randint(0, 128, (5 + i,), generator=g)
-                                   .tolist()), SamplingParams(max_new_tokens=8))
-            for i in range(4)]  # fmt: skip
+    reqs = system_prompt_requests(seed=4, own=5, new=8)
     want = {rid: [toks] for rid, toks in reference(model, reqs).items()}
     plain = Engine(model, make(kind, 200))
     assert plain.run(reqs) == want
-    if kind == "vm":
-        kv = prefix_vm(200)
-    else:
-        kv = PagedKVCache(SPEC, num_blocks=200, block_size=16, max_seq_len=128, max_seqs=8,
-                          prefix_caching=True)  # fmt: skip
+    kv = prefix_cache(kind)
     cached = Engine(model, kv)
     cached.add_request(reqs[0])
     cached.step()  # the first request's prefill indexes the system prompt's full pages
@@ -304,17 +312,9 @@ def test_chunked_prefill_changes_no_output(model, kind, budget):
 def test_requests_sharing_a_prefix_in_one_step_share_it(model, kind):
     """Four requests with one system prompt arrive together: one prefills it, the others
     wait for it (``prefix_waits``) and then map it; outputs unchanged."""
-    g = torch.Generator().manual_seed(6)
-    system = torch.randint(0, 128, (70,), generator=g).tolist()
-    reqs = [Request(f"s{i}", tuple(system + torch.randint(0, 128, (4 + i,), generator=g)
-                                   .tolist()), SamplingParams(max_new_tokens=5))
-            for i in range(4)]  # fmt: skip
+    reqs = system_prompt_requests(seed=6, own=4, new=5)
     want = {rid: [toks] for rid, toks in reference(model, reqs).items()}
-    if kind == "vm":
-        kv = prefix_vm(200)
-    else:
-        kv = PagedKVCache(SPEC, num_blocks=200, block_size=16, max_seq_len=128, max_seqs=8,
-                          prefix_caching=True)  # fmt: skip
+    kv = prefix_cache(kind)
     engine = Engine(model, kv)
     assert engine.run(reqs) == want
     full = 70 // kv.prefix.tokens_per_page * kv.prefix.tokens_per_page

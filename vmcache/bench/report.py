@@ -65,8 +65,8 @@ def verdicts(rows: list[dict], unique: dict | None = None) -> None:
       parallel /  CoW saving ±20 % of 55 %; tokens per modelled second ±20 % of 2.2x the same
       beam        cache with copying forks (``-copy`` twin); "memory not binding" when neither
       radix-*     prompt tokens computed <= unique prompt tokens (``unique``: trace -> count)
-                  + one page per request (partial pages are not cached) + the tokens
-                  preemption threw away (recomputed, not a failure of the cache)
+                  + one page per request (partial pages are not cached) + the prompt
+                  tokens computed again after a preemption (not a failure of the cache)
     A row whose memory never bound (all admitted, nothing preempted) says so."""
     twins = {(r["trace"], r.get("rate_rps"), r["allocator"]): r for r in rows if "steps" in r}
     for r in rows:
@@ -111,7 +111,7 @@ def verdicts(rows: list[dict], unique: dict | None = None) -> None:
             if ideal is None:
                 r["verdict"] = ""
                 continue
-            bound = ideal + r["requests"] * page + r["recompute_tokens"]
+            bound = ideal + r["requests"] * page + r["reprefill_tokens"]
             saved = (f", -{1 - r['prefill_tokens'] / max(twin['prefill_tokens'], 1):.0%} vs no "
                      "reuse" if twin else "")  # fmt: skip
             detail = f"{r['prefill_tokens']:,} computed, bound {bound:,.0f}{saved}"
@@ -168,7 +168,8 @@ def plot(rows: list[dict], json_path: Path) -> list[Path]:
         axes[0, 0].legend(fontsize=7)
         axes[0, 0].set_title("KV waste by allocator (symlog axis; labels: internal + reservation)")
         save(fig, "waste")
-    swept = [r for r in rows if "steps" in r and r.get("rate_rps") is not None]
+    swept = [r for r in rows if "steps" in r and r.get("rate_rps") is not None
+             and "mode" not in r]  # fmt: skip
     if swept:
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
         for a in dict.fromkeys(r["allocator"] for r in swept):

@@ -57,6 +57,7 @@ class _Group:
     completes: bool = False  # its prefill ends this step: it produces a token
     admitted_at: int = -1
     first_s: float | None = None
+    preempted: bool = False  # its K/V were thrown away once: its prefill is a recompute
     worst_waste: int = 0  # bytes: the most any of its sequences over-allocated, any step
 
     @property
@@ -84,7 +85,7 @@ class _Sim:
         self.used_tokens = self.mapped_bytes = 0  # running totals over live sequences
         self.n = dict(steps=0, preemptions=0, recompute_tokens=0, swap_bytes=0, max_seqs=0,
                       generated=0, seq_steps=0, prefill_tokens=0, mem_refusals=0,
-                      prefix_waits=0, peak_held=0)  # fmt: skip
+                      prefix_waits=0, peak_held=0, reprefill_tokens=0)  # fmt: skip
         self.sums = dict(held=0, logical=0, granule=0, used=0)
         self.stalled: set[int] = set()
         self.records: list[tuple[float, float, float, int]] = []
@@ -147,6 +148,7 @@ class _Sim:
             self.swapped.add(victim.rid)
         else:
             self.n["recompute_tokens"] += victim.length
+            victim.preempted = True  # its prefill from now on is work done again
         victim.decoding = victim.completes = False
         self.waiting.appendleft(victim)
         self.preempted = True
@@ -182,6 +184,7 @@ class _Sim:
             if g.decoding or g.completes or not g.handles or budget - done <= 0:
                 continue
             chunk = min(g.target - g.length, budget - done)
+            self.n["reprefill_tokens"] += chunk if g.preempted else 0
             g.length += chunk
             self.used_tokens += chunk
             self._sync(g, 0)
@@ -218,7 +221,7 @@ class _Sim:
                 i += 1
                 continue
             first = tokens if back else min(tokens - hit, budget - done)
-            k = g.width if back else 1
+            k = g.width  # its forks (made when the prefill completes) need room too
             h = None
             if alloc.can_admit(first, k, self.growing):
                 try:  # a prefix hit pins cached pages that can_admit counted as evictable
@@ -244,6 +247,7 @@ class _Sim:
                 g.completes = True
             else:
                 done += first
+                self.n["reprefill_tokens"] += first if g.preempted else 0
                 g.completes = g.length >= g.target
             self.growing += sum(1 for c in g.cap if c <= g.length)
         return done
@@ -331,6 +335,7 @@ class _Sim:
             "bytes_copied": self.alloc.copied_bytes,
             "steps": n["steps"],
             "prefill_tokens": n["prefill_tokens"],  # prompt tokens computed (cache hits not)
+            "reprefill_tokens": n["reprefill_tokens"],  # of those, after a preemption
             "generated_tokens": n["generated"],
             "tokens_per_step": n["generated"] / max(n["steps"], 1),
             "modelled_s": self.t,
