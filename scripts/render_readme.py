@@ -184,9 +184,10 @@ def kernels(name, doc) -> str:
 
 def vmm(name, doc) -> str:
     rows = doc["rows"]
-    return md(["operation", "page", "µs (median of repeats)", "min–max", "fork / copy"],
+    return md(["operation", "page", "µs (median of 5 repeats, or one timed batch)",
+               "min–max of the repeats", "fork / copy"],
               [[r["op"], f"{r['page_size'] // 1024} KiB", r.get("us", r.get("map_us")),
-                f"{r['us_min']:.3g}–{r['us_max']:.3g}" if "us_min" in r else "one run",
+                f"{f(r['us_min'])}–{f(r['us_max'])}" if "us_min" in r else "one timed batch",
                 r.get("fork_vs_copy", "")] for r in rows]) + "\n" + source(name, doc)  # fmt: skip
 
 
@@ -202,11 +203,20 @@ def hf(name, doc) -> str:
                for m, p, n in pts]) + "\n" + source(name, doc)  # fmt: skip
 
 
+def bench_time(name, doc) -> str:
+    return (
+        f"`make bench` ran for **{doc['wall_s'] / 60:.1f} min** on {doc['device']} "
+        f"({doc.get('cpu', '?')}), after creating `.venv-bench` (a few minutes of "
+        f"downloads the first time).\n"
+    )
+
+
 def _ab():
     return newest("ab-20??-??-??-*.json")
 
 
 BLOCKS = {
+    "bench-time": lambda: bench_time(*_ab()),
     "ab-claims": lambda: ab_claims(*_ab()),
     "ab-enterprise": lambda: ab_capacity(*_ab()),
     "ab-forks": lambda: ab_forks(*_ab()),
