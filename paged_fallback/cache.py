@@ -61,6 +61,7 @@ class PagedKVCache(SequenceCache):
                             ("max_seqs", max_seqs)):  # fmt: skip
             if _check_int(name, value) <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        spec.check_full_attention_up_to(max_seq_len, "PagedKVCache")
         if (num_blocks is None) == (pool_bytes is None):
             raise ValueError("give exactly one of num_blocks and pool_bytes")
         if num_blocks is None:

@@ -64,3 +64,62 @@ def test_frozen():
     s = KVSpec.preset("llama-3-8b")
     with pytest.raises(AttributeError):
         s.num_layers = 3
+
+
+# --- per-layer attention types (sliding windows) -----------------------------------------
+def _cfg(cls_name, **kw):
+    import transformers
+
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, num_hidden_layers=6)  # fmt: skip
+    return getattr(transformers, cls_name)(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    "cls_name, kw, want",
+    [
+        ("LlamaConfig", {}, None),
+        ("MistralConfig", {"sliding_window": 32}, (32,) * 6),  # every layer slides
+        ("MistralConfig", {"sliding_window": None}, None),
+        ("Qwen2Config", {}, None),  # use_sliding_window defaults to False
+        ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 4},
+         (None,) * 4 + (32,) * 2),  # layers from max_window_layers on slide
+        ("Gemma2Config", {"sliding_window": 32, "head_dim": 16}, (32, None) * 3),  # alternating
+        ("Gemma3TextConfig", {"sliding_window": 32, "head_dim": 16}, (32,) * 5 + (None,)),
+    ],
+)  # fmt: skip
+def test_layer_windows_are_read_from_transformers_configs(cls_name, kw, want):
+    spec = KVSpec.from_hf_config(_cfg(cls_name, **kw), torch.float32)
+    assert spec.layer_windows == want
+    assert spec.sliding_layers == tuple(i for i, w in enumerate(want or ()) if w)
+
+
+def test_window_kv_bytes_is_the_minimum_a_windowed_cache_holds():
+    # Gemma-3 style: 5 sliding layers (W = 512) per full one; 8k tokens
+    spec = KVSpec(6, 2, 16, torch.float32, layer_windows=(512,) * 5 + (None,))
+    per = 2 * spec.bytes_per_token_per_layer  # K and V of one token in one layer
+    assert spec.window_kv_bytes(8192) == per * (5 * 512 + 8192)
+    assert spec.window_kv_bytes(100) == spec.kv_bytes(100)  # inside the window: everything
+    assert KVSpec(6, 2, 16).window_kv_bytes(8192) == KVSpec(6, 2, 16).kv_bytes(8192)
+    with pytest.raises(ValueError, match="tuple of num_layers"):
+        KVSpec(2, 2, 16, layer_windows=(8,))
+    with pytest.raises(ValueError, match="window >= 1"):
+        KVSpec(2, 2, 16, layer_windows=(8, 0))
+
+
+def test_caches_refuse_sequences_longer_than_a_sliding_window():
+    """Windowed attention is not implemented: a cache that would attend past a sliding
+    layer's window refuses at construction instead of giving silently wrong outputs."""
+    from vmcache.paged_fallback import PagedKVCache
+
+    from vmcache import VMKVCache
+
+    spec = KVSpec(2, 2, 16, torch.float32, layer_windows=(None, 64))
+    vm = lambda n: VMKVCache(spec, 2, n, page_size=4096, device="cpu")
+    paged = lambda n: PagedKVCache(spec, num_blocks=8, max_seq_len=n, device="cpu")
+    for make in (vm, paged):
+        with pytest.raises(ValueError, match=r"layers \[1\] use a sliding window of 64"):
+            make(65)
+        c = make(64)  # within the window full attention is the same computation
+        if hasattr(c, "close"):
+            c.close()

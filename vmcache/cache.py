@@ -59,6 +59,7 @@ class VMKVCache(SequenceCache):
                 raise ValueError(f"{name} must be positive, got {value}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        spec.check_full_attention_up_to(max_seq_len, "VMKVCache")
         self._owns_backend = backend is None if own_backend is None else bool(own_backend)
         self.backend = backend if backend is not None else make_backend(device)
         try:

@@ -105,6 +105,7 @@ class _HFCache(Cache):
         if max_batch_size is not None and check_int("max_batch_size", max_batch_size) <= 0:
             raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
         self.spec = KVSpec.from_hf_config(config, dtype)  # ValueError for unreadable configs
+        self.spec.check_full_attention_up_to(max_cache_len, type(self).__name__)
         self.config = config
         self._max_len, self._max_rows = max_cache_len, max_batch_size
         self._device, self._dtype = device, dtype

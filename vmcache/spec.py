@@ -3,6 +3,12 @@
     M_KV(L) = 2 · N_L · N_KV · d_h · L · b        (K and V, every layer, L tokens)
 
 Every figure in the docs, tests and benchmarks comes from these properties.
+
+Per-layer attention type: ``layer_windows[l]`` is None for a full-attention layer, or W for a
+sliding-window layer whose token at position p attends to keys in (p − W, p] (transformers'
+convention for ``sliding_window``). Such a layer needs at most W tokens of K/V:
+
+    min M_KV(L) = 2 · N_KV · d_h · b · Σ_l min(L, W_l)        (W_l = ∞ for full layers)
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ class KVSpec:
     head_dim: int
     dtype: torch.dtype = torch.bfloat16
     num_q_heads: int | None = None  # known for real models; None = same as num_kv_heads
+    layer_windows: tuple[int | None, ...] | None = None  # per layer: None full, W sliding
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -35,6 +42,15 @@ class KVSpec:
                 f"KVSpec.dtype must be a floating torch dtype "
                 f"(float16, bfloat16, float32, float64), got {self.dtype!r}"
             )
+        if self.layer_windows is not None:
+            w = self.layer_windows
+            if not isinstance(w, tuple) or len(w) != self.num_layers:
+                raise ValueError(f"KVSpec.layer_windows must be a tuple of num_layers "
+                                 f"({self.num_layers}) entries, got {w!r}")  # fmt: skip
+            for x in w:
+                if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 1):
+                    raise ValueError(f"KVSpec.layer_windows entries must be None (full "
+                                     f"attention) or a window >= 1, got {x!r}")  # fmt: skip
         if self.num_q_heads is not None:
             q = self.num_q_heads
             if isinstance(q, bool) or not isinstance(q, int) or q <= 0:
@@ -68,6 +84,38 @@ class KVSpec:
     def bytes_per_token(self) -> int:
         """K and V of one token over all layers: 2 · N_L · N_KV · d_h · b."""
         return 2 * self.num_layers * self.bytes_per_token_per_layer
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        """Indices of the sliding-window layers (empty: every layer attends to everything)."""
+        return tuple(i for i, w in enumerate(self.layer_windows or ()) if w is not None)
+
+    @property
+    def min_window(self) -> int | None:
+        """The smallest window of any layer; None when no layer slides."""
+        ws = [w for w in self.layer_windows or () if w is not None]
+        return min(ws) if ws else None
+
+    def window_kv_bytes(self, num_tokens: int) -> int:
+        """The K/V a sequence of ``num_tokens`` needs when every sliding layer keeps only its
+        window: 2 · N_KV · d_h · b · Σ_l min(L, W_l) (the bound a windowed cache aims at)."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        windows = self.layer_windows or (None,) * self.num_layers
+        held = sum(num_tokens if w is None else min(num_tokens, w) for w in windows)
+        return 2 * held * self.bytes_per_token_per_layer
+
+    def check_full_attention_up_to(self, max_seq_len: int, who: str) -> None:
+        """Raise ``ValueError`` if a sliding layer's window is shorter than ``max_seq_len``:
+        a cache that attends over whole sequences would then read keys the model masks out
+        (silently wrong outputs). Within the window, sliding and full attention agree."""
+        w = self.min_window
+        if w is not None and max_seq_len > w:
+            raise ValueError(
+                f"{who}: layers {list(self.sliding_layers)} use a sliding window of {w} "
+                f"tokens, shorter than max_seq_len {max_seq_len}; windowed attention is not "
+                f"supported yet, so sequences must stay within the window (max_seq_len <= {w})"
+            )
 
     def kv_bytes(self, num_tokens: int) -> int:
         """M_KV(L): bytes of K and V for ``num_tokens`` tokens."""
@@ -122,7 +170,30 @@ class KVSpec:
                 dtype = getattr(torch, dtype, None)
             if dtype is None:
                 dtype = torch.float32
-        return cls(layers, int(kv_heads), int(head_dim), dtype, q_heads)
+        return cls(layers, int(kv_heads), int(head_dim), dtype, q_heads,
+                   _layer_windows(config, layers))  # fmt: skip
+
+
+def _layer_windows(config: Any, layers: int) -> tuple[int | None, ...] | None:
+    """Per-layer windows from a transformers config: ``layer_types`` ("full_attention" /
+    "sliding_attention", with ``sliding_window``: Gemma 2/3, Qwen2, ...), else a
+    ``sliding_window`` that applies to every layer unless ``use_sliding_window`` is False
+    (Mistral). None when every layer attends to everything."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        types = list(types)
+        if len(types) != layers or not set(types) <= {"full_attention", "sliding_attention"}:
+            raise ValueError(f"unsupported layer_types {types!r}: expected {layers} entries of "
+                             "'full_attention' or 'sliding_attention'")  # fmt: skip
+        if "sliding_attention" not in types:
+            return None
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"layer_types has sliding layers but sliding_window is {window!r}")
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if isinstance(window, int) and window > 0 and getattr(config, "use_sliding_window", True):
+        return (window,) * layers
+    return None
 
 
 # name: (num_layers, num_kv_heads, head_dim, num_q_heads)

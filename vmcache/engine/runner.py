@@ -18,6 +18,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import kernels
 from ..hf import ATTN_NAME, cache_keyword, stand_ins
+from ..spec import KVSpec
 
 
 class _StepLayer(CacheLayerMixin):
@@ -94,6 +95,10 @@ class ModelRunner:
                 "model.rotary_emb, model.layers, model.norm and lm_head; got "
                 f"{type(model).__name__}"
             )
+        # a model whose sliding layers are shorter than the cache's sequences: refused here,
+        # whatever spec the cache was built with (its attention would read masked-out keys)
+        KVSpec.from_hf_config(model.config).check_full_attention_up_to(kv.max_seq_len,
+                                                                       "Engine")  # fmt: skip
         if model.config._attn_implementation != ATTN_NAME:
             model.set_attn_implementation(ATTN_NAME)
         self.model, self.inner, self.kv = model, inner, kv
