@@ -155,44 +155,21 @@ class PagePool:
 
     def decref(self, pages: Iterable[int]) -> list[int]:
         """Drop one reference per entry; returns the pages that went back to the free list."""
-        pages = list(pages)
-        if not pages:
-            return []
-        if len(set(pages)) == len(pages):  # each page once: the common case, one pass
-            return self._decref_once(pages)
         counts: dict[int, int] = {}
         for p in pages:
             counts[p] = counts.get(p, 0) + 1
-        rc = self._refcount
+        rc, indexed = self._refcount, self._indexed
         for p, c in counts.items():
             if rc[p] < c:
                 raise ValueError(f"decref of page {p} below zero (refcount {rc[p]})")
         freed = []
         for p, c in counts.items():
             old = rc[p]
-            if old == 1 + c or self._indexed[p] or old > 1 >= old - c:
+            if indexed[p] or old > 1 >= old - c:
                 self._set_refcount(p, old - c)  # the shared / index-only counters change
             else:
-                rc[p] = old - c
-            if rc[p] == 0:
-                require(not self._indexed[p], f"page {p} freed while the index holds it")
-                freed.append(p)
-        self._free.extend(sorted(freed, reverse=True))
-        return freed
-
-    def _decref_once(self, pages: list[int]) -> list[int]:
-        rc, indexed = self._refcount, self._indexed
-        for p in pages:
-            if rc[p] < 1:
-                raise ValueError(f"decref of page {p} below zero (refcount {rc[p]})")
-        freed = []
-        for p in pages:
-            old = rc[p]
-            if old == 2 or indexed[p]:
-                self._set_refcount(p, old - 1)  # the shared / index-only counters change
-            else:
-                rc[p] = old - 1
-            if old == 1:
+                rc[p] = old - c  # hot path (frees of whole sequences): no counter moves
+            if old == c:
                 if indexed[p]:
                     require(False, f"page {p} freed while the index holds it")
                 freed.append(p)

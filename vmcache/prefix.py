@@ -16,8 +16,19 @@ used first, leaves before parents; the pool calls :meth:`reclaim` before it woul
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+
+def whole_pages_shared(a: Iterable[int], b: Iterable[int], page: int) -> int:
+    """Leading tokens ``a`` and ``b`` have in common, rounded down to whole pages of ``page``
+    tokens (what one could reuse from the other's cached pages)."""
+    common = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        common += 1
+    return common // page * page
 
 
 @dataclass(eq=False)

@@ -32,11 +32,8 @@ class ReserveOps:
         s = self._check_seq(s)
         length = self._lens[s]
         room = len(self._tables[s][0]) * self._P // self._u - length
-        if room and (length * self._u) % self._P:  # the tail page is partly used: shared?
-            j, rc = self._pages_for(length) - 1, self.pool.refcount
-            if any(rc(t[j]) > 1 for t in self._tables[s]):
-                return 0
-        return room
+        splits = self._grow_plan(s, 1)[0] if room else []  # the next grow's copy-on-write
+        return 0 if splits else room
 
     def reserve(self, s: int, n: int) -> int:
         """Map now the pages a later ``grow(s, k ≤ n)`` would map; returns pages mapped."""

@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..errors import CacheFull
+from ..prefix import whole_pages_shared
 from .latency import StepModel, percentile, summarize
 from .traces import TraceRequest, token_id
 
@@ -199,12 +200,8 @@ class _Sim:
         for a in self.running:
             if a.decoding or not a.handles:
                 continue
-            common = 0
-            for p in range(min(a.target, len(ids))):
-                if token_id(a.req, a.rid, p) != ids[p]:
-                    break
-                common += 1
-            if common // page * page > hit:
+            theirs = (token_id(a.req, a.rid, p) for p in range(a.target))
+            if whole_pages_shared(theirs, ids, page) > hit:
                 return True
         return False
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 
 from ..errors import CacheFull
+from ..prefix import whole_pages_shared
 from .request import Seq, Status
 
 POLICIES = ("recompute", "swap")
@@ -98,12 +99,7 @@ class Scheduler:
         for a in self.running:
             if a.req.salt != seq.req.salt or a.generated:
                 continue  # decoding: its prompt's pages were indexed after its prefill
-            common = 0
-            for x, y in zip(a.tokens, seq.tokens):
-                if x != y:
-                    break
-                common += 1
-            if common // page * page > hit:
+            if whole_pages_shared(a.tokens, seq.tokens, page) > hit:
                 return True
         return False
 
