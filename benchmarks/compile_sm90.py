@@ -34,6 +34,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from vmcache.kernels import triton_decode  # noqa: E402
+from vmcache.kernels.common import layer_window  # noqa: E402
 from vmcache.kernels.plan import plan  # noqa: E402
 from vmcache.paged_fallback import PagedKVCache  # noqa: E402
 
@@ -75,7 +76,8 @@ class CompileOnlyDriver:
 def build(mode: str, spec: KVSpec, max_len: int = 5000):
     """A cache laid out as on the GPU, two live sequences; returns (cache, seq_ids)."""
     if mode == "paged":
-        cache = PagedKVCache(spec, num_blocks=2 * -(-max_len // 16), block_size=16,
+        tables = spec.num_layers // PagedKVCache.layers_per_table(spec)
+        cache = PagedKVCache(spec, num_blocks=2 * tables * -(-max_len // 16), block_size=16,
                              max_seq_len=max_len, max_seqs=4)  # fmt: skip
     else:
         be = StrictBackend(HostBackend(), CUDA_GRANULARITY)
@@ -91,14 +93,15 @@ def decode_launches(cache, mode: str, seqs: list[int], layer: int = 0) -> list:
     """The kernel launches ``kernels.decode`` makes for ``seqs`` (one query each) at
     ``layer``: the library's own plan and launch code, nothing rebuilt here."""
     spec = cache.spec
-    p = plan(cache, seqs, [1] * len(seqs))
+    p = plan(cache, seqs, [1] * len(seqs), layer=layer)
     q = torch.zeros(len(seqs), spec.q_heads, spec.head_dim, dtype=spec.dtype)
     if mode == "paged":
         k, v, table, block = cache.k_pool(layer), cache.v_pool(layer), p.tables, cache.block_size
     else:
         k, v, table, block = cache.k_cache(layer), cache.v_cache(layer), p.slots, 1
     _, runs = triton_decode.launches(q, k, v, table, p.lens, max_len=p.max_kv,
-                                     paged=mode == "paged", block=block)  # fmt: skip
+                                     paged=mode == "paged", block=block,
+                                     window=layer_window(cache, layer))  # fmt: skip
     return runs
 
 
@@ -146,10 +149,12 @@ def compile_one(shape: str, dtype: str, mode: str, arch: int) -> list[dict]:
 
 def compilations_over_growth(mode: str, arch: int = 90) -> dict:
     """Specialisations each kernel compiles while a batch decodes from 1 to 5,000 tokens
-    (the partition count, the longest block table and the lengths all change): want 1."""
+    (the partition count, the longest block table and the lengths all change) on a hybrid
+    model, a sliding layer (W = 300, its pages released as it goes) and a full one: want 1
+    (the window is a runtime argument)."""
     prev = driver._active
     driver.set_active(CompileOnlyDriver(arch))
-    spec = KVSpec(2, 8, 128, torch.bfloat16, num_q_heads=32)
+    spec = KVSpec(2, 8, 128, torch.bfloat16, num_q_heads=32, layer_windows=(300, None))
     cache, seqs = build(mode, spec)
     try:
         kernels = [triton_decode._decode_partial, triton_decode._combine]
@@ -157,8 +162,11 @@ def compilations_over_growth(mode: str, arch: int = 90) -> dict:
         for n in (1, 15, 16, 17, 255, 1023, 1024, 1025, 2049, 4999):
             for s in seqs:
                 cache.grow(s, n - cache.seq_len(s)) if n > cache.seq_len(s) else None
-            for kernel, grid, args, kwargs in decode_launches(cache, mode, seqs[: 1 + n % 2]):
-                kernel.warmup(*args, grid=grid, **kwargs)
+            for layer in (0, 1):
+                for kernel, grid, args, kwargs in decode_launches(
+                    cache, mode, seqs[: 1 + n % 2], layer
+                ):
+                    kernel.warmup(*args, grid=grid, **kwargs)
         return {k.fn.__name__: len(k.device_caches[0][0]) - b for k, b in zip(kernels, before)}
     finally:
         cache.close()

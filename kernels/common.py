@@ -42,11 +42,20 @@ def check_inputs(cache, layer: int, q: torch.Tensor, seq_ids, q_lens=None) -> li
     return seq_ids
 
 
-def causal_lower_right(q_len: int, kv_len: int, device) -> torch.Tensor:
-    """``[q_len, kv_len]`` bool: query i sees keys ``[0, kv_len − q_len + i]``."""
+def layer_window(cache, layer: int) -> int | None:
+    """The sliding window of ``layer`` (None: full attention)."""
+    windows = cache.spec.layer_windows
+    return None if windows is None else windows[layer]
+
+
+def causal_lower_right(q_len: int, kv_len: int, device, window: int | None = None):
+    """``[q_len, kv_len]`` bool: query i (the last q_len keys are the queries' own) sees keys
+    ``[0, p]``, p = kv_len − q_len + i; with a window W only ``(p − W, p]``."""
     i = torch.arange(q_len, device=device)[:, None]
     j = torch.arange(kv_len, device=device)[None, :]
-    return j <= i + (kv_len - q_len)
+    p = i + (kv_len - q_len)
+    mask = j <= p
+    return mask if window is None else mask & (j > p - window)
 
 
 def sdpa_per_sequence(
@@ -54,16 +63,21 @@ def sdpa_per_sequence(
     q_lens: Sequence[int],
     kvs: Sequence[tuple[torch.Tensor, torch.Tensor]],
     scale: float | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One SDPA call per sequence on its own ``[len, N_KV, d_h]`` views (no padding, so no
-    byte past a sequence's length is read). q: packed ``[Σ q_lens, N_Q, d_h]``."""
+    byte past a sequence's length is read; views that start at a window's first mapped
+    token read nothing before it). q: packed ``[Σ q_lens, N_Q, d_h]``; ``window``: sliding
+    window W of the layer (None: full)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = torch.empty_like(q)
     start = 0
     for ql, (k, v) in zip(q_lens, kvs):
         qi = q[start : start + ql].transpose(0, 1).unsqueeze(0)  # [1, N_Q, ql, d]
         ki, vi = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        mask = None if ql == 1 else causal_lower_right(ql, k.shape[0], q.device)
+        n = k.shape[0]
+        full = ql == 1 and (window is None or n <= window)
+        mask = None if full else causal_lower_right(ql, n, q.device, window)
         o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale,
                                            enable_gqa=True)  # fmt: skip
         out[start : start + ql] = o[0].transpose(0, 1)
@@ -74,4 +88,5 @@ def sdpa_per_sequence(
 def attend_cache_views(cache, layer: int, q: torch.Tensor, seq_ids, q_lens, scale):
     """:func:`sdpa_per_sequence` over each sequence's ``cache.kv`` (zero-copy views on
     VMKVCache, gathers on PagedKVCache): the fallback path of both caches."""
-    return sdpa_per_sequence(q, q_lens, [cache.kv(layer, s) for s in seq_ids], scale)
+    kvs = [cache.kv(layer, s) for s in seq_ids]
+    return sdpa_per_sequence(q, q_lens, kvs, scale, layer_window(cache, layer))

@@ -28,7 +28,7 @@ import math
 import torch
 
 from . import triton_decode
-from .common import attend_cache_views
+from .common import attend_cache_views, layer_window
 from .plan import plan
 
 IMPLS = ("flash_attn", "aten_fa2", "triton", "sdpa")
@@ -88,12 +88,14 @@ def flat_rows(x: torch.Tensor, l_row: int) -> torch.Tensor:
 
 
 def _aten_fa2(cache, layer, q, seq_ids, q_lens, scale):
-    p = plan(cache, seq_ids, q_lens, varlen=True)
-    k = flat_rows(cache.k_cache(layer), cache.row_tokens)
-    v = flat_rows(cache.v_cache(layer), cache.row_tokens)
+    p = plan(cache, seq_ids, q_lens, varlen=True, layer=layer)
+    l_row, w = cache.layer_row_tokens(layer), layer_window(cache, layer)
+    k = flat_rows(cache.k_cache(layer), l_row)
+    v = flat_rows(cache.v_cache(layer), l_row)
+    window = {} if w is None else dict(window_size_left=w - 1, window_size_right=0)
     out = torch.ops.aten._flash_attention_forward(
         q.index_select(0, p.perm), k, v, p.cu_q, p.cu_k, p.max_q, p.max_kv, 0.0, True, False,
-        scale=scale, seqused_k=p.used_k,
+        scale=scale, seqused_k=p.used_k, **window,
     )[0]  # fmt: skip
     return out.index_select(0, p.inv)
 
@@ -108,15 +110,17 @@ def decode(cache, layer, q, seq_ids, scale=None, impl=None):
         return _aten_fa2(cache, layer, q, seq_ids, [1] * len(seq_ids), scale)
     if impl == "sdpa":
         return attend_cache_views(cache, layer, q, seq_ids, [1] * len(seq_ids), scale)
-    p = plan(cache, seq_ids, [1] * len(seq_ids))
-    if impl == "flash_attn":
+    p = plan(cache, seq_ids, [1] * len(seq_ids), layer=layer)
+    w = layer_window(cache, layer)
+    if impl == "flash_attn":  # window_size=(W − 1, 0): keys (p − W, p], FA reads no others
+        window = (-1, -1) if w is None else (w - 1, 0)
         out = _flash_attn()(q.unsqueeze(1), cache.k_cache(layer), cache.v_cache(layer),
                             cache_seqlens=p.lens, cache_batch_idx=p.slots, softmax_scale=scale,
-                            causal=True)  # fmt: skip
+                            causal=True, window_size=window)  # fmt: skip
         return out.squeeze(1)
     return triton_decode.decode(
         q, cache.k_cache(layer), cache.v_cache(layer), p.slots, p.lens, max_len=p.max_kv,
-        paged=False, block=1, scale=scale,
+        paged=False, block=1, scale=scale, window=w,
     )  # fmt: skip
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import triton_decode
-from .common import attend_cache_views
+from .common import attend_cache_views, layer_window
 from .plan import plan
 
 
@@ -12,10 +12,10 @@ def decode(cache, layer: int, q, seq_ids: list[int], scale=None, impl=None):
     if impl is None:  # interpreted Triton on the CPU is for tests (impl="triton"), never default
         impl = "triton" if q.is_cuda else "torch"
     if impl == "triton":
-        p = plan(cache, seq_ids, [1] * len(seq_ids))
+        p = plan(cache, seq_ids, [1] * len(seq_ids), layer=layer)
         return triton_decode.decode(
             q, cache.k_pool(layer), cache.v_pool(layer), p.tables, p.lens, max_len=p.max_kv,
-            paged=True, block=cache.block_size, scale=scale,
+            paged=True, block=cache.block_size, scale=scale, window=layer_window(cache, layer),
         )  # fmt: skip
     if impl == "torch":
         return attend_cache_views(cache, layer, q, seq_ids, [1] * len(seq_ids), scale)

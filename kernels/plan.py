@@ -39,26 +39,33 @@ class StepPlan:
     used_k: torch.Tensor | None
 
 
-def plan(cache, seq_ids: list[int], q_lens: list[int], *, varlen: bool = False) -> StepPlan:
-    """The step's plan for ``seq_ids`` (validated by the caller) with ``q_lens`` queries each;
+def plan(cache, seq_ids: list[int], q_lens: list[int], *, varlen: bool = False,
+         layer: int = 0) -> StepPlan:  # fmt: skip
+    """The step's plan for ``seq_ids`` (validated by the caller) with ``q_lens`` queries each,
+    for the layers that share ``layer``'s block table (PagedKVCache) or row size (VMKVCache);
     ``varlen`` adds the sorted varlen metadata (aten FA2). Every field is a view of one int32
-    buffer, uploaded in one copy. Cached on the cache (``cache.step_plan``, owned here);
-    counted in ``cache.plans_built``."""
+    buffer, uploaded in one copy. Cached on the cache (``cache.step_plan``, a dict by table /
+    row size, owned here); counted in ``cache.plans_built``."""
     kv_lens = [cache._lens[s] for s in seq_ids]
     paged = hasattr(cache, "block_tables")
+    variant = cache.table_of_layer(layer) if paged else cache.layer_row_tokens(layer)
     key = (tuple(seq_ids), tuple(q_lens), tuple(kv_lens), cache.epoch if paged else 0)
-    old = cache.step_plan
+    memo = cache.step_plan if isinstance(cache.step_plan, dict) else {}
+    old = memo.get(variant)
     if old is not None and old.key == key and (old.perm is not None or not varlen):
         return old
+    if old is None or old.key != key:
+        memo = {k: p for k, p in memo.items() if p.key == key}  # another step: drop its plans
     b = len(seq_ids)
     parts: dict[str, list[int]] = {"slots": list(seq_ids), "lens": kv_lens}
     width = 0
     if paged:
-        tabs = [cache._tables[s][0] for s in seq_ids]
+        t = variant
+        tabs = [[max(p, 0) for p in cache._group_of[t].row(s, t)] for s in seq_ids]  # RELEASED → 0
         width = max([len(t) for t in tabs] + [1])
         parts["tables"] = [p for t in tabs for p in t + [0] * (width - len(t))]
     if varlen:
-        l_row = cache.row_tokens
+        l_row = variant
         order = sorted(range(b), key=lambda i: seq_ids[i])
         starts = [0]
         for n in q_lens:
@@ -92,6 +99,7 @@ def plan(cache, seq_ids: list[int], q_lens: list[int], *, varlen: bool = False) 
     p = StepPlan(key, max(q_lens), max(kv_lens), views["slots"], views["lens"],
                  views.get("tables"), views.get("perm"), views.get("inv"), views.get("cu_q"),
                  views.get("cu_k"), views.get("used_k"))  # fmt: skip
-    cache.step_plan = p
+    memo[variant] = p
+    cache.step_plan = memo
     cache.plans_built += 1
     return p

@@ -14,12 +14,17 @@ import torch
 
 
 def dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the last ``Tq`` positions over ``Tk`` keys (bottom-right aligned).
 
     q: ``[Tq, N_Q, d_h]``; k, v: ``[Tk, N_KV, d_h]`` with ``Tq <= Tk``. Returns ``[Tq, N_Q, d_h]``
-    in q's dtype. Query ``i`` sees keys ``[0, Tk - Tq + i]``.
+    in q's dtype. Query ``i`` (position p = Tk − Tq + i) sees keys ``[0, p]``; with a sliding
+    ``window`` W only ``(p − W, p]`` (transformers' convention).
     """
     tq, hq, d = q.shape
     tk, hk, _ = k.shape
@@ -28,7 +33,10 @@ def dense_attention(
     kf = k.float().repeat_interleave(g, dim=1)  # [Tk, N_Q, d]
     vf = v.float().repeat_interleave(g, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float() * scale, kf)
-    keep = torch.arange(tk)[None, :] <= torch.arange(tq)[:, None] + (tk - tq)
+    pos = torch.arange(tq)[:, None] + (tk - tq)
+    keep = torch.arange(tk)[None, :] <= pos
+    if window is not None:
+        keep &= torch.arange(tk)[None, :] > pos - window
     scores = scores.masked_fill(~keep.to(scores.device), float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vf).to(q.dtype)
 

@@ -14,7 +14,13 @@ Addressing of token ``pos`` of sequence b (int64 offsets; loads masked by ``pos 
     PAGED:       KV + table[b, pos // BLOCK]·stride_blk + (pos % BLOCK)·stride_tok + h·stride_h
     contiguous:  KV + slot[b]·stride_seq              + pos·stride_tok            + h·stride_h
 
-so nothing past a sequence's length is ever read (unmapped pages would fault).
+so nothing past a sequence's length is ever read (unmapped pages would fault). With a sliding
+window W (runtime; 2^31 − 1 = none) the query at position len − 1 reads keys [lo, len), lo =
+max(0, len − W): tiles start at lo's tile and loads are also masked by ``pos >= lo``, so the
+pages a window released are never touched either:
+
+    pos:   0 ... | tile of lo     | ... | tile of len − 1 |
+                      ^ lo = len − W (keys (len − 1 − W, len − 1])
 
 Compilations: shapes, dtypes and the addressing mode are compile-time; lengths, the partition
 count and the batch are runtime (``do_not_specialize``), so a growing decode never recompiles.
@@ -33,11 +39,12 @@ TILE = 64  # tokens per loop iteration
 PART_TOKENS = 1024  # tokens per split-K partition
 P_CHUNK = 16  # partitions the combine merges per iteration
 G_MIN = 16  # tl.dot needs at least 16 rows
+FULL = 2**31 - 1  # the window argument of full attention
 
 
-@triton.jit(do_not_specialize=["scale", "num_parts", "stride_tb"])
+@triton.jit(do_not_specialize=["scale", "num_parts", "stride_tb", "window"])
 def _decode_partial(
-    Q, K, V, TABLE, LENS, M_OUT, L_OUT, O_OUT, scale, num_parts,
+    Q, K, V, TABLE, LENS, M_OUT, L_OUT, O_OUT, scale, num_parts, window,
     stride_qb, stride_qh,
     stride_kseq, stride_ktok, stride_kh,
     stride_vseq, stride_vtok, stride_vh,
@@ -64,7 +71,8 @@ def _decode_partial(
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
     n_tiles = tl.cdiv(seq_len, TILE)
-    first = p * PART_TILES
+    lo = tl.maximum(seq_len - window, 0)  # window = 2^31 − 1 for full attention
+    first = lo // TILE + p * PART_TILES
     last = tl.minimum(first + PART_TILES, n_tiles)
     row_k = tl.zeros([TILE], dtype=tl.int64)
     row_v = tl.zeros([TILE], dtype=tl.int64)
@@ -74,7 +82,7 @@ def _decode_partial(
         row_v += slot * stride_vseq
     for tile in range(first, last):
         pos = tile * TILE + offs_t
-        t_mask = pos < seq_len
+        t_mask = (pos < seq_len) & (pos >= lo)
         if PAGED:
             tab = TABLE + b.to(tl.int64) * stride_tb + pos // BLOCK
             blk = tl.load(tab, mask=t_mask, other=0).to(tl.int64)
@@ -151,7 +159,7 @@ def num_partitions(max_len: int, part_tokens: int = PART_TOKENS) -> int:
 
 
 def launches(q, k, v, table, lens, *, max_len, paged, block, scale=None,
-             part_tokens=PART_TOKENS):  # fmt: skip
+             part_tokens=PART_TOKENS, window=None):  # fmt: skip
     """The two kernel launches of :func:`decode`, as ``(out, [(kernel, grid, args, kwargs)])``;
     the sm_90 compile test compiles exactly these. Arguments as in :func:`decode`."""
     b, hq, d = q.shape
@@ -172,7 +180,11 @@ def launches(q, k, v, table, lens, *, max_len, paged, block, scale=None,
     warps = 8 if q.dtype == torch.float32 else 4
     if part_tokens % tile:
         raise ValueError(f"part_tokens ({part_tokens}) must be a multiple of {tile}")
-    num_parts = num_partitions(max_len, part_tokens)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):  # fmt: skip
+        raise ValueError(f"window must be None or a positive int, got {window!r}")
+    span = max_len if window is None else min(max_len, window + tile)  # tiles one reads
+    num_parts = num_partitions(span, part_tokens)
     dev = q.device
     m = torch.empty((b, hq, num_parts), dtype=torch.float32, device=dev)
     lsum = torch.empty_like(m)
@@ -185,7 +197,7 @@ def launches(q, k, v, table, lens, *, max_len, paged, block, scale=None,
     dot_fp32 = isinstance(_decode_partial, InterpretedFunction) and q.dtype != torch.float32
     partial = (
         _decode_partial, (b, hk, num_parts),
-        (q, k, v, table, lens, m, lsum, o, scale, num_parts,
+        (q, k, v, table, lens, m, lsum, o, scale, num_parts, window or FULL,
          q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
          v.stride(0), v.stride(1), v.stride(2), table.stride(0)),
         dict(G=g, G_PAD=max(G_MIN, triton.next_power_of_2(g)), D=d, D_PAD=d_pad, TILE=tile,
@@ -212,16 +224,18 @@ def decode(
     block: int,
     scale: float | None = None,
     part_tokens: int = PART_TOKENS,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Split-K decode. q: ``[B, N_Q, d_h]``; lens: ``[B]`` int32 on q's device (each ≥ 1);
     ``max_len``: a host int ≥ every length (sizes the grid; no device read).
 
     paged: k, v ``[num_blocks, block, N_KV, d_h]``, table ``[B, max_blocks]`` int32.
     contiguous: k, v ``[S, L, N_KV, d_h]`` (any strides, last dim contiguous), table ``[B]``
-    int32 slot ids; ``block`` is then unused. Returns ``[B, N_Q, d_h]``, q's dtype.
+    int32 slot ids; ``block`` is then unused. ``window``: a sliding window W (keys
+    (len − 1 − W, len − 1]), None for full attention. Returns ``[B, N_Q, d_h]``, q's dtype.
     """
     out, runs = launches(q, k, v, table, lens, max_len=max_len, paged=paged, block=block,
-                         scale=scale, part_tokens=part_tokens)  # fmt: skip
+                         scale=scale, part_tokens=part_tokens, window=window)  # fmt: skip
     if q.shape[0] == 0:
         return out
     for kernel, grid, args, kwargs in runs:

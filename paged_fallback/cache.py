@@ -1,9 +1,17 @@
 """PagedKVCache: vLLM-style block tables over preallocated block pools, the A/B twin of
 VMKVCache behind the same interface.
 
-Memory: one tensor ``[N_L, 2, num_blocks, B, N_KV, d_h]`` (NHD blocks); ``k_pool(layer)`` is
-``[num_blocks, B, N_KV, d_h]``. A block id stands for the same block in every layer's K and V
-pool, so a sequence has one block table. Token ``t`` lives at (see :func:`block_address`):
+Memory: one tensor ``[G, 2, num_blocks, B, N_KV, d_h]`` (NHD blocks); ``k_pool(layer)`` is
+``[num_blocks, B, N_KV, d_h]``. A block id stands for the same block in the K and V pools of
+the G layers of one *table group*, so a sequence has one block table per group. A model
+whose layers all attend alike is one group (G = N_L, one table). A hybrid model (sliding and
+full layers) splits each attention type into groups of G = gcd(layers per type) layers, as
+vLLM's hybrid allocator does, so every block is the same size and none is wasted:
+
+    Gemma-3-style, 12 layers (10 sliding, 2 full): G = 2, tables 0-4 sliding, table 5 full
+    layer 7 -> table 3, slot 1: its K blocks are kv_pool[1, 0, table_3_blocks]
+
+Token ``t`` lives at (see :func:`block_address`):
 
     table:  [ 7 | 2 | 9 | ... ]        t = 38, B = 16  ->  table index 2, offset 6
     block 9 (table index 2): tokens 32..47, token 38 at offset 6
@@ -15,11 +23,14 @@ block's refcount; a write into a block with refcount > 1 allocates a new block, 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from vmcache.pool import PagePool
 from vmcache.seqcache import SequenceCache, _check_int
 from vmcache.spec import KVSpec
+from vmcache.tables import PageTables
 
 
 def block_address(t: int, block_size: int) -> tuple[int, int]:
@@ -54,6 +65,7 @@ class PagedKVCache(SequenceCache):
         scrub_on_reuse: bool = True,
         swap_bytes: int | None = None,
         prefix_caching: bool = False,
+        rollback_tokens: int = 0,
     ) -> None:
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
@@ -61,58 +73,85 @@ class PagedKVCache(SequenceCache):
                             ("max_seqs", max_seqs)):  # fmt: skip
             if _check_int(name, value) <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
-        spec.check_full_attention_up_to(max_seq_len, "PagedKVCache")
+        if _check_int("rollback_tokens", rollback_tokens) < 0:
+            raise ValueError(f"rollback_tokens must be >= 0, got {rollback_tokens}")
         if (num_blocks is None) == (pool_bytes is None):
             raise ValueError("give exactly one of num_blocks and pool_bytes")
+        per_type = spec.attention_groups
+        G = self.layers_per_table(spec)
+        self._layer_at: dict[int, tuple[int, int]] = {}  # layer -> (block table, slot)
+        windows = []
+        for w, layers in per_type:
+            for i in range(0, len(layers), G):
+                for slot, layer in enumerate(layers[i : i + G]):
+                    self._layer_at[layer] = (len(windows), slot)
+                windows.append(w)
+        block_bytes = 2 * G * block_size * spec.bytes_per_token_per_layer
         if num_blocks is None:
-            num_blocks = _check_int("pool_bytes", pool_bytes) // spec.block_bytes(block_size, False)
+            num_blocks = _check_int("pool_bytes", pool_bytes) // block_bytes
         if _check_int("num_blocks", num_blocks) <= 0:
             raise ValueError(f"the pool must hold at least one block, got {num_blocks}")
         dev = torch.device(device)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.layers_per_block = G
+        shape = (G, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_pool = torch.zeros(shape, dtype=spec.dtype, device=dev)
         pool = PagePool(num_blocks, _BlockStore(self.kv_pool), scrub_on_reuse=scrub_on_reuse,
                         chunk_pages=num_blocks)  # fmt: skip
+        groups = [PageTables([t], w, max_seqs, 1, block_size, rollback_tokens)
+                  for t, w in enumerate(windows)]  # fmt: skip
         super().__init__(
-            spec, max_seqs, max_seq_len, pool,
-            num_tables=1, units_per_token=1, units_per_page=block_size,
-            page_bytes=spec.block_bytes(block_size, per_layer=False), device=dev,
-            swap_bytes=swap_bytes, prefix_caching=prefix_caching,
+            spec, max_seqs, max_seq_len, pool, groups=groups, page_bytes=block_bytes,
+            device=dev, swap_bytes=swap_bytes, prefix_caching=prefix_caching,
         )  # fmt: skip
         self.max_blocks_per_seq = -(-max_seq_len // block_size)
 
+    @staticmethod
+    def layers_per_table(spec: KVSpec) -> int:
+        """G: the layers one block table serves (gcd of the layer counts per attention type;
+        every layer for a model whose layers attend alike). A sequence has N_L / G tables."""
+        return math.gcd(*(len(layers) for _, layers in spec.attention_groups))
+
     # --- kernel-facing views -----------------------------------------------------------
     def k_pool(self, layer: int) -> torch.Tensor:
-        """``[num_blocks, B, N_KV, d_h]`` K blocks of ``layer``."""
-        return self.kv_pool[self._check_layer(layer), 0]
+        """``[num_blocks, B, N_KV, d_h]`` K blocks of ``layer`` (read through the block
+        table of :meth:`table_of_layer`)."""
+        return self.kv_pool[self._layer_at[self._check_layer(layer)][1], 0]
 
     def v_pool(self, layer: int) -> torch.Tensor:
-        return self.kv_pool[self._check_layer(layer), 1]
+        return self.kv_pool[self._layer_at[self._check_layer(layer)][1], 1]
 
-    def block_tables(self, seq_ids: list[int]) -> torch.Tensor:
-        """``[len(seq_ids), max_blocks]`` int32 on the device, padded with 0 (kernels stop at
-        each sequence's length, so padding is never read)."""
-        tabs = [self._tables[self._check_seq(s)][0] for s in seq_ids]
-        width = max([len(t) for t in tabs] + [1])
+    def table_of_layer(self, layer: int) -> int:
+        """The block table ``layer`` reads (0 unless the model mixes attention types)."""
+        return self._layer_at[self._check_layer(layer)][0]
+
+    def block_tables(self, seq_ids: list[int], layer: int = 0) -> torch.Tensor:
+        """``[len(seq_ids), max_blocks]`` int32 on the device: ``layer``'s block tables,
+        padded with 0, and 0 where a sliding window released a block (kernels read neither:
+        they stop at each sequence's length and start at its window)."""
+        t = self.table_of_layer(layer)
+        tabs = [self._group_of[t].row(self._check_seq(s), t) for s in seq_ids]
+        width = max([len(r) for r in tabs] + [1])
         out = torch.zeros((len(tabs), width), dtype=torch.int32)
-        for i, t in enumerate(tabs):
-            out[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        for i, r in enumerate(tabs):
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.int32).clamp_(min=0)
         return out.to(self.device)
 
-    def _slots(self, s: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _slots(self, s: int, t: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(start, start + n)
-        table = torch.tensor(self._tables[s][0], dtype=torch.long)
+        table = torch.tensor(self._group_of[t].row(s, t), dtype=torch.long)
         return table[pos // self.block_size].to(self.device), (pos % self.block_size).to(
             self.device
         )
 
     def kv(self, layer: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[seq_len, N_KV, d_h]`` K and V of sequence ``s`` (a gather: blocks are scattered)."""
-        layer, s = self._check_layer(layer), self._check_seq(s)
-        blocks, offs = self._slots(s, 0, self._lens[s])
-        return self.kv_pool[layer, 0, blocks, offs], self.kv_pool[layer, 1, blocks, offs]
+        """``[seq_len − w, N_KV, d_h]`` K and V of sequence ``s`` from ``w =
+        window_start(layer, s)`` (a gather: blocks are scattered)."""
+        w, n = self.window_start(layer, s), self._lens[s]
+        t, slot = self._layer_at[layer]
+        blocks, offs = self._slots(s, t, w, n - w)
+        return self.kv_pool[slot, 0, blocks, offs], self.kv_pool[slot, 1, blocks, offs]
 
     # --- physical hooks: a block table needs no mapping ------------------------------------
     def _attach(self, s: int, t: int, j0: int, pages: list[int]) -> None:
@@ -125,21 +164,21 @@ class PagedKVCache(SequenceCache):
         self.kv_pool[:, :, dst, :used_units] = self.kv_pool[:, :, src, :used_units]
 
     def _tables_of_layer(self, layer: int) -> list[int]:
-        return [0]
+        return [self._layer_at[layer][0]]
 
     def _store(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        blocks, offs = self._slots(s, start, k.shape[0])
-        self.kv_pool[layer, 0, blocks, offs] = k
-        self.kv_pool[layer, 1, blocks, offs] = v
+        t, slot = self._layer_at[layer]
+        blocks, offs = self._slots(s, t, start, k.shape[0])
+        self.kv_pool[slot, 0, blocks, offs] = k
+        self.kv_pool[slot, 1, blocks, offs] = v
 
-    def _export(self, s: int, length: int) -> list[torch.Tensor]:
-        blocks, offs = self._slots(s, 0, length)
-        data = self.kv_pool[:, :, blocks, offs]  # [N_L, 2, length, N_KV, d_h], a copy
-        return [data.to("cpu", copy=True)]
+    def _export_table(self, s: int, t: int, j0: int, length: int) -> torch.Tensor:
+        start = j0 * self.block_size
+        blocks, offs = self._slots(s, t, start, length - start)
+        return self.kv_pool[:, :, blocks, offs].to("cpu", copy=True)  # [G, 2, n, N_KV, d_h]
 
-    def _import(self, s: int, payload: list[torch.Tensor]) -> None:
-        (data,) = payload
-        blocks, offs = self._slots(s, 0, data.shape[2])
+    def _import_table(self, s: int, t: int, j0: int, data: torch.Tensor) -> None:
+        blocks, offs = self._slots(s, t, j0 * self.block_size, data.shape[2])
         self.kv_pool[:, :, blocks, offs] = data.to(self.device)
 
     def close(self) -> None:

@@ -203,6 +203,31 @@ def hf(name, doc) -> str:
                for m, p, n in pts]) + "\n" + source(name, doc)  # fmt: skip
 
 
+def window(name, doc) -> str:
+    rows = doc["rows"]
+    tokens = sorted({r["tokens"] for r in rows})
+    kinds = list(dict.fromkeys(r["cache"] for r in rows))
+    by = {(r["cache"], r["tokens"]): r for r in rows}
+    table = md(
+        ["KV held (KiB)"] + [f"{n:,} tokens" for n in tokens],
+        [[k] + [f(by[k, n]["kv_bytes"] / 1024) for n in tokens] for k in kinds],
+    )
+    verdicts = []
+    for k in kinds:
+        slack = [by[k, n].get("slack_bytes") for n in tokens]
+        if slack[0] is None:
+            continue
+        over = max(by[k, n]["kv_bytes"] - by["minimum (window)", n]["kv_bytes"] for n in tokens)
+        ok = 0 <= over <= slack[0]
+        verdicts.append(f"{k}: at most {f(over / 1024)} KiB over the minimum, bound "
+                        f"{f(slack[0] / 1024)} KiB (one page per sliding table): "
+                        f"**{'AGREES' if ok else 'DIFFERS'}**")  # fmt: skip
+    full = by["full attention", tokens[-1]]["kv_bytes"]
+    least = min(by[k, tokens[-1]]["kv_bytes"] for k in kinds if k != "full attention")
+    return (table + "\n" + "; ".join(verdicts) + f". At {tokens[-1]:,} tokens full attention "
+            f"would hold {full / least:.1f}× as much.\n\n" + source(name, doc))  # fmt: skip
+
+
 def bench_time(name, doc) -> str:
     return (
         f"`make bench` ran for **{doc['wall_s'] / 60:.1f} min** on {doc['device']} "
@@ -227,6 +252,7 @@ BLOCKS = {
     "kernels": lambda: kernels(*newest("bench_attention-*.json")),
     "vmm": lambda: vmm(*newest("bench_vmm-*.json")),
     "hf": lambda: hf(*newest("hf-*.json")),
+    "window": lambda: window(*newest("window-*.json")),
 }
 
 

@@ -27,6 +27,8 @@ def strict_host(granularity=4096, inner=None):
 
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+# the same shape, layer 0 an 8-token sliding window, layer 1 full attention (hybrid)
+WINDOWED = KVSpec(2, 2, 16, torch.float32, layer_windows=(8, None))
 
 
 def vm(pages=64, layout="layer_major", spec=SPEC, **kw):

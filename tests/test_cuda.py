@@ -155,3 +155,58 @@ def test_soak_on_the_cuda_backend():
     for name, make in soak.factories("cuda").items():
         r = soak.soak(make, ops=1500, seed=2, check_every=100)
         assert r["violations"] == 0 and r["leaked_pages"] == 0, (name, r["first_violations"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["vm", "vm_token_major", "paged"])
+def test_windowed_decode_and_prefill_after_pages_were_unmapped(kind, dtype):
+    """A hybrid spec (layer 0: a 700-token window; layer 1: full): every sequence grows in two
+    steps, so the second grow unmaps (cuMemUnmap) the 2 MiB pages wholly before the window;
+    every impl (aten FA2 with window_size_left, Triton with its start offset, flash-attn's
+    window_size where installed, SDPA with a window mask) must match the reference and read
+    nothing unmapped (an illegal address would be sticky and fail every later test)."""
+    spec = KVSpec(2, 8, 128, dtype, num_q_heads=32, layer_windows=(700, None))
+    lens, q_lens = [1, 700, 1500, 2049, 4097], [1, 5, 64, 1, 200]
+    if kind == "paged":
+        cache = PagedKVCache(spec, num_blocks=3000, block_size=16, device="cuda",
+                             max_seq_len=4200, max_seqs=5)  # fmt: skip
+    else:
+        layout = "token_major" if kind == "vm_token_major" else "layer_major"
+        cache = VMKVCache(spec, 5, 4200, device="cuda", layout=layout)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    seqs, written = [], {}
+    for n, ql in zip(lens, q_lens):
+        s = cache.new_sequence()
+        for start, step in ((0, n - ql), (n - ql, ql)):
+            if not step:
+                continue
+            cache.grow(s, step)
+            for layer in range(2):
+                k, v = (torch.randn(step, 8, 128, device="cuda", generator=g).to(dtype)
+                        for _ in range(2))  # fmt: skip
+                cache.write(layer, s, start, k, v)
+                old = written.get((s, layer))
+                new = (k.cpu(), v.cpu())
+                written[s, layer] = new if old is None else tuple(
+                    torch.cat([a, b]) for a, b in zip(old, new))  # fmt: skip
+        seqs.append(s)
+    assert cache.window_start(0, seqs[-1]) > 0 and cache.stats().window_released_pages > 0
+    q = torch.randn(len(seqs), 32, 128, device="cuda").to(dtype)
+    qp = torch.randn(sum(q_lens), 32, 128, device="cuda").to(dtype)
+    for layer, w in ((0, 700), (1, None)):
+        ref = torch.stack([dense_attention(q[i : i + 1].cpu().float(),
+                                           *(t.float() for t in written[s, layer]), window=w)[0]
+                           for i, s in enumerate(seqs)])  # fmt: skip
+        impls = ["triton", "torch"] if kind == "paged" else contiguous.available_impls(q)
+        for impl in impls:
+            out = kernels.decode(cache, layer, q, seqs, impl=impl).float().cpu()
+            torch.testing.assert_close(out, ref, **TOL[dtype], msg=f"decode {impl} L{layer}")
+        out = kernels.prefill(cache, layer, qp, seqs, q_lens).float().cpu()
+        start = 0
+        for s, ql in zip(seqs, q_lens):
+            ref_p = dense_attention(qp[start : start + ql].cpu().float(),
+                                    *(t.float() for t in written[s, layer]), window=w)  # fmt: skip
+            torch.testing.assert_close(out[start : start + ql], ref_p, **TOL[dtype])
+            start += ql
+    torch.cuda.synchronize()
+    cache.close()

@@ -372,16 +372,3 @@ def test_request_salts_keep_tenants_apart(model):
     same = engine.run([Request("c", prompt, p, salt="tenant-a")])
     assert engine.stats.prefix_hit_tokens > 0
     assert first["a"] == other["b"] == same["c"]
-
-
-def test_a_sliding_window_model_is_refused_when_sequences_outgrow_the_window():
-    """The cache was built from a spec without windows (say, by hand); the engine reads the
-    model's own config and refuses: its attention would read keys the model masks out."""
-    from transformers import MistralConfig, MistralForCausalLM
-
-    cfg = MistralConfig(**{k: getattr(CFG, k) for k in ("vocab_size", "hidden_size",
-                        "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                        "num_key_value_heads")}, sliding_window=64)  # fmt: skip
-    m = MistralForCausalLM(cfg).eval()
-    with pytest.raises(ValueError, match="sliding window of 64 tokens, shorter than max_seq_len"):
-        Engine(m, make("paged", 100))  # max_seq_len 128

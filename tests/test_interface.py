@@ -1,5 +1,6 @@
-"""Both caches behind one interface: the same bad-input sweep and the same state machine
-against a plain-Python shadow model (docs/DESIGN.md invariants 1-4 after every step)."""
+"""Both caches behind one interface: the same state machine against a plain-Python shadow
+model (docs/DESIGN.md invariants 1-4 after every step), for full-attention and hybrid
+sliding-window specs (tests/test_errors.py: the bad-input sweep)."""
 
 from collections import Counter
 
@@ -19,100 +20,6 @@ from hypothesis.stateful import (
 
 from vmcache import CacheFull
 
-
-@pytest.fixture(params=sorted(caches.FACTORIES))
-def cache(request):
-    c = caches.FACTORIES[request.param]()
-    yield c
-    c.close()
-
-
-def state(c):
-    return (
-        c.stats(),
-        {s: (c.seq_len(s), c.page_table(s)) for s in c.sequences},
-        {s: [torch.cat(c.kv(layer, s)).clone() for layer in range(2)] for s in c.sequences},
-    )
-
-
-def kv(n, dtype=torch.float32, heads=2, dim=16, device="cpu"):
-    return torch.randn(n, heads, dim, dtype=dtype, device=device)
-
-
-BAD_CALLS = [
-    ("grow unknown seq", lambda c, s: c.grow(99, 1), KeyError),
-    ("grow non-int seq", lambda c, s: c.grow("a", 1), TypeError),
-    ("grow n<0", lambda c, s: c.grow(s, -1), ValueError),
-    ("grow float n", lambda c, s: c.grow(s, 1.0), TypeError),
-    ("grow past max_seq_len", lambda c, s: c.grow(s, 1000), ValueError),
-    (
-        "write wrong shape",
-        lambda c, s: c.write(0, s, 0, kv(2, heads=3), kv(2, heads=3)),
-        ValueError,
-    ),
-    (
-        "write wrong dtype",
-        lambda c, s: c.write(0, s, 0, kv(2, torch.float16), kv(2, torch.float16)),
-        TypeError,
-    ),
-    (
-        "write wrong device",
-        lambda c, s: c.write(0, s, 0, kv(2, device="meta"), kv(2, device="meta")),
-        ValueError,
-    ),
-    ("write beyond length", lambda c, s: c.write(0, s, 19, kv(2), kv(2)), ValueError),
-    ("write negative start", lambda c, s: c.write(0, s, -1, kv(2), kv(2)), ValueError),
-    ("write k/v mismatch", lambda c, s: c.write(0, s, 0, kv(2), kv(3)), ValueError),
-    ("write not a tensor", lambda c, s: c.write(0, s, 0, [1], [1]), TypeError),
-    ("write bad layer", lambda c, s: c.write(5, s, 0, kv(1), kv(1)), ValueError),
-    ("kv bad layer", lambda c, s: c.kv(-1, s), ValueError),
-    ("fork n<1", lambda c, s: c.fork(s, 0), ValueError),
-    ("fork too many", lambda c, s: c.fork(s, 50), CacheFull),
-    ("free unknown", lambda c, s: c.free(7), KeyError),
-    ("swap_in not a handle", lambda c, s: c.swap_in("h"), TypeError),
-    ("pool exhausted", lambda c, s: [c.grow(c.new_sequence(), 250) for _ in range(8)], CacheFull),
-]
-
-
-@pytest.mark.parametrize("name,call,exc", BAD_CALLS, ids=[b[0] for b in BAD_CALLS])
-def test_bad_input_typed_error_state_unchanged(cache, name, call, exc):
-    s = cache.new_sequence()
-    cache.grow(s, 20)
-    for layer in range(2):
-        cache.write(layer, s, 0, kv(20), kv(20))
-    cache.fork(s, 1)
-    live = set(cache.sequences)
-    before = state(cache)
-    with pytest.raises(exc):
-        call(cache, s)
-    for extra in set(cache.sequences) - live:  # sequences the failing call made on purpose
-        cache.free(extra)
-    after = state(cache)
-    assert before[0] == after[0] and before[1] == after[1]
-    for x in before[2]:
-        assert all(torch.equal(a, b) for a, b in zip(before[2][x], after[2][x]))
-    cache.check_invariants()
-
-
-def test_freed_sequence_and_double_free(cache):
-    s = cache.new_sequence()
-    cache.grow(s, 3)
-    cache.free(s)
-    for call in (lambda: cache.free(s), lambda: cache.grow(s, 1), lambda: cache.kv(0, s),
-                 lambda: cache.fork(s, 1), lambda: cache.swap_out(s)):  # fmt: skip
-        with pytest.raises(KeyError, match="not live"):
-            call()
-
-
-def test_swap_handle_from_another_cache_rejected(cache):
-    other = caches.paged()
-    s = other.new_sequence()
-    other.grow(s, 2)
-    h = other.swap_out(s)
-    with pytest.raises(ValueError, match="another cache"):
-        cache.swap_in(h)
-
-
 COVERAGE: dict[str, Counter] = {}  # machine name -> what its runs reached (see below)
 
 
@@ -124,15 +31,19 @@ class CacheMachine(RuleBasedStateMachine):
 
     factory = None
     name = ""
+    windows = (None, None)  # per layer: a sliding window W, or None
+    rollback = 0  # the cache's rollback_tokens
+    tokens_per_page = 1
 
     def __init__(self):
         super().__init__()
         self.c = type(self).factory()
         self.seen = COVERAGE.setdefault(type(self).name, Counter())
         self.shadow: dict[int, list[torch.Tensor]] = {}  # seq -> per layer [len, 2, 2, 16]
-        self.swapped: list[tuple[object, list[torch.Tensor]]] = []
+        self.swapped: list[tuple[object, list[torch.Tensor], int]] = []  # handle, K/V, top
         self.counter = 0
         self.dirty: set[int] = set()  # truncated: regrown positions may hold its old bytes
+        self.top: dict[int, int] = {}  # seq -> its length right after its last grow
 
     def teardown(self):
         for s in list(self.shadow):
@@ -190,6 +101,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.shadow[s] = [val.clone(), val.clone()]
         (kid,) = self.c.fork(s, 1)
         self.shadow[kid] = [val.clone(), val.clone()]
+        self.top[s] = self.top[kid] = n
 
     @precondition(lambda self: len(self.shadow) < 5)  # a full slot table comes from fork
     @rule()
@@ -199,15 +111,31 @@ class CacheMachine(RuleBasedStateMachine):
             assert len(self.shadow) == self.c.max_seqs
             return
         self.shadow[got[0]] = [torch.empty(0, 2, 2, 16) for _ in range(2)]
+        self.top[got[0]] = 0
 
     @precondition(lambda self: self.shadow)
     @rule(data=st.data(), n=st.integers(0, 70))
     def grow(self, data, n):
         s = data.draw(st.sampled_from(self.seqs))
-        if len(self.shadow[s][0]) + n > self.c.max_seq_len:
+        before = len(self.shadow[s][0])
+        if before + n > self.c.max_seq_len:
             return
-        if not self.attempt("grow", lambda: self.c.grow(s, n)):
+        released = self.c.stats().window_released_pages
+        trusted = self.c.can_grow(s, n)  # a scheduler's answer, counting the window's release
+        ok = self.attempt("grow", lambda: self.c.grow(s, n))
+        assert ok == trusted, (s, n, trusted)
+        if not ok:
             return
+        if self.c.stats().window_released_pages > released:
+            self.seen["window release"] += 1
+        if n:
+            self.top[s] = before + n
+        for layer, w in enumerate(self.windows):  # what the window no longer needs is gone
+            if w is not None and n:
+                gone = max(0, before - w + 1 - self.rollback)  # the next query or a rollback
+                tpp = self.tokens_per_page  # by k tokens reads nothing before `gone`
+                ws = self.c.window_start(layer, s)
+                assert gone // tpp * tpp <= ws <= gone, (layer, before, ws)
         for layer in range(2):
             # new positions never expose another owner's bytes; after truncate they may
             # show the sequence's own old bytes (NaN = unspecified, not compared)
@@ -225,6 +153,10 @@ class CacheMachine(RuleBasedStateMachine):
         n = data.draw(st.integers(1, length - start))
         layer = data.draw(st.integers(0, 1))
         val = self._value(n)
+        if start < self.c.window_start(layer, s):  # released positions cannot be written
+            with pytest.raises(ValueError, match="sliding window"):
+                self.c.write(layer, s, start, val[:, 0], val[:, 1])
+            return
         if not self.attempt("write", lambda: self.c.write(layer, s, start, val[:, 0], val[:, 1])):
             return
         self.shadow[s][layer][start : start + n] = val
@@ -238,6 +170,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         for k in kids:
             self.shadow[k] = [t.clone() for t in self.shadow[s]]
+            self.top[k] = self.top.get(s, 0)
             if s in self.dirty:
                 self.dirty.add(k)
 
@@ -249,8 +182,10 @@ class CacheMachine(RuleBasedStateMachine):
         self.c.assign(dsts, srcs)
         before = {s: [t.clone() for t in self.shadow[s]] for s in srcs}
         dirty = {s for s in srcs if s in self.dirty}
+        top = {s: self.top.get(s, 0) for s in srcs}
         for d, s in zip(dsts, srcs):
             self.shadow[d] = [t.clone() for t in before[s]]
+            self.top[d] = top[s]
             (self.dirty.add if s in dirty else self.dirty.discard)(d)
 
     @precondition(lambda self: self.shadow)
@@ -263,7 +198,25 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def truncate(self, data):
         s = data.draw(st.sampled_from(self.seqs))
-        length = data.draw(st.integers(0, len(self.shadow[s][0])))
+        self._truncate(s, data.draw(st.integers(0, len(self.shadow[s][0]))))
+
+    @precondition(lambda self: self.shadow and any(self.windows))
+    @rule(data=st.data())
+    def roll_back(self, data):
+        """Speculative decoding's rollback: a few tokens, around the window's margin."""
+        s = data.draw(st.sampled_from(self.seqs))
+        back = data.draw(st.integers(0, self.rollback + self.tokens_per_page))
+        self._truncate(s, max(0, len(self.shadow[s][0]) - back))
+
+    def _truncate(self, s, length):
+        needed = {i: max(0, length - w + 1) for i, w in enumerate(self.windows) if w}
+        if any(x < self.c.window_start(i, s) for i, x in needed.items()):
+            # a rollback within the margin of the last grow must always be possible
+            assert length < self.top.get(s, 0) - self.rollback, (s, length, self.top.get(s))
+            with pytest.raises(ValueError, match="rollback_tokens"):  # past the margin
+                self.c.truncate(s, length)
+            self.seen["truncate refused"] += 1
+            return
         self.c.truncate(s, length)
         self.shadow[s] = [t[:length] for t in self.shadow[s]]
         self.dirty.add(s)
@@ -278,6 +231,8 @@ class CacheMachine(RuleBasedStateMachine):
         n = data.draw(st.integers(1, length - start))
         layer = data.draw(st.integers(0, 1))
         val = self._value(n)
+        if start < max(self.c.window_start(layer, s) for s in group):
+            return
         if not self.attempt(
             "write_group", lambda: self.c.write_group(layer, group, start, val[:, 0], val[:, 1])
         ):
@@ -292,30 +247,35 @@ class CacheMachine(RuleBasedStateMachine):
         self.c.free(s)
         del self.shadow[s]
         self.dirty.discard(s)
+        self.top.pop(s, None)
 
     @precondition(lambda self: self.shadow)
     @rule(data=st.data())
     def swap_out(self, data):
         s = data.draw(st.sampled_from(self.seqs))
-        self.swapped.append((self.c.swap_out(s), self.shadow.pop(s)))
+        self.swapped.append((self.c.swap_out(s), self.shadow.pop(s), self.top.pop(s, 0)))
         self.dirty.discard(s)  # swap_in restores exactly the written length
 
     @precondition(lambda self: self.swapped)
     @rule()
     def swap_in(self):
-        h, content = self.swapped[0]
+        h, content, top = self.swapped[0]
         got = []
         if not self.attempt("swap_in", lambda: got.append(self.c.swap_in(h))):
             return
         self.swapped.pop(0)
         self.shadow[got[0]] = content
+        self.top[got[0]] = top
 
     @invariant()
     def contents_match_shadow(self):
         for s, layers in self.shadow.items():
             assert self.c.seq_len(s) == len(layers[0])
-            for layer in range(2):
-                want = layers[layer]
+            for layer, w in enumerate(self.windows):
+                ws = self.c.window_start(layer, s)  # nothing before it is readable
+                # the next query reads keys (L − W, L]: all of them must still be mapped
+                assert ws == 0 if w is None else ws <= max(0, len(layers[0]) - w + 1), ws
+                want = layers[layer][ws:]
                 known = ~torch.isnan(want)
                 got = torch.stack(self.c.kv(layer, s), 1)
                 assert torch.equal(got[known], want[known])
@@ -328,8 +288,17 @@ POOLS = {"vm": {"pages": 16}, "vm_token_major": {"pages": 14}, "paged": {"blocks
 
 
 def _machine_class(name):
-    make = lambda: caches.FACTORIES[name](max_seqs=6, max_seq_len=160, **POOLS[name])
-    return type(f"{name}Machine", (CacheMachine,), {"factory": staticmethod(make), "name": name})
+    base = name.removesuffix("_window")
+    attrs = {"name": name}
+    kw = dict(max_seqs=6, max_seq_len=160, **POOLS[base])
+    if name.endswith("_window"):  # layer 0 slides over 8 tokens, a rollback margin of 5
+        kw.update(spec=caches.WINDOWED, rollback_tokens=5)
+        # room for sequences long enough to leave the window (VM: 32 tokens a page)
+        kw.update(blocks=20) if base == "paged" else kw.update(pages=2 * POOLS[base]["pages"])
+        attrs.update(windows=caches.WINDOWED.layer_windows, rollback=5,
+                     tokens_per_page=16 if base == "paged" else 32)  # fmt: skip
+    attrs["factory"] = staticmethod(lambda: caches.FACTORIES[base](**kw))
+    return type(f"{name}Machine", (CacheMachine,), attrs)
 
 
 def _machine(name):
@@ -341,9 +310,12 @@ def _machine(name):
 TestVMMachine = _machine("vm")
 TestVMTokenMajorMachine = _machine("vm_token_major")
 TestPagedMachine = _machine("paged")
+TestVMWindowMachine = _machine("vm_window")
+TestVMTokenMajorWindowMachine = _machine("vm_token_major_window")
+TestPagedWindowMachine = _machine("paged_window")
 
 
-@pytest.mark.parametrize("name", sorted(POOLS))
+@pytest.mark.parametrize("name", sorted(POOLS) + [f"{n}_window" for n in sorted(POOLS)])
 def test_the_machines_reach_the_states_they_claim(name):
     """A fixed-seed run of each machine reaches pool exhaustion (not only a full slot
     table), copy-on-write splits and swap round trips: the machines can fail there."""
@@ -351,10 +323,12 @@ def test_the_machines_reach_the_states_they_claim(name):
 
     COVERAGE.pop(name, None)
     run_state_machine_as_test(_machine_class(name), settings=settings(
-        max_examples=60, stateful_step_count=30, deadline=None, derandomize=True,
-        database=None))  # fmt: skip
+        max_examples=100 if name.endswith("_window") else 60, stateful_step_count=30,
+        deadline=None, derandomize=True, database=None))  # fmt: skip
     seen = COVERAGE[name]
     assert seen["pool full"] >= 3, seen
     assert seen["cow split"] >= 5, seen
     assert seen["swap_in"] >= 5, seen
+    if name.endswith("_window"):  # pages really leave the window; rollbacks really refused
+        assert seen["window release"] >= 5 and seen["truncate refused"] >= 1, seen
     record_coverage(f"cache machine {name}", seen)

@@ -28,6 +28,7 @@ from .pagestore import VMPageStore
 from .pool import PagePool
 from .seqcache import SequenceCache, _check_int
 from .spec import KVSpec
+from .tables import PageTables
 
 LAYOUTS = ("layer_major", "token_major")
 
@@ -47,6 +48,7 @@ class VMKVCache(SequenceCache):
         scrub_on_reuse: bool = True,
         swap_bytes: int | None = None,
         chunk_pages: int = 64,
+        rollback_tokens: int = 0,
         prefix_caching: bool = False,
         own_backend: bool | None = None,
     ) -> None:
@@ -59,12 +61,14 @@ class VMKVCache(SequenceCache):
                 raise ValueError(f"{name} must be positive, got {value}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        spec.check_full_attention_up_to(max_seq_len, "VMKVCache")
+        if _check_int("rollback_tokens", rollback_tokens) < 0:
+            raise ValueError(f"rollback_tokens must be >= 0, got {rollback_tokens}")
         self._owns_backend = backend is None if own_backend is None else bool(own_backend)
         self.backend = backend if backend is not None else make_backend(device)
         try:
             self._setup(spec, max_seqs, max_seq_len, page_size, pool_bytes, layout,
-                        scrub_on_reuse, swap_bytes, chunk_pages, prefix_caching)  # fmt: skip
+                        scrub_on_reuse, swap_bytes, chunk_pages, prefix_caching,
+                        rollback_tokens)  # fmt: skip
         except BaseException:
             if self._owns_backend:
                 self.backend.close()
@@ -72,7 +76,7 @@ class VMKVCache(SequenceCache):
 
     def _setup(
         self, spec, max_seqs, max_seq_len, page_size, pool_bytes, layout, scrub, swap, chunk,
-        prefix,
+        prefix, rollback,
     ):  # fmt: skip
         be = self.backend
         P = be.default_page_size if page_size is None else _check_int("page_size", page_size)
@@ -83,10 +87,19 @@ class VMKVCache(SequenceCache):
             )
         self.layout = layout
         self.page_size = P
-        n_tables = 2 * spec.num_layers if layout == "layer_major" else 2
-        token_bytes = spec.bytes_per_token_per_layer * (2 * spec.num_layers // n_tables)
-        self.token_bytes = token_bytes  # bytes of one token in one tensor row
-        self.row_bytes = round_up(max_seq_len * token_bytes, math.lcm(P, token_bytes))
+        groups = spec.attention_groups  # ((window, layers), ...)
+        if layout == "layer_major":
+            table_layers = [[i] for i in range(spec.num_layers) for _ in "kv"]
+            ids = [[2 * i + kv for i in layers for kv in (0, 1)] for _, layers in groups]
+        else:  # one K and one V tensor per attention type: a page never mixes two types
+            table_layers = [list(layers) for _, layers in groups for _ in "kv"]
+            ids = [[2 * gi, 2 * gi + 1] for gi in range(len(groups))]
+        n_tables = len(table_layers)
+        tb = [spec.bytes_per_token_per_layer * len(ls) for ls in table_layers]
+        self._token_bytes = tb  # bytes of one token in one row of table t
+        self.token_bytes = tb[0]
+        # one row size for every table: whole pages and whole tokens of every table's type
+        self.row_bytes = round_up(max_seq_len * max(tb), math.lcm(P, *tb))
         self.pages_per_row = self.row_bytes // P
         capacity = n_tables * max_seqs * self.pages_per_row
         num_pages = capacity
@@ -97,35 +110,43 @@ class VMKVCache(SequenceCache):
             num_pages = min(capacity, pool_bytes // P)
         self.store = VMPageStore(be, P, num_pages)
         pool = PagePool(num_pages, self.store, scrub_on_reuse=scrub, chunk_pages=chunk)
+        tables = [PageTables(t_ids, w, max_seqs, tb[t_ids[0]], P, rollback)
+                  for (w, _), t_ids in zip(groups, ids)]  # fmt: skip
         super().__init__(
-            spec, max_seqs, max_seq_len, pool,
-            num_tables=n_tables, units_per_token=token_bytes, units_per_page=P,
-            page_bytes=P, device=be.device, swap_bytes=swap, prefix_caching=prefix,
+            spec, max_seqs, max_seq_len, pool, groups=tables, page_bytes=P, device=be.device,
+            swap_bytes=swap, prefix_caching=prefix,
         )  # fmt: skip
         self._reserved = n_tables * max_seqs * self.row_bytes
         self.base = be.reserve(self._reserved)
         self._bytes = be.view(self.base, self._reserved)  # uint8 over the whole reservation
-        el = spec.dtype_bytes
-        row, H, D, NL = self.row_bytes // el, spec.num_kv_heads, spec.head_dim, spec.num_layers
-        flat = self._bytes.view(spec.dtype)
-        if layout == "layer_major":
-            shape, strides = (max_seqs, max_seq_len, H, D), (row, H * D, D, 1)
-        else:
-            shape, strides = (max_seqs, max_seq_len, NL, H, D), (row, NL * H * D, H * D, D, 1)
-        tensors = [flat.as_strided(shape, strides, t * max_seqs * row) for t in range(n_tables)]
-        if layout == "layer_major":
-            views = [(tensors[2 * i], tensors[2 * i + 1]) for i in range(NL)]
-        else:
-            views = [(tensors[0][:, :, i], tensors[1][:, :, i]) for i in range(NL)]
+        el, H, D = spec.dtype_bytes, spec.num_kv_heads, spec.head_dim
+        flat, row = self._bytes.view(spec.dtype), self.row_bytes // el
+        self._layer_at: dict[int, tuple[int, int]] = {}  # layer -> (K table, index in it)
+        tensors = []
+        for t, ls in enumerate(table_layers):
+            n = self.row_bytes // tb[t]  # token rows a table row holds (>= max_seq_len)
+            shape, strides = (max_seqs, n, len(ls), H, D), (row, len(ls) * H * D, H * D, D, 1)
+            tensors.append(flat.as_strided(shape, strides, t * max_seqs * row))
+            for i, layer in enumerate(ls):
+                self._layer_at.setdefault(layer, (t, i))
+        views = []
+        for layer in range(spec.num_layers):
+            t, i = self._layer_at[layer]
+            views.append((tensors[t][:, :max_seq_len, i], tensors[t + 1][:, :max_seq_len, i]))
         self._views = [(k.as_subclass(CacheView), v.as_subclass(CacheView)) for k, v in views]
         self.closed = False
 
     # --- kernel-facing views -----------------------------------------------------------
     @property
     def row_tokens(self) -> int:
-        """Tokens one padded row spans (a whole number: rows are lcm(page, token)-padded);
-        token t of row s is row ``s·row_tokens + t`` of a layer's flat varlen view."""
-        return self.row_bytes // self.token_bytes
+        """Tokens one padded row of layer 0's tensors spans (see :meth:`layer_row_tokens`)."""
+        return self.layer_row_tokens(0)
+
+    def layer_row_tokens(self, layer: int) -> int:
+        """Tokens one padded row of ``layer``'s tensors spans (a whole number: rows are
+        padded to whole pages and whole tokens of every table); token t of row s is row
+        ``s·row_tokens + t`` of the layer's flat varlen view."""
+        return self.row_bytes // self._token_bytes[self._layer_at[layer][0]]
 
     def k_cache(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s whole virtual K tensor ``[max_seqs, max_seq_len, N_KV, d_h]``
@@ -139,10 +160,11 @@ class VMKVCache(SequenceCache):
         return self._views[layer][kv]
 
     def kv(self, layer: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zero-copy views ``[seq_len, N_KV, d_h]`` of sequence ``s``'s valid K and V."""
-        layer, s = self._check_layer(layer), self._check_seq(s)
-        n = self._lens[s]
-        return self._layer_view(layer, 0)[s, :n], self._layer_view(layer, 1)[s, :n]
+        """Zero-copy views ``[seq_len − w, N_KV, d_h]`` of sequence ``s``'s K and V from
+        ``w = window_start(layer, s)``, the first token its sliding window still maps (0
+        for full attention)."""
+        w, n = self.window_start(layer, s), self._lens[s]
+        return self._layer_view(layer, 0)[s, w:n], self._layer_view(layer, 1)[s, w:n]
 
     # --- physical hooks ----------------------------------------------------------------
     def _va(self, s: int, t: int, j: int) -> int:
@@ -159,28 +181,26 @@ class VMKVCache(SequenceCache):
         self.store.view(dst)[:used_units].copy_(self.store.view(src)[:used_units])
 
     def _tables_of_layer(self, layer: int) -> list[int]:
-        return [2 * layer, 2 * layer + 1] if self.layout == "layer_major" else [0, 1]
+        t = self._layer_at[layer][0]
+        return [t, t + 1]
 
     def _store(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         n = k.shape[0]
         self._layer_view(layer, 0)[s, start : start + n].copy_(k)
         self._layer_view(layer, 1)[s, start : start + n].copy_(v)
 
-    def _row(self, s: int, t: int, nbytes: int) -> torch.Tensor:
+    def _row(self, s: int, t: int, lo: int, hi: int) -> torch.Tensor:
         off = (t * self.max_seqs + s) * self.row_bytes
-        return self._bytes[off : off + nbytes]
+        return self._bytes[off + lo : off + hi]
 
-    def _export(self, s: int, length: int) -> list[torch.Tensor]:
+    def _export_table(self, s: int, t: int, j0: int, length: int) -> torch.Tensor:
+        row = self._row(s, t, j0 * self.page_size, length * self._token_bytes[t])
         pin = self.device.type == "cuda"
-        out = []
-        for t in range(self._T):
-            row = self._row(s, t, length * self.token_bytes)
-            out.append(torch.empty(row.shape, dtype=torch.uint8, pin_memory=pin).copy_(row))
-        return out
+        return torch.empty(row.shape, dtype=torch.uint8, pin_memory=pin).copy_(row)
 
-    def _import(self, s: int, payload: list[torch.Tensor]) -> None:
-        for t, data in enumerate(payload):
-            self._row(s, t, data.numel()).copy_(data)
+    def _import_table(self, s: int, t: int, j0: int, data: torch.Tensor) -> None:
+        lo = j0 * self.page_size
+        self._row(s, t, lo, lo + data.numel()).copy_(data)
 
     def _sync(self) -> None:
         self.backend.synchronize()

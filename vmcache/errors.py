@@ -45,6 +45,15 @@ def check_int(name: str, value: Any) -> int:
     return value
 
 
+def check_tokens(name: str, ids) -> list[int]:
+    if hasattr(ids, "tolist"):  # a tensor
+        ids = ids.tolist()
+    ids = list(ids)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise TypeError(f"{name} must be a sequence of int token ids")
+    return ids
+
+
 class InvariantError(AssertionError):
     """An internal invariant does not hold (a bug in vmcache, never a user error)."""
 

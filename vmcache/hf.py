@@ -29,18 +29,14 @@ import inspect
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import AttentionInterface
 
 from . import kernels
 from .cache import VMKVCache
 from .errors import check_int
+from .hf_attention import ATTN_NAME, register, stand_ins, vmcache_attention
 from .paged_fallback import PagedKVCache
 from .spec import KVSpec
 from .stats import CacheStats
-
-ATTN_NAME = "vmcache"
 
 
 @functools.cache
@@ -70,6 +66,8 @@ class _Layer(CacheLayerMixin):
     def __init__(self, owner: _HFCache, idx: int) -> None:
         super().__init__()
         self.owner, self.idx, self.length = owner, idx, 0
+        windows = owner.spec.layer_windows
+        self.is_sliding = windows is not None and windows[idx] is not None
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.owner._initialize(key_states)
@@ -82,7 +80,10 @@ class _Layer(CacheLayerMixin):
         return self.owner._update(self, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0  # = the key length update() returns
+        """(keys, first key's position) of what update() will return: a sliding layer's
+        keys start at its window's first mapped token (what the next grow keeps)."""
+        offset = self.owner._window_offset(self.idx)
+        return self.length + query_length - offset, offset
 
     def get_seq_length(self) -> int:
         return self.length
@@ -105,7 +106,6 @@ class _HFCache(Cache):
         if max_batch_size is not None and check_int("max_batch_size", max_batch_size) <= 0:
             raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
         self.spec = KVSpec.from_hf_config(config, dtype)  # ValueError for unreadable configs
-        self.spec.check_full_attention_up_to(max_cache_len, type(self).__name__)
         self.config = config
         self._max_len, self._max_rows = max_cache_len, max_batch_size
         self._device, self._dtype = device, dtype
@@ -138,7 +138,7 @@ class _HFCache(Cache):
         if self.max_batch_size is not None and b > self.max_batch_size:
             raise ValueError(f"batch of {b} rows exceeds max_batch_size={self.max_batch_size}")
         spec = KVSpec(self.spec.num_layers, heads, dim, self._dtype or k.dtype,
-                      self.spec.num_q_heads)  # fmt: skip
+                      self.spec.num_q_heads, self.spec.layer_windows)  # fmt: skip
         self.spec = spec
         device = torch.device(self._device) if self._device is not None else k.device
         self.kv = self._make(spec, self.max_batch_size or b, device)
@@ -175,7 +175,7 @@ class _HFCache(Cache):
                 if r not in same:
                     self.kv.write(layer.idx, r, start, k[r], v[r])
         layer.length = end
-        keys, values = self._views(layer.idx, end)
+        keys, values = self._views(layer.idx, self.kv.window_start(layer.idx, self.rows[0]), end)
         if keys.dtype != dtype_in and keys.stride(-1):  # stored narrower (dtype=): convert;
             # zero-stride stand-ins stay as they are (the vmcache attention casts the query)
             keys, values = keys.to(dtype_in), values.to(dtype_in)
@@ -204,8 +204,18 @@ class _HFCache(Cache):
             self.kv.grow(r, n)
         self._len += n
 
-    def _views(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _views(self, layer: int, lo: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[b, N_KV, n − lo, d_h]`` K and V of every row, tokens ``[lo, n)``."""
         raise NotImplementedError
+
+    def _window_offset(self, layer: int) -> int:
+        """The first token ``layer`` keeps mapped once the next step's grow has run (rows all
+        have one length, so one row answers for all); 0 for full attention."""
+        if self.kv is None or not self.rows:
+            return 0
+        g, s = self.kv._group_of[self.kv._tables_of_layer(layer)[0]], self.rows[0]
+        to = max(g.first(s), g.release_plan(s, self._len)[0])
+        return -(-to * g.P // g.u)
 
     def attend(self, layer: int, query: torch.Tensor, scale: float | None) -> torch.Tensor:
         """Attention of every row's new queries ``[b, N_Q, q, d_h]`` over the cache itself
@@ -293,9 +303,7 @@ class _HFCache(Cache):
         if self.kv is not None:
             new.kv = new._make(self.spec, self.kv.max_seqs, self.kv.device)
             for r in self.rows:
-                new.kv.new_sequence(slot=r)
-                new.kv.grow(r, self._len)
-                new.kv._import(r, self.kv._export(r, self._len))
+                new.kv.import_sequence(self.kv.export_sequence(r), slot=r)
         return new
 
     def stats(self) -> CacheStats | None:
@@ -317,10 +325,10 @@ class VMCache(_HFCache):
         return VMKVCache(spec, max_seqs, self.max_cache_len, device, page_size=self._page_size,
                          layout=self._layout, **self._options)  # fmt: skip
 
-    def _views(self, layer, n):
+    def _views(self, layer, lo, n):
         b = len(self.rows)
-        return (self.kv.k_cache(layer)[:b, :n].transpose(1, 2),
-                self.kv.v_cache(layer)[:b, :n].transpose(1, 2))  # fmt: skip
+        return (self.kv.k_cache(layer)[:b, lo:n].transpose(1, 2),
+                self.kv.v_cache(layer)[:b, lo:n].transpose(1, 2))  # fmt: skip
 
 
 class PagedCache(_HFCache):
@@ -334,54 +342,27 @@ class PagedCache(_HFCache):
         super().__init__(config, max_cache_len, max_batch_size, device, dtype)
 
     def _make(self, spec, max_seqs, device):
-        blocks = self._num_blocks or max_seqs * -(-self.max_cache_len // self._block_size)
+        tables = spec.num_layers // PagedKVCache.layers_per_table(spec)
+        blocks = self._num_blocks or max_seqs * tables * -(-self.max_cache_len // self._block_size)
         return PagedKVCache(spec, num_blocks=blocks, block_size=self._block_size, device=device,
                             max_seq_len=self.max_cache_len, max_seqs=max_seqs,
                             **self._options)  # fmt: skip
 
-    def _views(self, layer, n):
+    def _views(self, layer, lo, n):
         b, kv, spec = len(self.rows), self.kv, self.spec
         if getattr(self.config, "_attn_implementation", None) == ATTN_NAME:
-            return stand_ins(spec, kv.device, b, n)  # the attention reads the pool itself
-        return self._gather(layer, n)
+            return stand_ins(spec, kv.device, b, n - lo)  # the attention reads the pool itself
+        return self._gather(layer)
 
-    def _gather(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[b, N_KV, n, d_h]`` K and V of every row, gathered through the block tables."""
-        pos = torch.arange(n, device=self.kv.device)
-        tables = self.kv.block_tables(self.rows).long()  # [b, blocks]
+    def _gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every row from the layer's window start to its length, ``[b, N_KV, n,
+        d_h]``, gathered through the layer's block tables."""
+        lo, n = self.kv.window_start(layer, self.rows[0]), self.layers[layer].length
+        pos = torch.arange(lo, n, device=self.kv.device)
+        tables = self.kv.block_tables(self.rows, layer).long()  # [b, blocks]
         blocks, offs = tables[:, pos // self._block_size], pos % self._block_size
-        pool = self.kv.kv_pool[layer]
-        return pool[0][blocks, offs].transpose(1, 2), pool[1][blocks, offs].transpose(1, 2)
-
-
-def stand_ins(spec: KVSpec, device, rows: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-stride ``[rows, N_KV, n, d_h]`` K and V that cost nothing: what ``update``
-    returns when :func:`vmcache_attention` will read the cache itself."""
-    one = torch.zeros((), dtype=spec.dtype, device=device)
-    shape = (rows, spec.num_kv_heads, n, spec.head_dim)
-    return one.expand(shape), one.expand(shape)
-
-
-def vmcache_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                      **kwargs):  # fmt: skip
-    """transformers attention function: query ``[b, N_Q, q, d_h]`` → ``[b, q, N_Q, d_h]``.
-    K/V tagged by a vmcache cache (``key._vmcache = (owner, layer)``) are read where they live
-    by ``owner.attend``; anything else (other caches, padded steps) goes to SDPA."""
-    ref = getattr(key, "_vmcache", None)
-    if ref is not None and attention_mask is None:
-        owner, layer = ref
-        out = owner.attend(layer, query.to(owner.spec.dtype), scaling)
-        return out.to(query.dtype), None
-    if ref is not None and key.stride(-1) == 0:
-        key, value = ref[0]._gather(ref[1], key.shape[2])  # a padded step needs real tensors
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                  scaling=scaling, **kwargs)  # fmt: skip
-
-
-def register() -> None:
-    """Make ``attn_implementation="vmcache"`` available (idempotent; done on import)."""
-    AttentionInterface.register(ATTN_NAME, vmcache_attention)
-    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+        k, v = self.kv.k_pool(layer), self.kv.v_pool(layer)
+        return k[blocks, offs].transpose(1, 2), v[blocks, offs].transpose(1, 2)
 
 
 register()

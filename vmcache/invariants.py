@@ -10,23 +10,33 @@ only it holds, slots, and token ids (known ones as many as the length, no list s
 from __future__ import annotations
 
 from .errors import require
+from .tables import RELEASED
 
 
 def check_invariants(cache) -> None:
     """Raise :class:`~vmcache.errors.InvariantError` at the first invariant that fails."""
     counts: dict[int, int] = {}  # page -> references found
     for s in cache.sequences:
-        for p in (p for t in cache._ahead[s] for p in t):
+        for p in (p for g in cache.groups for t in g.reserved(s) for p in t):
             counts[p] = counts.get(p, 0) + 1
     for p in cache.prefix.references() if cache.prefix is not None else []:
         counts[p] = counts.get(p, 0) + 1
     for s in cache.sequences:
-        tab = cache._tables[s]
-        require(len(tab) == cache._T)
-        for t in tab:
-            require(len(t) == cache._pages_for(cache._lens[s]), (s, len(t), cache._lens[s]))
-            for p in t:
-                counts[p] = counts.get(p, 0) + 1
+        for g in cache.groups:
+            rows, first, length = g.rows(s), g.first(s), cache._lens[s]
+            require(len(rows) == len(g.ids))
+            # a window releases only what the next query (and a rollback) cannot read
+            require(first <= g.keep_page(length, 0), "released too much", s)
+            for t in rows:
+                require(len(t) == g.pages_for(length), (s, len(t), length))
+                require(all(p == RELEASED for p in t[:first]), "released entries", s)
+                for p in t[first:]:
+                    require(p >= 0, "a mapped entry holds no page", s)
+                    counts[p] = counts.get(p, 0) + 1
+    live = set(cache.sequences)
+    for s in range(cache.max_seqs):
+        if s not in live:
+            require(all(g._rows[s] is None for g in cache.groups), "a free slot has tables", s)
     pool = cache.pool
     for p in range(pool.num_pages):
         require(pool.refcount(p) == counts.get(p, 0), (p, pool.refcount(p), counts.get(p)))

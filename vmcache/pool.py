@@ -90,6 +90,13 @@ class PagePool:
     def can_allocate(self, n: int) -> bool:
         return 0 <= n <= self.num_available
 
+    def gain_from_decref(self, pages: Iterable[int]) -> int:
+        """How many pages :attr:`num_available` would gain if ``pages`` (distinct) each lost
+        one reference: those at refcount 1, and indexed ones at 2 (the index alone would
+        hold them, so it could evict them). Changes nothing."""
+        rc, ix = self._refcount, self._indexed
+        return sum(1 for p in pages if rc[p] == 1 or (rc[p] == 2 and ix[p]))
+
     def refcount(self, page: int) -> int:
         return self._refcount[page]
 

@@ -182,8 +182,9 @@ class PrefixIndex:
 
 
 class PrefixOps:
-    """new_sequence(prefix_tokens=...)'s attach step and cache_prefix, mixed into
-    :class:`~vmcache.seqcache.SequenceCache` (its tables, lengths, token ids and hooks)."""
+    """new_sequence(prefix_tokens=...)'s attach step and cache_prefix: operations of
+    :class:`~vmcache.seqcache.SequenceCache` (its lengths, token ids, salts and its one
+    full-attention group; prefix caching is refused for sliding-window models)."""
 
     def _attach_prefix(self, s: int, tokens: list[int]) -> None:
         entries = self.prefix.match(tokens, self._salts[s])
@@ -191,11 +192,13 @@ class PrefixOps:
             entries.pop()
         if not entries:
             return
-        tables = [[e.pages[t] for e in entries] for t in range(self._T)]
-        self._attach_row(s, 0, tables)
-        self.pool.incref([p for tab in tables for p in tab])
+        (g,) = self.groups
+        rows = [[e.pages[i] for e in entries] for i in range(self._T)]
+        self._attach_row(s, g.ids, 0, rows)
+        self.pool.incref([p for r in rows for p in r])
         n = len(entries) * self.prefix.tokens_per_page
-        self._tables[s], self._tokens[s] = tables, list(tokens[:n])
+        g.open(s, rows)
+        self._tokens[s] = list(tokens[:n])
         self._set_len(s, n)
 
     def cached_prefix_tokens(self, tokens, salt=None) -> int:
@@ -212,4 +215,4 @@ class PrefixOps:
         if self.prefix is None or tokens is None:
             return 0
         n = min(len(tokens), self._lens[s])
-        return self.prefix.insert(tokens[:n], self._tables[s], self._salts[s])
+        return self.prefix.insert(tokens[:n], self.groups[0].rows(s), self._salts[s])

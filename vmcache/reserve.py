@@ -18,21 +18,54 @@ from .errors import check_int
 
 
 class ReserveOps:
-    """Mixed into :class:`~vmcache.seqcache.SequenceCache` (its tables, hooks and pool)."""
+    """What a grow would need (``can_grow``, ``headroom``) and pages mapped ahead of it:
+    operations of :class:`~vmcache.seqcache.SequenceCache`; the reserved pages themselves
+    belong to each :class:`~vmcache.tables.PageTables` group."""
+
+    def can_grow(self, s: int, n: int) -> bool:
+        """Whether ``grow(s, n)`` would succeed now (for schedulers; raises nothing for n)."""
+        s = self._check_seq(s)
+        if not isinstance(n, int) or n < 0 or self._lens[s] + n > self.max_seq_len:
+            return False
+        need, gain = self._grow_need(s, n)
+        return need <= self.pool.num_available + gain
+
+    def _grow_need(self, s: int, n: int) -> tuple[int, int]:
+        """(pages ``grow(s, n)`` allocates, pages its window release gives the pool first)."""
+        need, back = 0, []
+        for g, splits, p_old, p_new in self._grow_plan(s, n):
+            ready = min(len(g.reserved(s)[0]), p_new - p_old)
+            need += len(splits) + len(g.ids) * (p_new - p_old - ready)
+            back += g.release_plan(s, self._lens[s])[1]
+        return need, self.pool.gain_from_decref(back) if back else 0
+
+    def peak_pages(self, n: int, step: int) -> int:
+        """The most pages (every table) one sequence maps at once while it grows to ``n``
+        tokens by at most ``step`` at a time (admission: what must fit in the pool). A
+        sliding group holds at most the pages of W − 1 + rollback + step tokens, plus one
+        for the page the window starts inside."""
+        total = 0
+        for g in self.groups:
+            p = g.pages_for(n)
+            if g.sliding:
+                p = min(p, g.pages_for(g.window - 1 + g.rollback_tokens + step) + 1)
+            total += len(g.ids) * p
+        return total
 
     def mapped_pages(self, s: int) -> int:
-        """Pages sequence ``s`` maps, every table: its tables' pages (shared ones counted
-        per sequence; tables grow together) and the pages reserved ahead of it."""
+        """Pages sequence ``s`` maps, every table: its tables' mapped pages (shared ones
+        counted per sequence; released ones not) and the pages reserved ahead of it."""
         s = self._check_seq(s)
-        return self._T * len(self._tables[s][0]) + sum(len(a) for a in self._ahead[s])
+        return sum(len(g.ids) * (g.num_pages(s) - g.first(s)) + sum(map(len, g.reserved(s)))
+                   for g in self.groups)  # fmt: skip
 
     def headroom(self, s: int) -> int:
         """Tokens ``grow(s, n)`` can add without taking a page from the pool: what the
-        mapped tail page still holds, 0 when it is shared (the next grow copies it)."""
+        mapped tail pages still hold, 0 when one is shared (the next grow copies it)."""
         s = self._check_seq(s)
         length = self._lens[s]
-        room = len(self._tables[s][0]) * self._P // self._u - length
-        splits = self._grow_plan(s, 1)[0] if room else []  # the next grow's copy-on-write
+        room = min(g.num_pages(s) * g.P // g.u for g in self.groups) - length
+        splits = any(sp for _, sp, _, _ in self._grow_plan(s, 1)) if room else False
         return 0 if splits else room
 
     def reserve(self, s: int, n: int) -> int:
@@ -42,48 +75,41 @@ class ReserveOps:
         if n < 0:
             raise ValueError(f"reserve needs n >= 0, got {n}")
         n = min(n, self.max_seq_len - self._lens[s])
-        have = self._ahead[s]
-        first = self._pages_for(self._lens[s]) + len(have[0])  # first index not yet mapped
-        extra = self._pages_for(self._lens[s] + n) - first
-        if extra <= 0 or not self.pool.can_allocate(self._T * extra):
+        plan = []  # (group, first index not yet mapped, pages per table)
+        for g in self.groups:
+            first = g.num_pages(s) + len(g.reserved(s)[0])
+            extra = g.pages_for(self._lens[s] + n) - first
+            if extra > 0:
+                plan.append((g, first, extra))
+        total = sum(len(g.ids) * extra for g, _, extra in plan)
+        if not plan or not self.pool.can_allocate(total):
             return 0
-        fresh = self.pool.allocate(self._T * extra)
-        rows = [fresh[t * extra : (t + 1) * extra] for t in range(self._T)]
+        fresh = iter(self.pool.allocate(total))
+        rows = [[[next(fresh) for _ in range(extra)] for _ in g.ids] for g, _, extra in plan]
+        done = []
         try:
-            self._attach_row(s, first, rows)
+            for (g, first, _), r in zip(plan, rows):
+                self._attach_row(s, g.ids, first, r)
+                done.append((g, first, r))
         except BaseException:
-            self.pool.decref(fresh)
+            for g, first, r in done:
+                for t, pages in zip(g.ids, r):
+                    self._detach(s, t, first, len(pages))
+            self.pool.decref([p for r in rows for row in r for p in row])
             raise
-        for t in range(self._T):
-            have[t].extend(rows[t])
-        self.reserved_pages_mapped += len(fresh)
-        return len(fresh)
-
-    def _take_reserved(self, s: int, pages: int) -> int:
-        """Move up to ``pages`` reserved pages per table into the tables (grow); returns how
-        many per table. They are already mapped at the right indices."""
-        have = self._ahead[s]
-        take = min(len(have[0]), pages)
-        for t in range(self._T):
-            self._tables[s][t].extend(have[t][:take])
-            del have[t][:take]
-        return take
-
-    def _untake_reserved(self, s: int, take: int) -> None:
-        for t in range(self._T):
-            moved = self._tables[s][t][len(self._tables[s][t]) - take :]
-            del self._tables[s][t][len(self._tables[s][t]) - take :]
-            self._ahead[s][t][:0] = moved
+        for (g, _, _), r in zip(plan, rows):
+            g.add_reserved(s, r)
+        self.reserved_pages_mapped += total
+        return total
 
     def _drop_reserved(self, s: int) -> None:
         """Unmap and release the reserved pages of ``s`` (before anything moves its row)."""
-        have = self._ahead[s]
-        if not have[0]:
+        if not any(g.reserved(s)[0] for g in self.groups):
             return
         self._sync()
-        first = len(self._tables[s][0])
-        for t in range(self._T):
-            self._detach(s, t, first, len(have[t]))
-        self.pool.decref([p for t in have for p in t])
-        for t in have:
-            t.clear()
+        for g in self.groups:
+            first = g.num_pages(s)
+            for t, have in zip(g.ids, g.reserved(s)):
+                if have:
+                    self._detach(s, t, first, len(have))
+            self.pool.decref(g.clear_reserved(s))

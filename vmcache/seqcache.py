@@ -1,17 +1,21 @@
-"""SequenceCache: the sequence bookkeeping both caches share (slots, lengths, page tables,
-grow / fork / copy-on-write / free / swap), written once over a few physical hooks.
+"""SequenceCache: the sequence coordinator both caches share. It owns slots, lengths, token
+ids and tenant salts, and orders every change: plan, allocate, map, commit. The page tables
+belong to one :class:`~vmcache.tables.PageTables` per attention type (full, or sliding with
+its window), refcounts to the pool, memory to the cache's physical hooks.
 
 A sequence owns ``T`` page tables (VMKVCache: one per virtual K/V tensor; PagedKVCache: one
-block table). Page ``j`` of a table covers units ``[j·P, (j+1)·P)`` of the row, where a token
-is ``u`` units (VMKVCache: u = bytes per token row, P = page bytes; paged: u = 1, P = B):
+block table per group of layers). Page ``j`` of a table covers units ``[j·P, (j+1)·P)`` of
+the row, where a token is ``u`` units (VMKVCache: u = bytes per token row, P = page bytes;
+paged: u = 1, P = B):
 
     row:   | page 0          | page 1          | page 2 (tail) |
     units: 0                 P                 2P     L·u      3P
                                                       ^ length: page 2 is partly used
 
 Every public call validates first, then allocates all pages it needs (``CacheFull`` here
-changes nothing), then runs the fallible physical steps with an undo log, then commits
-bookkeeping that cannot fail. The caches alone change page tables; the pool alone refcounts.
+changes nothing a reader can see), then runs the fallible physical steps with an undo log,
+then commits bookkeeping that cannot fail. A sliding group's release of pages its window no
+longer needs is a change of its own, made before a grow allocates.
 """
 
 from __future__ import annotations
@@ -22,29 +26,21 @@ from typing import Any
 
 import torch
 
-from .errors import CacheFull, check_int
+from .errors import CacheFull, check_int, check_tokens
 from .invariants import check_invariants
 from .pool import PagePool
 from .prefix import PrefixIndex, PrefixOps
 from .reserve import ReserveOps
 from .sharing import SharingOps
-from .spec import KVSpec
-from .stats import CacheStats
-from .swap import SwapOps
+from .spec import KVSpec, check_kv
+from .stats import CacheStats, collect_stats
+from .swap import SwapOps, SwapTier
+from .tables import PageTables
 
 _check_int = check_int  # the name cache.py and paged_fallback import
 
 
-def _check_tokens(name: str, ids) -> list[int]:
-    if isinstance(ids, torch.Tensor):
-        ids = ids.tolist()
-    ids = list(ids)
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise TypeError(f"{name} must be a sequence of int token ids")
-    return ids
-
-
-class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
+class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps):
     def __init__(
         self,
         spec: KVSpec,
@@ -52,9 +48,7 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
         max_seq_len: int,
         pool: PagePool,
         *,
-        num_tables: int,
-        units_per_token: int,
-        units_per_page: int,
+        groups: list[PageTables],
         page_bytes: int,
         device: torch.device,
         swap_bytes: int | None,
@@ -66,27 +60,28 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
         self.pool = pool
         self.device = device
         self.page_bytes = page_bytes
-        self._T = num_tables
-        self._u = units_per_token
-        self._P = units_per_page
-        self._swap_limit = swap_bytes
-        self._swapped_bytes = 0  # host bytes held by live swap handles
-        self._lens = [0] * max_seqs
-        self._tables: list[list[list[int]] | None] = [None] * max_seqs  # owned by the cache
-        self._free_slots = list(range(max_seqs - 1, -1, -1))
+        self.groups = groups  # one per attention type; each owns its tables' page lists
+        self._group_of = {t: g for g in groups for t in g.ids}
+        self._T = len(self._group_of)
+        self.swap = SwapTier(swap_bytes)  # owns the host tier's byte count
+        self._lens = [0] * max_seqs  # owned here
+        self._live = [False] * max_seqs  # owned here
+        self._free_slots = list(range(max_seqs - 1, -1, -1))  # owned here
         self._tokens: list[list[int] | None] = [None] * max_seqs  # token ids, None = unknown
         self._salts: list[object] = [None] * max_seqs  # tenant salt for the prefix index
-        self._ahead: list[list[list[int]]] = [[[] for _ in range(num_tables)]
-                                                 for _ in range(max_seqs)]  # fmt: skip
         self.reserved_pages_mapped = 0  # pages mapped ahead by reserve() (owned here)
         self.prefix: PrefixIndex | None = None  # owned here; holds pool references
         if prefix_caching:
-            if units_per_page % units_per_token:
+            if any(g.sliding for g in groups):
                 raise ValueError(
-                    "prefix caching needs pages that hold whole tokens; "
-                    f"{units_per_page} is not a multiple of {units_per_token}"
+                    "prefix caching is not supported for models with sliding-window layers "
+                    f"(layers {list(spec.sliding_layers)}): a cached prefix would need the "
+                    "pages those layers release"
                 )
-            self.prefix = PrefixIndex(pool, units_per_page // units_per_token, num_tables)
+            u, P = groups[0].u, groups[0].P
+            if P % u:
+                raise ValueError(f"prefix caching needs pages of whole tokens; {P} % {u} != 0")
+            self.prefix = PrefixIndex(pool, P // u, self._T)
             pool.reclaimer = self.prefix
         self._lens_tensor: torch.Tensor | None = None
         self.epoch = 0  # bumped whenever a length or a page table changes (owned here)
@@ -111,25 +106,20 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
     def _store(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def _export(self, s: int, length: int) -> list[torch.Tensor]:
+    def _export_table(self, s: int, t: int, j0: int, length: int) -> torch.Tensor:
+        """Table ``t``'s K/V of ``s`` from page ``j0`` to token ``length`` (a host copy)."""
         raise NotImplementedError
 
-    def _import(self, s: int, payload: list[torch.Tensor]) -> None:
+    def _import_table(self, s: int, t: int, j0: int, data: torch.Tensor) -> None:
         raise NotImplementedError
 
     def _sync(self) -> None:
         pass
 
     # --- queries -----------------------------------------------------------------------
-    def _pages_for(self, length: int) -> int:
-        return -(-length * self._u // self._P)
-
-    def _used_units(self, j: int, length: int) -> int:
-        return max(0, min(self._P, length * self._u - j * self._P))
-
     def _check_seq(self, s: Any) -> int:
         _check_int("sequence id", s)
-        if not 0 <= s < self.max_seqs or self._tables[s] is None:
+        if not 0 <= s < self.max_seqs or not self._live[s]:
             raise KeyError(f"sequence {s} is not live (unknown, freed or swapped out)")
         return s
 
@@ -141,14 +131,20 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
 
     def pages_for_tokens(self, n: int) -> int:
         """Pages a new sequence of ``n`` tokens maps (every table), for admission planning."""
-        return self._T * self._pages_for(n)
+        return sum(len(g.ids) * g.pages_for(n) for g in self.groups)
 
     def seq_len(self, s: int) -> int:
         return self._lens[self._check_seq(s)]
 
+    def window_start(self, layer: int, s: int) -> int:
+        """The first position of ``s`` whose K/V layer ``layer`` still maps (0 unless its
+        sliding window released pages)."""
+        g = self._group_of[self._tables_of_layer(self._check_layer(layer))[0]]
+        return g.first_token(self._check_seq(s))
+
     @property
     def sequences(self) -> list[int]:
-        return [s for s in range(self.max_seqs) if self._tables[s] is not None]
+        return [s for s in range(self.max_seqs) if self._live[s]]
 
     @property
     def num_free_slots(self) -> int:
@@ -162,32 +158,16 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
         return self._lens_tensor
 
     def page_table(self, s: int) -> list[list[int]]:
-        """A copy of sequence ``s``'s page tables (``T`` lists of page ids)."""
-        return [list(t) for t in self._tables[self._check_seq(s)]]
-
-    def _splits(self, s: int, tables: list[int], j_lo: int, j_hi: int) -> list[tuple[int, int]]:
-        tab, rc = self._tables[s], self.pool.refcount
-        if j_hi - j_lo == 1:  # one page per table (a grow's tail): the common case
-            return [(t, j_lo) for t in tables if j_lo < len(tab[t]) and rc(tab[t][j_lo]) > 1]
-        return [(t, j) for t in tables for j in range(j_lo, min(j_hi, len(tab[t])))
-                if rc(tab[t][j]) > 1]  # fmt: skip
-
-    def _grow_plan(self, s: int, n: int) -> tuple[list[tuple[int, int]], int, int]:
-        length = self._lens[s]
-        p_old, p_new = self._pages_for(length), self._pages_for(length + n)
-        splits = []
-        if n > 0 and (length * self._u) % self._P:  # new tokens land in the partly used tail
-            splits = self._splits(s, list(range(self._T)), p_old - 1, p_old)
-        return splits, p_old, p_new
-
-    def can_grow(self, s: int, n: int) -> bool:
-        """Whether ``grow(s, n)`` would succeed now (for schedulers; raises nothing for n)."""
+        """A copy of sequence ``s``'s page tables (``T`` lists of page ids, table order;
+        ``RELEASED`` (-1) where a sliding window gave a page back)."""
         s = self._check_seq(s)
-        if not isinstance(n, int) or n < 0 or self._lens[s] + n > self.max_seq_len:
-            return False
-        splits, p_old, p_new = self._grow_plan(s, n)
-        ready = min(len(self._ahead[s][0]), p_new - p_old)
-        return self.pool.can_allocate(len(splits) + self._T * (p_new - p_old - ready))
+        return [list(self._group_of[t].row(s, t)) for t in range(self._T)]
+
+    def _grow_plan(self, s: int, n: int):
+        """Per group: (group, shared tail pages to copy, pages now, pages after)."""
+        length, rc = self._lens[s], self.pool.refcount
+        return [(g, g.tail_splits(s, length, n, rc), g.num_pages(s), g.pages_for(length + n))
+                for g in self.groups]  # fmt: skip
 
     # --- sequence lifecycle ------------------------------------------------------------
     def new_sequence(self, slot: int | None = None, prefix_tokens=None, salt=None) -> int:
@@ -202,13 +182,11 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
         elif not self._free_slots:
             raise CacheFull(f"all {self.max_seqs} sequence slots are in use", wanted=1, free=0)
         if prefix_tokens is not None:
-            prefix_tokens = _check_tokens("prefix_tokens", prefix_tokens)
+            prefix_tokens = check_tokens("prefix_tokens", prefix_tokens)
         s = self._free_slots.pop() if slot is None else slot
         if slot is not None:
             self._free_slots.remove(slot)
-        self._tables[s] = [[] for _ in range(self._T)]
-        self._set_len(s, 0)
-        self._tokens[s], self._salts[s] = [], salt
+        self._open(s, [], salt)
         if prefix_tokens and self.prefix is not None:
             try:
                 self._attach_prefix(s, prefix_tokens)
@@ -217,15 +195,23 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
                 raise
         return s
 
+    def _open(self, s: int, tokens: list[int] | None, salt, length: int = 0) -> None:
+        for g in self.groups:
+            g.open(s)
+        self._live[s] = True
+        self._tokens[s], self._salts[s] = tokens, salt
+        self._set_len(s, length)
+
     def grow(self, s: int, n: int, token_ids=None) -> None:
-        """Length += n: map the pages the new length needs; split a shared tail page.
+        """Length += n: map the pages the new length needs; split a shared tail page; first,
+        sliding groups give back the pages their window no longer needs.
         ``token_ids`` (n ids) records what the new positions hold, for prefix caching."""
         s = self._check_seq(s)
         _check_int("n", n)
         if n < 0:
             raise ValueError(f"grow needs n >= 0, got {n}")
         if token_ids is not None:
-            token_ids = _check_tokens("token_ids", token_ids)
+            token_ids = check_tokens("token_ids", token_ids)
             if len(token_ids) != n:
                 raise ValueError(f"grow({s}, {n}) got {len(token_ids)} token ids")
         if self._lens[s] + n > self.max_seq_len:
@@ -235,12 +221,21 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
             )
         if n == 0:
             return
-        splits, p_old, p_new = self._grow_plan(s, n)
-        take = self._take_reserved(s, p_new - p_old)  # mapped ahead by reserve()
+        need, gain = self._grow_need(s, n)
+        free = self.pool.num_available + gain
+        if need > free:  # checked before the window's release: CacheFull changes nothing
+            raise CacheFull(f"page pool exhausted: {need} pages wanted, {free} free of "
+                            f"{self.pool.num_pages}", wanted=need, free=free)  # fmt: skip
+        self._release_window(s)
+        plans = self._grow_plan(s, n)
+        takes = [g.take_reserved(s, p_new - p_old) for g, _, p_old, p_new in plans]
         try:
-            self._split_and_extend(s, splits, p_old + take, p_new)
+            self._split_pages([(s, t, j) for _, splits, _, _ in plans for t, j in splits], s,
+                              [(g, p_old + k, p_new) for (g, _, p_old, p_new), k
+                               in zip(plans, takes)])  # fmt: skip
         except BaseException:
-            self._untake_reserved(s, take)
+            for (g, *_), k in zip(plans, takes):
+                g.untake_reserved(s, k)
             raise
         known = self._tokens[s]
         if token_ids is not None and known is not None and len(known) == self._lens[s]:
@@ -249,18 +244,34 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
             self._tokens[s] = None
         self._set_len(s, self._lens[s] + n)
 
+    def _release_window(self, s: int) -> None:
+        """Sliding groups unmap and give back the pages wholly before their window (minus the
+        rollback margin); the sequence's addresses and length stay as they are."""
+        for g in self.groups:
+            to, pages = g.release_plan(s, self._lens[s])
+            if not pages:
+                continue
+            self._sync()  # no kernel may still read them
+            for t in g.ids:
+                self._detach(s, t, g.first(s), to - g.first(s))
+            g.release(s, to)
+            self.pool.decref(pages)
+            self.epoch += 1
+
     def write(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``, ``v`` (each ``[T, N_KV, d_h]``, the cache's dtype and device) at
-        positions ``[start, start+T)`` of sequence ``s``, which must be within its length.
-        Pages still shared with another sequence are copied first (copy-on-write)."""
+        positions ``[start, start+T)`` of sequence ``s``, which must be within its length
+        (and its window's mapped part). Pages still shared with another sequence are copied
+        first (copy-on-write)."""
         layer, s, n = self._check_write(layer, s, start, k, v)
         if n == 0:
             return
-        j_lo, j_hi = start * self._u // self._P, self._pages_for(start + n)
-        splits = self._splits(s, self._tables_of_layer(layer), j_lo, j_hi)
+        tables = self._tables_of_layer(layer)
+        g = self._group_of[tables[0]]
+        j_lo, j_hi = start * g.u // g.P, g.pages_for(start + n)
+        splits = g.splits(s, tables, j_lo, j_hi, self.pool.refcount)
         if splits:
-            p = self._pages_for(self._lens[s])
-            self._split_and_extend(s, splits, p, p)
+            self._split_pages([(s, t, j) for t, j in splits])
         self._store(layer, s, start, k, v)
 
     def free(self, s: int) -> None:
@@ -269,93 +280,95 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
         s = self._check_seq(s)
         self.cache_prefix(s)
         self._drop_reserved(s)
-        tab = self._tables[s]
         self._sync()
-        for t in range(self._T):
-            self._detach(s, t, 0, len(tab[t]))
-        self.pool.decref([p for t in tab for p in t])
-        self._tables[s] = self._tokens[s] = self._salts[s] = None
+        dropped = []
+        for g in self.groups:
+            for t, j0, pages in g.mapped_runs(s):
+                self._detach(s, t, j0, len(pages))
+                dropped += pages
+            g.close(s)
+        self.pool.decref(dropped)
+        self._live[s] = False
+        self._tokens[s] = self._salts[s] = None
         self._set_len(s, 0)
         self._free_slots.append(s)
 
     def _check_write(self, layer, s, start, k, v) -> tuple[int, int, int]:
         """Validate a write; returns (layer, sequence, token count)."""
-        layer = self._check_layer(layer)
-        s = self._check_seq(s)
+        layer, s = self._check_layer(layer), self._check_seq(s)
         _check_int("start", start)
-        spec = self.spec
-        for name, x in (("k", k), ("v", v)):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-            if x.dim() != 3 or tuple(x.shape[1:]) != (spec.num_kv_heads, spec.head_dim):
-                raise ValueError(
-                    f"{name} must have shape [T, {spec.num_kv_heads}, {spec.head_dim}], "
-                    f"got {list(x.shape)}"
-                )
-            if x.dtype != spec.dtype:
-                raise TypeError(f"{name} must have dtype {spec.dtype}, got {x.dtype}")
-            if x.device.type != self.device.type:
-                raise ValueError(f"{name} must be on {self.device}, got {x.device}")
-        if k.shape[0] != v.shape[0]:
-            raise ValueError(f"k and v hold different token counts: {k.shape[0]} vs {v.shape[0]}")
-        n = k.shape[0]
+        n = check_kv(self.spec, self.device, k, v)
         if start < 0 or start + n > self._lens[s]:
             raise ValueError(
                 f"write of {n} tokens at {start} is outside sequence {s}'s length "
                 f"{self._lens[s]}; grow it first"
             )
+        first = self.window_start(layer, s)
+        if n and start < first:
+            raise ValueError(f"write at {start} into layer {layer} of sequence {s}: positions "
+                             f"before {first} left its sliding window (released)")  # fmt: skip
         return layer, s, n
 
     # --- the transactional core --------------------------------------------------------
-    def _split_and_extend(
-        self, s: int, splits: list[tuple[int, int]], j_from: int, j_to: int
-    ) -> None:
-        """Copy-on-write ``splits`` (table, page index) of ``s`` and map pages
-        ``[j_from, j_to)`` in every table: all of it, or (after an exception) none of it."""
-        self._split_pages([(s, t, j) for t, j in splits], s, j_from, j_to)
-
-    def _split_pages(
-        self, splits: list[tuple[int, int, int]], s_ext: int | None = None, j_from: int = 0,
-        j_to: int = 0,
-    ) -> None:  # fmt: skip
-        """The transactional core: copy-on-write ``splits`` (sequence, table, page index),
-        possibly of several sequences, and map pages ``[j_from, j_to)`` in every table of
-        ``s_ext``. Every page is allocated first (``CacheFull`` here changes nothing), then
-        the fallible steps run with an undo log, then bookkeeping that cannot fail commits."""
-        n_ext = self._T * (j_to - j_from) if s_ext is not None else 0
+    def _split_pages(self, splits: list[tuple[int, int, int]], s_ext: int | None = None,
+                     ext: list[tuple[PageTables, int, int]] = ()) -> None:  # fmt: skip
+        """Copy-on-write ``splits`` (sequence, table, page index), possibly of several
+        sequences, and map pages ``[j_from, j_to)`` into every table of each ``(group,
+        j_from, j_to)`` of ``ext`` for ``s_ext``. Every page is allocated first (``CacheFull``
+        here changes nothing), then the fallible steps run with an undo log, then bookkeeping
+        that cannot fail commits."""
+        n_ext = sum(len(g.ids) * (j_to - j_from) for g, j_from, j_to in ext)
         fresh = self.pool.allocate(len(splits) + n_ext)
         undo: list[Callable[[], None]] = []
         replaced: list[tuple[int, int, int, int, int]] = []  # (seq, table, index, old, new)
+        extension: list[tuple[PageTables, list[list[int]]]] = []
         if splits:
             self._sync()  # the old pages are unmapped below: no kernel may still read them
         try:
             it = iter(fresh)
             for s, t, j in splits:
-                old, new = self._tables[s][t][j], next(it)
-                self._copy_page(old, new, self._used_units(j, self._lens[s]))
+                g = self._group_of[t]
+                old, new = g.row(s, t)[j], next(it)
+                self._copy_page(old, new, g.used_units(j, self._lens[s]))
                 self._detach(s, t, j, 1)
                 undo.append(lambda s=s, t=t, j=j, old=old: self._attach(s, t, j, [old]))
                 self._attach(s, t, j, [new])
                 undo.append(lambda s=s, t=t, j=j: self._detach(s, t, j, 1))
                 replaced.append((s, t, j, old, new))
-            n = j_to - j_from
-            extension = [list(islice(it, n)) for _ in range(self._T if s_ext is not None else 0)]
-            if n and extension:
-                self._attach_row(s_ext, j_from, extension)  # all tables or none
-                undo.append(lambda: [self._detach(s_ext, t, j_from, n) for t in range(self._T)])
+            for g, j_from, j_to in ext:
+                n = j_to - j_from
+                rows = [list(islice(it, n)) for _ in g.ids]
+                if n:
+                    self._attach_row(s_ext, g.ids, j_from, rows)  # all tables or none
+                    undo.append(lambda g=g, j=j_from, n=n: [self._detach(s_ext, t, j, n)
+                                                            for t in g.ids])  # fmt: skip
+                extension.append((g, rows))
         except BaseException:
             for f in reversed(undo):
                 f()
             self.pool.decref(fresh)
             raise
         for s, t, j, _, new in replaced:
-            self._tables[s][t][j] = new
-            self.cow_bytes_copied += self._used_units(j, self._lens[s]) * self.page_bytes // self._P
+            g = self._group_of[t]
+            g.replace(s, t, j, new)
+            self.cow_bytes_copied += g.used_units(j, self._lens[s]) * self.page_bytes // g.P
         self.cow_copies += len(replaced)
         self.epoch += 1
         self.pool.decref([old for *_, old, _ in replaced])
-        for t, pages in enumerate(extension):
-            self._tables[s_ext][t].extend(pages)
+        for g, rows in extension:
+            g.extend(s_ext, rows)
+
+    def _attach_row(self, s: int, tables, j0: int, pages: list[list[int]]) -> None:
+        """Map ``pages[i]`` at index ``j0`` of table ``tables[i]`` of ``s``: all or nothing."""
+        done = 0
+        try:
+            for t, row in zip(tables, pages):
+                self._attach(s, t, j0, row)
+                done += 1
+        except BaseException:
+            for t, row in reversed(list(zip(tables, pages))[:done]):
+                self._detach(s, t, j0, len(row))
+            raise
 
     def _set_len(self, s: int, length: int) -> None:
         self._lens[s] = length
@@ -364,24 +377,13 @@ class SequenceCache(SharingOps, SwapOps, PrefixOps, ReserveOps):
 
     # --- stats -------------------------------------------------------------------------
     def stats(self) -> CacheStats:
-        live = self.sequences
-        entries = sum(len(t) for s in live for t in self._tables[s])
-        pool = self.pool.stats()
-        tokens = sum(self._lens[s] for s in live)
-        return CacheStats(
-            num_sequences=len(live),
-            num_tokens=tokens,
-            page_bytes=self.page_bytes,
-            mapped_bytes=entries * self.page_bytes,
-            used_bytes=self.spec.kv_bytes(tokens),
-            physical_pages=pool.used_pages,
-            physical_bytes=pool.used_pages * self.page_bytes,
-            shared_pages=pool.shared_pages,
-            free_pages=pool.free_pages,
-            total_pages=pool.num_pages,
-            cow_copies=self.cow_copies,
-            cow_bytes_copied=self.cow_bytes_copied,
-        )
+        return collect_stats(self)
+
+    def _held_bytes(self, s: int) -> int:
+        """K/V bytes of ``s``'s tokens its tables still map (released ones not counted)."""
+        length = self._lens[s]
+        return sum(len(g.ids) * (length - min(g.first_token(s), length)) * self.page_bytes
+                   * g.u // g.P for g in self.groups)  # fmt: skip
 
     def check_invariants(self) -> None:
         """Check invariants 1–2 (refcounts = mappings; free list ⇔ refcount 0) and the

@@ -1,7 +1,8 @@
 """Page-table rewiring without copying K/V: fork, assign (beam reorder), truncate (crop),
-and write_group (one write for rows that hold the same tokens). Mixed into
-:class:`~vmcache.seqcache.SequenceCache`, whose tables, lengths and hooks they use; refcounts
-change only through the pool.
+and write_group (one write for rows that hold the same tokens). Operations of the sequence
+coordinator (:class:`~vmcache.seqcache.SequenceCache`): they read its lengths, token ids and
+salts, ask each :class:`~vmcache.tables.PageTables` group what changes, map through the
+cache's hooks, change refcounts through the pool, then commit to the groups.
 
 assign remaps only the entries that differ, so beams sharing a history keep their pages:
 
@@ -20,18 +21,6 @@ from .errors import CacheFull, check_int
 
 
 class SharingOps:
-    def _attach_row(self, s: int, j0: int, pages: list[list[int]]) -> None:
-        """Map ``pages[t]`` at index ``j0`` of every table ``t`` of ``s``: all or nothing."""
-        done = 0
-        try:
-            for t in range(self._T):
-                self._attach(s, t, j0, pages[t])
-                done += 1
-        except BaseException:
-            for t in reversed(range(done)):
-                self._detach(s, t, j0, len(pages[t]))
-            raise
-
     def fork(self, s: int, n: int = 1) -> list[int]:
         """``n`` children sharing every page of ``s`` (refcounts += n, no K/V copied)."""
         s = self._check_seq(s)
@@ -44,29 +33,25 @@ class SharingOps:
                 wanted=n,
                 free=len(self._free_slots),
             )
-        tab = self._tables[s]
         children = [self._free_slots.pop() for _ in range(n)]
+        runs = [r for g in self.groups for r in g.mapped_runs(s)]
         undo: list[Callable[[], None]] = []
         try:
             for c in children:
-                for t in range(self._T):
-                    if tab[t]:
-                        self._attach(c, t, 0, tab[t])
-                        undo.append(lambda c=c, t=t: self._detach(c, t, 0, len(tab[t])))
+                for t, j0, pages in runs:
+                    self._attach(c, t, j0, pages)
+                    undo.append(lambda c=c, t=t, j0=j0, k=len(pages): self._detach(c, t, j0, k))
         except BaseException:
             for f in reversed(undo):
                 f()
             self._free_slots.extend(reversed(children))
             raise
-        self.pool.incref([p for t in tab for p in t], n)
+        self.pool.incref([p for _, _, pages in runs for p in pages], n)
+        known = self._tokens[s]
         for c in children:
-            self._tables[c] = [list(t) for t in tab]
-            self._set_len(c, self._lens[s])
-            known = self._tokens[s]
-            self._tokens[c], self._salts[c] = (
-                (None if known is None else list(known)),
-                self._salts[s],
-            )
+            self._open(c, None if known is None else list(known), self._salts[s], self._lens[s])
+            for g in self.groups:
+                g.open(c, g.rows(s), g.first(s))
         return children
 
     def assign(self, dsts: Sequence[int], srcs: Sequence[int]) -> None:
@@ -83,58 +68,63 @@ class SharingOps:
             raise ValueError(f"assign destinations must be distinct, got {dsts}")
         for d in dsts:
             self._drop_reserved(d)  # the rows are about to be remapped
-        new = {d: [list(t) for t in self._tables[s]] for d, s in zip(dsts, srcs)}
+        new = {(d, gi): (g.rows(s), g.first(s)) for d, s in zip(dsts, srcs)
+               for gi, g in enumerate(self.groups)}  # fmt: skip
         new_len = {d: self._lens[s] for d, s in zip(dsts, srcs)}
         new_ids = {d: (None if self._tokens[s] is None else list(self._tokens[s]),
                        self._salts[s]) for d, s in zip(dsts, srcs)}  # fmt: skip
-        plan = []  # (dst, table, first differing index, old pages from there, new pages)
-        for d in dsts:
-            for t in range(self._T):
-                old, nw = self._tables[d][t], new[d][t]
-                j0 = 0
-                while j0 < min(len(old), len(nw)) and old[j0] == nw[j0]:
-                    j0 += 1
-                if j0 < len(old) or j0 < len(nw):
-                    plan.append((d, t, j0, old[j0:], nw[j0:]))
+        # (dst, table, detach from, old pages, attach from, new pages)
+        plan = [(d, *step) for (d, gi), (rows, first) in new.items()
+                for step in self.groups[gi].assign_plan(d, rows, first)]  # fmt: skip
         self._sync()
         undo: list[Callable[[], None]] = []
         try:
-            for d, t, j0, old, _ in plan:
+            for d, t, ja, old, _, _ in plan:
                 if old:
-                    self._detach(d, t, j0, len(old))
-                    undo.append(lambda d=d, t=t, j0=j0, old=old: self._attach(d, t, j0, old))
-            for d, t, j0, _, nw in plan:
+                    self._detach(d, t, ja, len(old))
+                    undo.append(lambda d=d, t=t, ja=ja, old=old: self._attach(d, t, ja, old))
+            for d, t, _, _, jb, nw in plan:
                 if nw:
-                    self._attach(d, t, j0, nw)
-                    undo.append(lambda d=d, t=t, j0=j0, n=len(nw): self._detach(d, t, j0, n))
+                    self._attach(d, t, jb, nw)
+                    undo.append(lambda d=d, t=t, jb=jb, n=len(nw): self._detach(d, t, jb, n))
         except BaseException:
             for f in reversed(undo):
                 f()
             raise
         self.pool.incref([p for *_, nw in plan for p in nw])
-        self.pool.decref([p for _, _, _, old, _ in plan for p in old])
+        self.pool.decref([p for _, _, _, old, _, _ in plan for p in old])
+        for (d, gi), (rows, first) in new.items():
+            self.groups[gi].open(d, rows, first)
         for d in dsts:
-            self._tables[d] = new[d]
             self._set_len(d, new_len[d])
             self._tokens[d], self._salts[d] = new_ids[d]
 
     def truncate(self, s: int, length: int) -> None:
         """Shorten sequence ``s`` to ``length`` tokens (``crop``): pages past it are unmapped
-        and released; the kept tail page stays (copied on the next write if shared)."""
+        and released; the kept tail page stays (copied on the next write if shared). A
+        sliding-window group can go back only as far as its rollback margin kept pages."""
         s = self._check_seq(s)
         check_int("length", length)
         if not 0 <= length <= self._lens[s]:
             raise ValueError(f"truncate length must be in [0, {self._lens[s]}], got {length}")
+        for g in self.groups:
+            if g.keep_page(length, 0) < g.first(s):
+                raise ValueError(
+                    f"truncate({s}, {length}): the sliding window of {g.window} tokens already "
+                    f"released positions before {g.first_token(s)} that a {length}-token "
+                    f"sequence still reads; raise rollback_tokens (now {g.rollback_tokens}) "
+                    "to keep more"
+                )
         self._drop_reserved(s)
-        keep = self._pages_for(length)
-        tab = self._tables[s]
         self._sync()
-        for t in range(self._T):
-            if len(tab[t]) > keep:
-                self._detach(s, t, keep, len(tab[t]) - keep)
-        dropped = [p for t in tab for p in t[keep:]]
-        for t in tab:
-            del t[keep:]
+        dropped = []
+        for g in self.groups:
+            keep = g.pages_for(length)
+            for t, j0, pages in g.mapped_runs(s):
+                lo = max(keep, j0)
+                if lo < j0 + len(pages):
+                    self._detach(s, t, lo, j0 + len(pages) - lo)
+            dropped += g.cut(s, keep)
         self.pool.decref(dropped)
         self._set_len(s, length)
         if self._tokens[s] is not None:
@@ -154,12 +144,12 @@ class SharingOps:
             self._check_write(layer, s, start, k, v)
         if n == 0:
             return
-        j_lo, j_hi = start * self._u // self._P, self._pages_for(start + n)
         tables = self._tables_of_layer(layer)
+        g = self._group_of[tables[0]]
+        j_lo, j_hi = start * g.u // g.P, g.pages_for(start + n)
 
         def entries(s: int) -> list[tuple[int, int, int]]:
-            tab = self._tables[s]
-            return [(t, j, tab[t][j]) for t in tables for j in range(j_lo, j_hi)]
+            return [(t, j, g.row(s, t)[j]) for t in tables for j in range(j_lo, j_hi)]
 
         uses = Counter(p for s in seqs for _, _, p in entries(s))
         # decided for every member before any split changes a refcount

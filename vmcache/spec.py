@@ -96,6 +96,16 @@ class KVSpec:
         ws = [w for w in self.layer_windows or () if w is not None]
         return min(ws) if ws else None
 
+    @property
+    def attention_groups(self) -> tuple[tuple[int | None, tuple[int, ...]], ...]:
+        """Layers by attention type, in order of their first layer: ``((window, layers),
+        ...)``, window None for full attention (one group when no layer slides)."""
+        windows = self.layer_windows or (None,) * self.num_layers
+        groups: dict[int | None, list[int]] = {}
+        for i, w in enumerate(windows):
+            groups.setdefault(w, []).append(i)
+        return tuple((w, tuple(layers)) for w, layers in groups.items())
+
     def window_kv_bytes(self, num_tokens: int) -> int:
         """The K/V a sequence of ``num_tokens`` needs when every sliding layer keeps only its
         window: 2 · N_KV · d_h · b · Σ_l min(L, W_l) (the bound a windowed cache aims at)."""
@@ -104,18 +114,6 @@ class KVSpec:
         windows = self.layer_windows or (None,) * self.num_layers
         held = sum(num_tokens if w is None else min(num_tokens, w) for w in windows)
         return 2 * held * self.bytes_per_token_per_layer
-
-    def check_full_attention_up_to(self, max_seq_len: int, who: str) -> None:
-        """Raise ``ValueError`` if a sliding layer's window is shorter than ``max_seq_len``:
-        a cache that attends over whole sequences would then read keys the model masks out
-        (silently wrong outputs). Within the window, sliding and full attention agree."""
-        w = self.min_window
-        if w is not None and max_seq_len > w:
-            raise ValueError(
-                f"{who}: layers {list(self.sliding_layers)} use a sliding window of {w} "
-                f"tokens, shorter than max_seq_len {max_seq_len}; windowed attention is not "
-                f"supported yet, so sequences must stay within the window (max_seq_len <= {w})"
-            )
 
     def kv_bytes(self, num_tokens: int) -> int:
         """M_KV(L): bytes of K and V for ``num_tokens`` tokens."""
@@ -172,6 +170,24 @@ class KVSpec:
                 dtype = torch.float32
         return cls(layers, int(kv_heads), int(head_dim), dtype, q_heads,
                    _layer_windows(config, layers))  # fmt: skip
+
+
+def check_kv(spec: KVSpec, device: torch.device, k: Any, v: Any) -> int:
+    """Validate K and V for a write (each ``[T, N_KV, d_h]``, ``spec.dtype``, on ``device``'s
+    type); returns T."""
+    for name, x in (("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or tuple(x.shape[1:]) != (spec.num_kv_heads, spec.head_dim):
+            raise ValueError(f"{name} must have shape [T, {spec.num_kv_heads}, {spec.head_dim}],"
+                             f" got {list(x.shape)}")  # fmt: skip
+        if x.dtype != spec.dtype:
+            raise TypeError(f"{name} must have dtype {spec.dtype}, got {x.dtype}")
+        if x.device.type != device.type:
+            raise ValueError(f"{name} must be on {device}, got {x.device}")
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"k and v hold different token counts: {k.shape[0]} vs {v.shape[0]}")
+    return k.shape[0]
 
 
 def _layer_windows(config: Any, layers: int) -> tuple[int | None, ...] | None:

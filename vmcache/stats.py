@@ -19,6 +19,7 @@ class CacheStats:
     total_pages: int
     cow_copies: int = 0  # pages copied on write so far
     cow_bytes_copied: int = 0  # bytes those copies moved
+    window_released_pages: int = 0  # page-table entries sliding windows gave back so far
 
     @property
     def internal_waste(self) -> float:
@@ -37,3 +38,26 @@ class CacheStats:
         d["internal_waste"] = self.internal_waste
         d["cow_saving"] = self.cow_saving
         return d
+
+
+def collect_stats(cache) -> CacheStats:
+    """A :class:`CacheStats` of a :class:`~vmcache.seqcache.SequenceCache` (reads its
+    lengths, groups and pool; changes nothing)."""
+    live = cache.sequences
+    entries = sum(len(g.ids) * (g.num_pages(s) - g.first(s)) for s in live for g in cache.groups)
+    pool = cache.pool.stats()
+    return CacheStats(
+        num_sequences=len(live),
+        num_tokens=sum(cache.seq_len(s) for s in live),
+        page_bytes=cache.page_bytes,
+        mapped_bytes=entries * cache.page_bytes,
+        used_bytes=sum(cache._held_bytes(s) for s in live),
+        physical_pages=pool.used_pages,
+        physical_bytes=pool.used_pages * cache.page_bytes,
+        shared_pages=pool.shared_pages,
+        free_pages=pool.free_pages,
+        total_pages=pool.num_pages,
+        cow_copies=cache.cow_copies,
+        cow_bytes_copied=cache.cow_bytes_copied,
+        window_released_pages=sum(g.released_pages for g in cache.groups),
+    )

@@ -79,10 +79,12 @@ class Engine:
         if total > self.kv.max_seq_len:
             raise ValueError(f"request {req.req_id!r}: {total} tokens exceed the cache's "
                              f"max_seq_len {self.kv.max_seq_len}")  # fmt: skip
-        if self.kv.pages_for_tokens(total) > self.kv.pool.num_pages:
-            raise ValueError(f"request {req.req_id!r}: {total} tokens need "
-                             f"{self.kv.pages_for_tokens(total)} pages, the pool has "
-                             f"{self.kv.pool.num_pages}")  # fmt: skip
+        # a sliding window holds only its last pages: the peak of a grow by one step (a whole
+        # prefill or re-prefill chunk) is what must fit
+        peak = self.kv.peak_pages(total, min(total, self.scheduler.max_batch_tokens))
+        if peak > self.kv.pool.num_pages:
+            raise ValueError(f"request {req.req_id!r}: {total} tokens need {peak} pages at "
+                             f"once, the pool has {self.kv.pool.num_pages}")  # fmt: skip
         self.outputs[req.req_id] = [None] * req.params.n
         self.times[req.req_id] = [time.perf_counter() if arrival_s is None else arrival_s,
                                   None, None]  # fmt: skip

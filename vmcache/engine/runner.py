@@ -13,6 +13,8 @@ per-step plan (slots, starts, q_lens) is built once, then read by every layer.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -95,10 +97,22 @@ class ModelRunner:
                 "model.rotary_emb, model.layers, model.norm and lm_head; got "
                 f"{type(model).__name__}"
             )
-        # a model whose sliding layers are shorter than the cache's sequences: refused here,
-        # whatever spec the cache was built with (its attention would read masked-out keys)
-        KVSpec.from_hf_config(model.config).check_full_attention_up_to(kv.max_seq_len,
-                                                                       "Engine")  # fmt: skip
+        # the kernels take each layer's window from the cache's spec: it must be the model's
+        windows = KVSpec.from_hf_config(model.config).layer_windows
+        if kv.spec.layer_windows != windows:
+            raise ValueError(f"the cache's layer windows {kv.spec.layer_windows} are not the "
+                             f"model's {windows}: build it with KVSpec.from_hf_config")  # fmt: skip
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
+        cfg = cfg or model.config
+        if getattr(cfg, "attn_logit_softcapping", None) is not None:
+            raise ValueError(
+                "the engine's attention has no logit soft-capping (Gemma 2's "
+                "attn_logit_softcapping); use VMCache/PagedCache, eager attention"
+            )
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
+        # Gemma 3: one rotary embedding per layer type (local / global bases)
+        takes_type = "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters
+        self.layer_types = list(cfg.layer_types) if takes_type else None
         if model.config._attn_implementation != ATTN_NAME:
             model.set_attn_implementation(ATTN_NAME)
         self.model, self.inner, self.kv = model, inner, kv
@@ -118,8 +132,12 @@ class ModelRunner:
         pos = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, q_lens)])
         pos = pos.to(self.device)[None]
         h = self.inner.embed_tokens(ids)
-        pe = self.inner.rotary_emb(h, position_ids=pos)
-        for layer in self.inner.layers:
+        if self.layer_types is None:
+            pes = [self.inner.rotary_emb(h, position_ids=pos)] * len(self.inner.layers)
+        else:
+            by_type = {t: self.inner.rotary_emb(h, pos, t) for t in set(self.layer_types)}
+            pes = [by_type[t] for t in self.layer_types]
+        for layer, pe in zip(self.inner.layers, pes):
             h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe,
                       **{self.cache_arg: self.cache})  # fmt: skip
             h = h[0] if isinstance(h, tuple) else h
@@ -131,4 +149,7 @@ class ModelRunner:
                 "does not call cache.update; refusing to return logits computed without it"
             )
         last = torch.tensor(q_lens, device=self.device).cumsum(0) - 1
-        return self.model.lm_head(self.inner.norm(h[0, last])).float()
+        logits = self.model.lm_head(self.inner.norm(h[0, last])).float()
+        if self.final_softcap is not None:  # Gemma 2/3: as their forward does
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits

@@ -147,7 +147,7 @@ class Scheduler:
         self._growing = sum(1 for s in self.running if self.kv.headroom(s.slot) == 0)
         while self.swapped and self.kv.num_free_slots:
             seq = self.swapped[0]
-            if not self._room(self.kv.pages_for_tokens(seq.swap.length + 1)):
+            if not self._room(self.kv.swap_in_pages(seq.swap) + self.kv.pages_for_tokens(1)):
                 break
             seq.slot = self.kv.swap_in(seq.swap)
             seq.swap = None

@@ -1,0 +1,47 @@
+"""``attn_implementation="vmcache"``: transformers' attention function that reads the K/V
+where :class:`~vmcache.hf.VMCache` / :class:`~vmcache.hf.PagedCache` keep them
+(:mod:`vmcache.kernels`), with SDPA for padded steps and for tensors of other caches."""
+
+from __future__ import annotations
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from .spec import KVSpec
+
+ATTN_NAME = "vmcache"
+
+
+def stand_ins(spec: KVSpec, device, rows: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-stride ``[rows, N_KV, n, d_h]`` K and V that cost nothing: what ``update``
+    returns when :func:`vmcache_attention` will read the cache itself."""
+    one = torch.zeros((), dtype=spec.dtype, device=device)
+    shape = (rows, spec.num_kv_heads, n, spec.head_dim)
+    return one.expand(shape), one.expand(shape)
+
+
+def vmcache_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      **kwargs):  # fmt: skip
+    """transformers attention function: query ``[b, N_Q, q, d_h]`` → ``[b, q, N_Q, d_h]``.
+    K/V tagged by a vmcache cache (``key._vmcache = (owner, layer)``) are read where they live
+    by ``owner.attend``; anything else (other caches, padded steps) goes to SDPA."""
+    ref = getattr(key, "_vmcache", None)
+    if kwargs.get("softcap") is not None:
+        raise ValueError("attn_implementation='vmcache' has no logit soft-capping (Gemma 2); "
+                         "use 'eager' with these caches")  # fmt: skip
+    if ref is not None and attention_mask is None:
+        owner, layer = ref
+        out = owner.attend(layer, query.to(owner.spec.dtype), scaling)
+        return out.to(query.dtype), None
+    if ref is not None and key.stride(-1) == 0:
+        key, value = ref[0]._gather(ref[1])  # a padded step needs real tensors
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, **kwargs)  # fmt: skip
+
+
+def register() -> None:
+    """Make ``attn_implementation="vmcache"`` available (idempotent; done on import)."""
+    AttentionInterface.register(ATTN_NAME, vmcache_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)

@@ -1,0 +1,202 @@
+"""PageTables: the page tables of one attention type. A cache holds one per type under the
+sequence coordinator (:class:`~vmcache.seqcache.SequenceCache`), as vLLM v1 holds one
+single-type manager per KV-cache group under its coordinator.
+
+A group owns the tables ``ids`` (the cache's table numbers: VMKVCache ``layer_major``, the K
+and V tensors of its layers; ``token_major``, its one K and one V tensor; PagedKVCache, its
+block table). For every live sequence it keeps one page list per table, all as long as the
+sequence's length needs, and the pages reserved ahead of them. Page ``j`` covers units
+``[j·P, (j+1)·P)`` of a row, a token is ``u`` units.
+
+A sliding-window group (window W, rollback margin k) drops the pages that lie wholly before
+the first token a later step can read: the next query (position L, the current length)
+reads keys (L − W, L], and a ``truncate`` back by up to k tokens must stay possible:
+
+    keep from token  f = max(0, L − W + 1 − k)         released: pages j < ⌊f·u / P⌋
+    table:  | RELEASED | RELEASED | p2 | p3 | p4 (tail) |
+            0          1          ^ first mapped page, the same in every table of the group
+
+Released entries stay in the lists as ``RELEASED``, so page ``j`` is index ``j`` and a
+sequence's virtual addresses never move. A full-attention group never releases.
+
+Owned here, and changed only here: the page lists, the released counts, the reserved pages.
+Nothing here maps memory or changes a refcount: the coordinator does both (the cache's hooks
+and the pool) and then commits here, in that order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+RELEASED = -1  # a page-list entry whose page went back to the pool (sliding window)
+
+
+class PageTables:
+    def __init__(
+        self,
+        ids: Sequence[int],
+        window: int | None,
+        max_seqs: int,
+        units_per_token: int,
+        units_per_page: int,
+        rollback_tokens: int = 0,
+    ) -> None:
+        self.ids = tuple(ids)  # the cache's table numbers this group owns
+        self.window = window  # None: full attention
+        self.rollback_tokens = rollback_tokens  # a truncate back by this much stays possible
+        self.u, self.P = units_per_token, units_per_page
+        self._pos = {t: i for i, t in enumerate(self.ids)}
+        self._rows: list[list[list[int]] | None] = [None] * max_seqs  # s -> a list per table
+        self._first = [0] * max_seqs  # s -> leading pages released (every table alike)
+        self._ahead: list[list[list[int]]] = [[[] for _ in self.ids] for _ in range(max_seqs)]
+        self.released_pages = 0  # page-table entries released by the window so far
+
+    # --- queries -----------------------------------------------------------------------
+    @property
+    def sliding(self) -> bool:
+        return self.window is not None
+
+    def pages_for(self, length: int) -> int:
+        """Entries a table of a ``length``-token sequence has (released ones included)."""
+        return -(-length * self.u // self.P)
+
+    def used_units(self, j: int, length: int) -> int:
+        return max(0, min(self.P, length * self.u - j * self.P))
+
+    def row(self, s: int, t: int) -> list[int]:
+        """Table ``t`` of sequence ``s`` (read only; RELEASED entries in front)."""
+        return self._rows[s][self._pos[t]]
+
+    def rows(self, s: int) -> list[list[int]]:
+        """A copy of every table of ``s``, in ``ids`` order."""
+        return [list(r) for r in self._rows[s]]
+
+    def first(self, s: int) -> int:
+        """Leading entries of ``s``'s tables released by the window (0 for full attention)."""
+        return self._first[s]
+
+    def num_pages(self, s: int) -> int:
+        """Entries in each of ``s``'s tables (released ones included)."""
+        return len(self._rows[s][0])
+
+    def mapped(self, s: int) -> Iterator[int]:
+        """Every page ``s``'s tables map (not the reserved ones)."""
+        f = self._first[s]
+        return (p for r in self._rows[s] for p in r[f:])
+
+    def mapped_runs(self, s: int) -> Iterator[tuple[int, int, list[int]]]:
+        """(table, first index, pages) of the mapped part of each table."""
+        f = self._first[s]
+        return ((t, f, r[f:]) for t, r in zip(self.ids, self._rows[s]) if len(r) > f)
+
+    def reserved(self, s: int) -> list[list[int]]:
+        return self._ahead[s]
+
+    def first_token(self, s: int) -> int:
+        """The first position of ``s`` whose K/V are wholly mapped (0 unless released)."""
+        return -(-self._first[s] * self.P // self.u)
+
+    def keep_page(self, length: int, margin: int) -> int:
+        """The first page a ``length``-token sequence must keep mapped when a truncate back
+        by ``margin`` tokens must stay possible (0 for full attention)."""
+        if self.window is None:
+            return 0
+        return max(0, length - self.window + 1 - margin) * self.u // self.P
+
+    def release_plan(self, s: int, length: int) -> tuple[int, list[int]]:
+        """(new first index, the pages that leave) when ``s`` of ``length`` tokens drops what
+        its window no longer needs; nothing leaves when the index does not move."""
+        to = min(self.keep_page(length, self.rollback_tokens), self.num_pages(s))
+        f = self._first[s]
+        if to <= f:
+            return f, []
+        return to, [p for r in self._rows[s] for p in r[f:to]]
+
+    def splits(self, s: int, tables: Sequence[int], j_lo: int, j_hi: int, refcount) -> list:
+        """(table, index) of the mapped pages in ``[j_lo, j_hi)`` of ``tables`` that another
+        holder shares (refcount > 1): a write there copies them first."""
+        rows, lo = self._rows[s], max(j_lo, self._first[s])
+        if j_hi - lo == 1:  # one page per table (a grow's tail): the common case
+            return [(t, lo) for t in tables if lo < len(r := rows[self._pos[t]])
+                    and refcount(r[lo]) > 1]  # fmt: skip
+        return [(t, j) for t in tables for j in range(lo, min(j_hi, len(rows[self._pos[t]])))
+                if refcount(rows[self._pos[t]][j]) > 1]  # fmt: skip
+
+    def tail_splits(self, s: int, length: int, n: int, refcount) -> list[tuple[int, int]]:
+        """The shared tail pages a grow by ``n`` writes into (copied first)."""
+        if n <= 0 or not (length * self.u) % self.P:
+            return []
+        p = self.pages_for(length)
+        return self.splits(s, self.ids, p - 1, p, refcount)
+
+    def assign_plan(self, d: int, rows: list[list[int]], first: int) -> list[tuple]:
+        """What changes when ``d``'s tables become ``rows`` (released up to ``first``):
+        (table, j_detach, old pages there, j_attach, new pages there) per table that differs;
+        entries equal in both (shared history) stay mapped."""
+        plan = []
+        f_old = self._first[d]
+        for t, old, new in zip(self.ids, self._rows[d], rows):
+            j0 = 0
+            while j0 < min(len(old), len(new)) and old[j0] == new[j0]:
+                j0 += 1
+            if j0 < len(old) or j0 < len(new):
+                a, b = max(j0, f_old), max(j0, first)
+                plan.append((t, a, old[a:], b, new[b:]))
+        return plan
+
+    # --- changes (after the coordinator mapped and refcounted) --------------------------
+    def open(self, s: int, rows: list[list[int]] | None = None, first: int = 0) -> None:
+        self._rows[s] = [[] for _ in self.ids] if rows is None else [list(r) for r in rows]
+        self._first[s] = first
+
+    def close(self, s: int) -> None:
+        self._rows[s] = None
+        self._first[s] = 0
+
+    def replace(self, s: int, t: int, j: int, page: int) -> None:
+        self._rows[s][self._pos[t]][j] = page
+
+    def extend(self, s: int, pages: list[list[int]]) -> None:
+        for r, new in zip(self._rows[s], pages):
+            r.extend(new)
+
+    def cut(self, s: int, keep: int) -> list[int]:
+        """Drop the entries past ``keep``; returns the mapped pages among them."""
+        f = self._first[s]
+        out = [p for r in self._rows[s] for p in r[max(keep, f) :]]
+        for r in self._rows[s]:
+            del r[keep:]
+        return out
+
+    def release(self, s: int, to: int) -> None:
+        """Mark entries ``[first, to)`` released (their pages were unmapped and dropped)."""
+        f = self._first[s]
+        for r in self._rows[s]:
+            r[f:to] = [RELEASED] * (to - f)
+        self.released_pages += len(self.ids) * (to - f)
+        self._first[s] = to
+
+    def take_reserved(self, s: int, pages: int) -> int:
+        """Move up to ``pages`` reserved pages per table into the tables (they are mapped at
+        the right indices already); returns how many per table."""
+        have = self._ahead[s]
+        take = min(len(have[0]), pages)
+        for r, a in zip(self._rows[s], have):
+            r.extend(a[:take])
+            del a[:take]
+        return take
+
+    def untake_reserved(self, s: int, take: int) -> None:
+        for r, a in zip(self._rows[s], self._ahead[s]):
+            a[:0] = r[len(r) - take :]
+            del r[len(r) - take :]
+
+    def add_reserved(self, s: int, pages: list[list[int]]) -> None:
+        for a, new in zip(self._ahead[s], pages):
+            a.extend(new)
+
+    def clear_reserved(self, s: int) -> list[int]:
+        out = [p for a in self._ahead[s] for p in a]
+        for a in self._ahead[s]:
+            a.clear()
+        return out
