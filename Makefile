@@ -15,7 +15,7 @@ OLD_STAMP := $(OLD)/.vmcache-installed
 # Without an NVIDIA GPU take the CPU build first, so no multi-GB CUDA build is pulled.
 CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q torch==2.13.0; fi
 
-.PHONY: bench bench-30k readme test test-newest test-oldest test-long coverage compile-sm90 lint \
+.PHONY: bench bench-30k bench-window readme test test-newest test-oldest test-long coverage compile-sm90 lint \
 	gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -44,6 +44,10 @@ bench: $(BENCH_STAMP)
 bench-30k: $(BENCH_STAMP)
 	$(BENCH_BIN)/vmcache-bench --mode sizing --traces heavy --scale 15 --rates 12 --tag heavy30k
 
+# KV memory against length on a hybrid sliding-window model (the README's window table)
+bench-window: $(STAMP)
+	$(PY) benchmarks/bench_window.py
+
 # the README's result tables from the committed JSON (tests/test_readme_results.py checks them)
 readme: $(STAMP)
 	$(PY) scripts/render_readme.py
@@ -55,9 +59,11 @@ test: test-newest test-oldest
 test-newest: $(STAMP)
 	$(VENV)/bin/pytest
 
-# the oldest supported transformers and triton: the drop-in, the engine, the sm_90 compile
+# the oldest supported transformers and triton: the drop-in, the engine, the sm_90 compile,
+# and the hybrid sliding-window family (Gemma 3: layer types, a rotary embedding per type)
 test-oldest: $(OLD_STAMP)
 	$(OLD)/bin/pytest tests/test_hf.py tests/test_engine.py tests/test_compile_sm90.py
+	$(OLD)/bin/pytest tests/test_hf_sliding.py tests/test_engine_sliding.py -k gemma3
 
 # the randomized tests with fresh seeds and ten times the examples (CI's are derandomized)
 test-long: $(STAMP)

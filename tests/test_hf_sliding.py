@@ -126,3 +126,23 @@ def test_crop_within_the_rollback_margin_and_a_clear_error_past_it(kind):
     got = m(nxt, **{key: roomy}).logits[:, -1]
     want = m(torch.cat([base, nxt], 1)).logits[:, -1]
     assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["vm", "paged"])
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_attn_vmcache_on_sliding_models_equals_transformers(name, kind):
+    """attn "vmcache": full layers read the cache through vmcache.kernels; a sliding layer's
+    step with a window mask attends through SDPA over the window's views (PagedCache:
+    gathered from the window start), never over released pages."""
+    base = family(name)
+    cls, cfg = FAMILIES[name]
+    m = cls._from_config(copy.deepcopy(cfg), attn_implementation="vmcache").eval()
+    m.load_state_dict(base.state_dict())
+    key = "cache" if cache_keyword(m) == "cache" else "past_key_values"
+    torch.manual_seed(2)
+    ids = torch.randint(0, 128, (2, 21))
+    gen = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    want = base.generate(ids, **gen)
+    cache = CACHES[kind](m, 80)
+    assert torch.equal(m.generate(ids, **gen, **{key: cache}), want)
+    assert cache.stats().window_released_pages > 0

@@ -205,7 +205,7 @@ class CacheMachine(RuleBasedStateMachine):
     def roll_back(self, data):
         """Speculative decoding's rollback: a few tokens, around the window's margin."""
         s = data.draw(st.sampled_from(self.seqs))
-        back = data.draw(st.integers(0, self.rollback + self.tokens_per_page))
+        back = data.draw(st.integers(0, self.rollback + 2 * self.tokens_per_page))
         self._truncate(s, max(0, len(self.shadow[s][0]) - back))
 
     def _truncate(self, s, length):
@@ -301,18 +301,20 @@ def _machine_class(name):
     return type(f"{name}Machine", (CacheMachine,), attrs)
 
 
-def _machine(name):
+def _machine(name, n=100):
     case = _machine_class(name).TestCase
-    case.settings = settings(max_examples=examples(100), stateful_step_count=30, deadline=None)
+    case.settings = settings(max_examples=examples(n), stateful_step_count=30, deadline=None)
     return case
 
 
 TestVMMachine = _machine("vm")
 TestVMTokenMajorMachine = _machine("vm_token_major")
 TestPagedMachine = _machine("paged")
-TestVMWindowMachine = _machine("vm_window")
-TestVMTokenMajorWindowMachine = _machine("vm_token_major_window")
-TestPagedWindowMachine = _machine("paged_window")
+# the windowed machines run fewer random examples: their fixed-seed coverage run below (60
+# examples each) already reaches releases, refused rollbacks and a full pool
+TestVMWindowMachine = _machine("vm_window", 25)
+TestVMTokenMajorWindowMachine = _machine("vm_token_major_window", 25)
+TestPagedWindowMachine = _machine("paged_window", 25)
 
 
 @pytest.mark.parametrize("name", sorted(POOLS) + [f"{n}_window" for n in sorted(POOLS)])
@@ -323,7 +325,7 @@ def test_the_machines_reach_the_states_they_claim(name):
 
     COVERAGE.pop(name, None)
     run_state_machine_as_test(_machine_class(name), settings=settings(
-        max_examples=100 if name.endswith("_window") else 60, stateful_step_count=30,
+        max_examples=60, stateful_step_count=30,
         deadline=None, derandomize=True, database=None))  # fmt: skip
     seen = COVERAGE[name]
     assert seen["pool full"] >= 3, seen

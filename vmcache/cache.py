@@ -9,6 +9,13 @@ layer_major (default): per layer, K and V tensors ``[max_seqs, max_seq_len, N_KV
 
 token_major ("megacache"): one K and one V tensor ``[max_seqs, max_seq_len, N_L, N_KV, d_h]``
 (tables 0 and 1); a page then holds every layer of fewer tokens, and a layer's view is strided.
+A model that mixes attention types (sliding-window and full layers) gets one such pair per
+type (tables 2g, 2g + 1 hold the layers of type g), so a page never holds two types and a
+sliding type's pages can leave its window while the full layers keep theirs.
+
+Sliding-window layers: their tables form their own :class:`~vmcache.tables.PageTables`
+group, which unmaps the pages wholly before the window as the sequence grows; ``kv()`` then
+starts at :meth:`window_start`, and the whole-tensor views stay where they were.
 
 Rows are padded to a multiple of lcm(page, token row), so a page never spans two sequences
 and every row starts at a whole token (FlashAttention's varlen path addresses the layer as one
