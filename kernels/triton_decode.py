@@ -16,11 +16,11 @@ Addressing of token ``pos`` of sequence b (int64 offsets; loads masked by ``pos 
 
 so nothing past a sequence's length is ever read (unmapped pages would fault). With a sliding
 window W (runtime; 2^31 − 1 = none) the query at position len − 1 reads keys [lo, len), lo =
-max(0, len − W): tiles start at lo's tile and loads are also masked by ``pos >= lo``, so the
-pages a window released are never touched either:
+max(0, len − W): the tiles start at lo itself (not at a multiple of TILE), so the pages a
+window released are never touched either, and full attention (lo = 0) is the same loop:
 
-    pos:   0 ... | tile of lo     | ... | tile of len − 1 |
-                      ^ lo = len − W (keys (len − 1 − W, len − 1])
+    pos:   0 ... lo | tile 0: lo … lo+63 | tile 1 | ... | last tile, masked at len |
+                    ^ lo = len − W (keys (len − 1 − W, len − 1])
 
 Compilations: shapes, dtypes and the addressing mode are compile-time; lengths, the partition
 count and the batch are runtime (``do_not_specialize``), so a growing decode never recompiles.
@@ -70,9 +70,9 @@ def _decode_partial(
     m_i = tl.full([G_PAD], -1e30, dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
-    n_tiles = tl.cdiv(seq_len, TILE)
-    lo = tl.maximum(seq_len - window, 0)  # window = 2^31 − 1 for full attention
-    first = lo // TILE + p * PART_TILES
+    lo = tl.maximum(seq_len - window, 0)  # window = 2^31 − 1 for full attention: lo = 0
+    n_tiles = tl.cdiv(seq_len - lo, TILE)  # tiles start at lo: nothing before it is read
+    first = p * PART_TILES
     last = tl.minimum(first + PART_TILES, n_tiles)
     row_k = tl.zeros([TILE], dtype=tl.int64)
     row_v = tl.zeros([TILE], dtype=tl.int64)
@@ -81,8 +81,8 @@ def _decode_partial(
         row_k += slot * stride_kseq
         row_v += slot * stride_vseq
     for tile in range(first, last):
-        pos = tile * TILE + offs_t
-        t_mask = (pos < seq_len) & (pos >= lo)
+        pos = lo + tile * TILE + offs_t
+        t_mask = pos < seq_len
         if PAGED:
             tab = TABLE + b.to(tl.int64) * stride_tb + pos // BLOCK
             blk = tl.load(tab, mask=t_mask, other=0).to(tl.int64)
@@ -183,7 +183,7 @@ def launches(q, k, v, table, lens, *, max_len, paged, block, scale=None,
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window < 1):  # fmt: skip
         raise ValueError(f"window must be None or a positive int, got {window!r}")
-    span = max_len if window is None else min(max_len, window + tile)  # tiles one reads
+    span = max_len if window is None else min(max_len, window)  # tokens one program reads
     num_parts = num_partitions(span, part_tokens)
     dev = q.device
     m = torch.empty((b, hq, num_parts), dtype=torch.float32, device=dev)
