@@ -64,6 +64,7 @@ def sdpa_per_sequence(
     kvs: Sequence[tuple[torch.Tensor, torch.Tensor]],
     scale: float | None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One SDPA call per sequence on its own ``[len, N_KV, d_h]`` views (no padding, so no
     byte past a sequence's length is read; views that start at a window's first mapped
@@ -78,15 +79,32 @@ def sdpa_per_sequence(
         n = k.shape[0]
         full = ql == 1 and (window is None or n <= window)
         mask = None if full else causal_lower_right(ql, n, q.device, window)
-        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale,
-                                           enable_gqa=True)  # fmt: skip
+        if softcap is None:
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale,
+                                               enable_gqa=True)  # fmt: skip
+        else:
+            o = _softcapped(qi, ki, vi, mask, scale, softcap)
         out[start : start + ql] = o[0].transpose(0, 1)
         start += ql
     return out
 
 
-def attend_cache_views(cache, layer: int, q: torch.Tensor, seq_ids, q_lens, scale):
+def _softcapped(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """Attention with soft-capped logits, as transformers' eager Gemma 2 computes it:
+    q ``[1, N_Q, q, d]``, k, v ``[1, N_KV, n, d]``, mask ``[q, n]`` bool (True = keep) or
+    None; softmax in fp32."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    w = torch.matmul(q, k.transpose(2, 3)) * scale
+    w = torch.tanh(w / softcap) * softcap
+    if mask is not None:
+        w = w.masked_fill(~mask, float("-inf"))
+    return torch.matmul(w.softmax(-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def attend_cache_views(cache, layer: int, q: torch.Tensor, seq_ids, q_lens, scale,
+                       softcap: float | None = None):  # fmt: skip
     """:func:`sdpa_per_sequence` over each sequence's ``cache.kv`` (zero-copy views on
     VMKVCache, gathers on PagedKVCache): the fallback path of both caches."""
     kvs = [cache.kv(layer, s) for s in seq_ids]
-    return sdpa_per_sequence(q, q_lens, kvs, scale, layer_window(cache, layer))
+    return sdpa_per_sequence(q, q_lens, kvs, scale, layer_window(cache, layer), softcap)

@@ -295,7 +295,9 @@ def test_the_vmcache_attention_path_is_taken_in_generate():
     cache = VMCache(config=m.config, max_cache_len=64, page_size=4096)
     calls = []
     real = cache.attend
-    cache.attend = lambda layer, q, scale: calls.append(layer) or real(layer, q, scale)
+    cache.attend = lambda layer, q, scale, cap=None: (
+        calls.append(layer) or real(layer, q, scale, cap)
+    )
     kw = dict(input_ids=prompts([9])[0], max_new_tokens=5, do_sample=False)
     assert torch.equal(gen(m, cache, **kw), gen(model("llama_gqa"), **kw))
     assert calls == [0, 1] * 5  # every layer of the prefill and of the 4 decode steps

@@ -129,11 +129,12 @@ def test_crop_within_the_rollback_margin_and_a_clear_error_past_it(kind):
 
 
 @pytest.mark.parametrize("kind", ["vm", "paged"])
-@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3"])
 def test_attn_vmcache_on_sliding_models_equals_transformers(name, kind):
     """attn "vmcache": full layers read the cache through vmcache.kernels; a sliding layer's
     step with a window mask attends through SDPA over the window's views (PagedCache:
-    gathered from the window start), never over released pages."""
+    gathered from the window start), never over released pages. Gemma 2 soft-caps its
+    logits: the kernels' torch path, and its own eager function for masked steps."""
     base = family(name)
     cls, cfg = FAMILIES[name]
     m = cls._from_config(copy.deepcopy(cfg), attn_implementation="vmcache").eval()

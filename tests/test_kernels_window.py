@@ -96,3 +96,25 @@ def test_a_window_larger_than_the_page_and_rollback_margin_keep_what_a_rollback_
     with pytest.raises(ValueError, match="rollback_tokens"):
         cache.truncate(s, 60)
     cache.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_soft_capped_attention_matches_the_formula_and_refuses_fused_impls(kind):
+    """Gemma 2's logit soft-capping: scores c·tanh(s / c), then the window mask and softmax."""
+    spec = KVSpec(1, 2, 64, torch.float32, num_q_heads=4, layer_windows=(9,))
+    cache = make(kind, spec)
+    seqs, written = fill(cache, [5, 40], last=2)
+    q = torch.randn(4, 4, 64) * 4  # large scores: the cap matters
+    got = kernels.attend(cache, 0, q, seqs, [2, 2], softcap=2.0)
+    for i, s in enumerate(seqs):
+        k, v = (x.repeat_interleave(2, dim=1) for x in written[s, 0])
+        w = torch.einsum("qhd,khd->hqk", q[2 * i : 2 * i + 2], k) / 8.0
+        w = torch.tanh(w / 2.0) * 2.0
+        pos = torch.arange(len(k) - 2, len(k))[:, None]
+        keep = (torch.arange(len(k))[None] <= pos) & (torch.arange(len(k))[None] > pos - 9)
+        want = torch.einsum("hqk,khd->qhd", w.masked_fill(~keep, float("-inf")).softmax(-1), v)
+        torch.testing.assert_close(got[2 * i : 2 * i + 2], want, **TOL)
+    assert not torch.allclose(got, kernels.attend(cache, 0, q, seqs, [2, 2]))
+    with pytest.raises(ValueError, match="soft-capping"):
+        kernels.attend(cache, 0, q, seqs, [2, 2], softcap=2.0, impl="triton")
+    cache.close()

@@ -217,12 +217,14 @@ class _HFCache(Cache):
         to = max(g.first(s), g.release_plan(s, self._len)[0])
         return -(-to * g.P // g.u)
 
-    def attend(self, layer: int, query: torch.Tensor, scale: float | None) -> torch.Tensor:
+    def attend(self, layer: int, query: torch.Tensor, scale: float | None,
+               softcap: float | None = None) -> torch.Tensor:  # fmt: skip
         """Attention of every row's new queries ``[b, N_Q, q, d_h]`` over the cache itself
         (:mod:`vmcache.kernels`) → ``[b, q, N_Q, d_h]``."""
         b, heads, q, dim = query.shape
         packed = query.transpose(1, 2).reshape(b * q, heads, dim)
-        out = kernels.attend(self.kv, layer, packed, self.rows, [q] * b, scale=scale)
+        out = kernels.attend(self.kv, layer, packed, self.rows, [q] * b, scale=scale,
+                             softcap=softcap)  # fmt: skip
         return out.view(b, q, heads, dim)
 
     # --- what generate calls on the whole cache --------------------------------------

@@ -4,6 +4,8 @@ where :class:`~vmcache.hf.VMCache` / :class:`~vmcache.hf.PagedCache` keep them
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -28,15 +30,24 @@ def vmcache_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     K/V tagged by a vmcache cache (``key._vmcache = (owner, layer)``) are read where they live
     by ``owner.attend``; anything else (other caches, padded steps) goes to SDPA."""
     ref = getattr(key, "_vmcache", None)
-    if kwargs.get("softcap") is not None:
-        raise ValueError("attn_implementation='vmcache' has no logit soft-capping (Gemma 2); "
-                         "use 'eager' with these caches")  # fmt: skip
+    softcap = kwargs.get("softcap")
     if ref is not None and attention_mask is None:
         owner, layer = ref
-        out = owner.attend(layer, query.to(owner.spec.dtype), scaling)
+        out = owner.attend(layer, query.to(owner.spec.dtype), scaling, softcap)
         return out.to(query.dtype), None
     if ref is not None and key.stride(-1) == 0:
-        key, value = ref[0]._gather(ref[1])  # a padded step needs real tensors
+        key, value = ref[0]._gather(ref[1])  # a masked step needs real tensors
+    if softcap is not None:  # SDPA has no soft-capping: the model's own eager function does
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if eager is None:
+            raise ValueError(f"{type(module).__name__} soft-caps its logits and its module "
+                             "has no eager_attention_forward to fall back on")  # fmt: skip
+        if attention_mask is not None and attention_mask.dtype == torch.bool:  # sdpa_mask's
+            attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(
+                ~attention_mask, torch.finfo(query.dtype).min
+            )  # eager adds its mask
+        return eager(module, query, key, value, attention_mask, dropout=dropout,
+                     scaling=scaling, **kwargs)  # fmt: skip
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, **kwargs)  # fmt: skip
 

@@ -75,10 +75,12 @@ class StepCache(Cache):
         keys._vmcache = values._vmcache = (self, layer)
         return keys, values
 
-    def attend(self, layer: int, query: torch.Tensor, scale: float | None) -> torch.Tensor:
+    def attend(self, layer: int, query: torch.Tensor, scale: float | None,
+               softcap: float | None = None) -> torch.Tensor:  # fmt: skip
         """query ``[1, N_Q, N, d_h]`` (packed) → ``[1, N, N_Q, d_h]``."""
         q = query[0].transpose(0, 1)
-        return kernels.attend(self.kv, layer, q, self.slots, self.q_lens, scale=scale)[None]
+        return kernels.attend(self.kv, layer, q, self.slots, self.q_lens, scale=scale,
+                              softcap=softcap)[None]  # fmt: skip
 
 
 class ModelRunner:
@@ -104,11 +106,6 @@ class ModelRunner:
                              f"model's {windows}: build it with KVSpec.from_hf_config")  # fmt: skip
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
         cfg = cfg or model.config
-        if getattr(cfg, "attn_logit_softcapping", None) is not None:
-            raise ValueError(
-                "the engine's attention has no logit soft-capping (Gemma 2's "
-                "attn_logit_softcapping); use VMCache/PagedCache, eager attention"
-            )
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
         # Gemma 3: one rotary embedding per layer type (local / global bases)
         takes_type = "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters
