@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 import torch
-from common import parse_args, save, table
+from common import parse_args, save_and_plot, table
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 from vmcache.hf import PagedCache, VMCache, cache_keyword
@@ -95,12 +95,7 @@ def main(argv=None):
                 rows += point
     print(table(rows, ["mode", "prompt", "new", "cache", "tok_per_s", "speed_vs_dynamic",
                        "kv_MiB", "kv_vs_dynamic"]))  # fmt: skip
-    path = save("hf", dev, rows, {"model": model.config.to_diff_dict()}, out_dir=args.out)
-    print(f"saved {path}")
-    try:
-        plot(rows, path.with_suffix(".png"))
-    except ImportError:
-        pass
+    save_and_plot("hf", dev, rows, {"model": model.config.to_diff_dict()}, args.out, plot)
     return rows
 
 

@@ -16,7 +16,7 @@ logits are compared with DynamicCache's (max |Δ| recorded; the run fails above 
 from __future__ import annotations
 
 import torch
-from common import parse_args, save, table
+from common import parse_args, save_and_plot, table
 from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 
 from vmcache.hf import PagedCache, VMCache, cache_keyword
@@ -97,13 +97,8 @@ def main(argv=None):
     for r in rows:
         r["kv_KiB"] = r["kv_bytes"] / 1024
     print(table(rows, ["cache", "tokens", "kv_KiB"]))
-    path = save("window", dev, rows, {"model": model.config.to_diff_dict(), "window": W},
-                out_dir=args.out)  # fmt: skip
-    print(f"saved {path}")
-    try:
-        plot(rows, path.with_suffix(".png"))
-    except ImportError:
-        pass
+    extra = {"model": model.config.to_diff_dict(), "window": W}
+    save_and_plot("window", dev, rows, extra, args.out, plot)
     return rows
 
 

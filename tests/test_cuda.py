@@ -114,31 +114,38 @@ def _fill(kind, spec):
     return cache, seqs, written
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["vm", "vm_token_major", "paged"])
-def test_decode_and_prefill_every_gpu_impl(kind, dtype):
-    spec = KVSpec(2, 8, 128, dtype, num_q_heads=32)
-    cache, seqs, written = _fill(kind, spec)
+def _every_impl(cache, kind, seqs, written, q_lens, dtype, windows=(None, None)) -> set:
+    """Decode with every impl available here and prefill (``q_lens`` queries each) on layers
+    0 and 1 (sliding ``windows[layer]``, None = full) against the reference over what the
+    test wrote; returns the decode impls that ran."""
     q = torch.randn(len(seqs), 32, 128, device="cuda").to(dtype)
+    qp = torch.randn(sum(q_lens), 32, 128, device="cuda").to(dtype)
     ran = set()
-    for layer in (0, 1):
+    for layer, w in enumerate(windows):
         ref = torch.stack([dense_attention(q[i : i + 1].cpu().float(),
-                                           *(t.float() for t in written[s, layer]))[0]
+                                           *(t.float() for t in written[s, layer]), window=w)[0]
                            for i, s in enumerate(seqs)])  # fmt: skip
         impls = ["triton", "torch"] if kind == "paged" else contiguous.available_impls(q)
         for impl in impls:
             out = kernels.decode(cache, layer, q, seqs, impl=impl).float().cpu()
             torch.testing.assert_close(out, ref, **TOL[dtype], msg=f"decode {impl} L{layer}")
             ran.add(impl)
-        q_lens = [1, 3, 16, 17, 100, 1, 2, 5, 64, 1, 200]
-        qp = torch.randn(sum(q_lens), 32, 128, device="cuda").to(dtype)
         out = kernels.prefill(cache, layer, qp, seqs, q_lens).float().cpu()
         start = 0
         for s, ql in zip(seqs, q_lens):
             ref_p = dense_attention(qp[start : start + ql].cpu().float(),
-                                    *(t.float() for t in written[s, layer]))  # fmt: skip
+                                    *(t.float() for t in written[s, layer]), window=w)  # fmt: skip
             torch.testing.assert_close(out[start : start + ql], ref_p, **TOL[dtype])
             start += ql
+    return ran
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["vm", "vm_token_major", "paged"])
+def test_decode_and_prefill_every_gpu_impl(kind, dtype):
+    spec = KVSpec(2, 8, 128, dtype, num_q_heads=32)
+    cache, seqs, written = _fill(kind, spec)
+    ran = _every_impl(cache, kind, seqs, written, [1, 3, 16, 17, 100, 1, 2, 5, 64, 1, 200], dtype)
     if torch.cuda.get_device_capability()[0] >= 8:
         assert "triton" in ran
         if kind != "paged" and dtype != torch.float32:
@@ -191,22 +198,6 @@ def test_windowed_decode_and_prefill_after_pages_were_unmapped(kind, dtype):
                     torch.cat([a, b]) for a, b in zip(old, new))  # fmt: skip
         seqs.append(s)
     assert cache.window_start(0, seqs[-1]) > 0 and cache.stats().window_released_pages > 0
-    q = torch.randn(len(seqs), 32, 128, device="cuda").to(dtype)
-    qp = torch.randn(sum(q_lens), 32, 128, device="cuda").to(dtype)
-    for layer, w in ((0, 700), (1, None)):
-        ref = torch.stack([dense_attention(q[i : i + 1].cpu().float(),
-                                           *(t.float() for t in written[s, layer]), window=w)[0]
-                           for i, s in enumerate(seqs)])  # fmt: skip
-        impls = ["triton", "torch"] if kind == "paged" else contiguous.available_impls(q)
-        for impl in impls:
-            out = kernels.decode(cache, layer, q, seqs, impl=impl).float().cpu()
-            torch.testing.assert_close(out, ref, **TOL[dtype], msg=f"decode {impl} L{layer}")
-        out = kernels.prefill(cache, layer, qp, seqs, q_lens).float().cpu()
-        start = 0
-        for s, ql in zip(seqs, q_lens):
-            ref_p = dense_attention(qp[start : start + ql].cpu().float(),
-                                    *(t.float() for t in written[s, layer]), window=w)  # fmt: skip
-            torch.testing.assert_close(out[start : start + ql], ref_p, **TOL[dtype])
-            start += ql
+    _every_impl(cache, kind, seqs, written, q_lens, dtype, windows=(700, None))
     torch.cuda.synchronize()
     cache.close()

@@ -213,9 +213,8 @@ class _HFCache(Cache):
         have one length, so one row answers for all); 0 for full attention."""
         if self.kv is None or not self.rows:
             return 0
-        g, s = self.kv._group_of[self.kv._tables_of_layer(layer)[0]], self.rows[0]
-        to = max(g.first(s), g.release_plan(s, self._len)[0])
-        return -(-to * g.P // g.u)
+        g = self.kv._group_of[self.kv._tables_of_layer(layer)[0]]
+        return g.first_token_after_grow(self.rows[0], self._len)
 
     def attend(self, layer: int, query: torch.Tensor, scale: float | None,
                softcap: float | None = None) -> torch.Tensor:  # fmt: skip

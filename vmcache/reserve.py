@@ -27,17 +27,17 @@ class ReserveOps:
         s = self._check_seq(s)
         if not isinstance(n, int) or n < 0 or self._lens[s] + n > self.max_seq_len:
             return False
-        need, gain = self._grow_need(s, n)
-        return need <= self.pool.num_available + gain
+        plans, releases = self._grow_plan(s, n), self._release_plans(s)
+        back = [p for _, _, pages in releases for p in pages]
+        gain = self.pool.gain_from_decref(back) if back else 0
+        return self._grow_need(s, plans) <= self.pool.num_available + gain
 
-    def _grow_need(self, s: int, n: int) -> tuple[int, int]:
-        """(pages ``grow(s, n)`` allocates, pages its window release gives the pool first)."""
-        need, back = 0, []
-        for g, splits, p_old, p_new in self._grow_plan(s, n):
-            ready = min(len(g.reserved(s)[0]), p_new - p_old)
-            need += len(splits) + len(g.ids) * (p_new - p_old - ready)
-            back += g.release_plan(s, self._lens[s])[1]
-        return need, self.pool.gain_from_decref(back) if back else 0
+    def _grow_need(self, s: int, plans) -> int:
+        """Pages a grow with these ``plans`` (:meth:`_grow_plan`) allocates: shared tail pages
+        to copy and new pages not already reserved, every table."""
+        return sum(len(splits) + len(g.ids) * (p_new - p_old - min(len(g.reserved(s)[0]),
+                                                                    p_new - p_old))
+                   for g, splits, p_old, p_new in plans)  # fmt: skip
 
     def peak_pages(self, n: int, step: int) -> int:
         """The most pages (every table) one sequence maps at once while it grows to ``n``

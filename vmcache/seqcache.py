@@ -221,13 +221,17 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps):
             )
         if n == 0:
             return
-        need, gain = self._grow_need(s, n)
-        free = self.pool.num_available + gain
-        if need > free:  # checked before the window's release: CacheFull changes nothing
-            raise CacheFull(f"page pool exhausted: {need} pages wanted, {free} free of "
-                            f"{self.pool.num_pages}", wanted=need, free=free)  # fmt: skip
-        self._release_window(s)
-        plans = self._grow_plan(s, n)
+        plans = self._grow_plan(s, n)  # a window release leaves it valid: it is all before
+        releases = self._release_plans(s)  # the tail page the plan may copy
+        if releases:
+            need = self._grow_need(s, plans)
+            free = self.pool.num_available + self.pool.gain_from_decref(
+                [p for _, _, pages in releases for p in pages]
+            )
+            if need > free:  # checked before the release: CacheFull changes nothing
+                raise CacheFull(f"page pool exhausted: {need} pages wanted, {free} free of "
+                                f"{self.pool.num_pages}", wanted=need, free=free)  # fmt: skip
+            self._release_window(s, releases)
         takes = [g.take_reserved(s, p_new - p_old) for g, _, p_old, p_new in plans]
         try:
             self._split_pages([(s, t, j) for _, splits, _, _ in plans for t, j in splits], s,
@@ -244,19 +248,22 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps):
             self._tokens[s] = None
         self._set_len(s, self._lens[s] + n)
 
-    def _release_window(self, s: int) -> None:
-        """Sliding groups unmap and give back the pages wholly before their window (minus the
-        rollback margin); the sequence's addresses and length stay as they are."""
-        for g in self.groups:
-            to, pages = g.release_plan(s, self._lens[s])
-            if not pages:
-                continue
-            self._sync()  # no kernel may still read them
+    def _release_plans(self, s: int) -> list[tuple[PageTables, int, list[int]]]:
+        """(group, new first index, pages that leave) of each sliding group that would give
+        pages back before ``s`` grows (none for full attention)."""
+        return [(g, *plan) for g in self.groups if g.sliding
+                if (plan := g.release_plan(s, self._lens[s]))[1]]  # fmt: skip
+
+    def _release_window(self, s: int, releases) -> None:
+        """Unmap and give back what :meth:`_release_plans` found: the pages wholly before each
+        window (minus the rollback margin); the sequence's addresses and length stay."""
+        self._sync()  # no kernel may still read them
+        for g, to, pages in releases:
             for t in g.ids:
                 self._detach(s, t, g.first(s), to - g.first(s))
             g.release(s, to)
             self.pool.decref(pages)
-            self.epoch += 1
+        self.epoch += 1
 
     def write(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``, ``v`` (each ``[T, N_KV, d_h]``, the cache's dtype and device) at

@@ -79,11 +79,6 @@ class PageTables:
         """Entries in each of ``s``'s tables (released ones included)."""
         return len(self._rows[s][0])
 
-    def mapped(self, s: int) -> Iterator[int]:
-        """Every page ``s``'s tables map (not the reserved ones)."""
-        f = self._first[s]
-        return (p for r in self._rows[s] for p in r[f:])
-
     def mapped_runs(self, s: int) -> Iterator[tuple[int, int, list[int]]]:
         """(table, first index, pages) of the mapped part of each table."""
         f = self._first[s]
@@ -94,7 +89,16 @@ class PageTables:
 
     def first_token(self, s: int) -> int:
         """The first position of ``s`` whose K/V are wholly mapped (0 unless released)."""
-        return -(-self._first[s] * self.P // self.u)
+        return self.token_at(self._first[s])
+
+    def first_token_after_grow(self, s: int, length: int) -> int:
+        """:meth:`first_token` once the next grow of ``s`` (now ``length`` tokens long) has
+        run its release."""
+        return self.token_at(self.release_plan(s, length)[0])
+
+    def token_at(self, j: int) -> int:
+        """The first token wholly inside page ``j`` and after (a page may start mid-token)."""
+        return -(-j * self.P // self.u)
 
     def keep_page(self, length: int, margin: int) -> int:
         """The first page a ``length``-token sequence must keep mapped when a truncate back

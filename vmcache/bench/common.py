@@ -127,6 +127,19 @@ def save(name: str, device: torch.device, rows: list[dict], extra: dict | None =
     return path
 
 
+def save_and_plot(name: str, device: torch.device, rows: list[dict], extra: dict | None,
+                  out_dir: Path | None, plot) -> Path:  # fmt: skip
+    """:func:`save`, say where, and draw ``plot(rows, png_path)`` next to the JSON when
+    matplotlib is installed (the benchmarks run without it)."""
+    path = save(name, device, rows, extra, out_dir=out_dir)
+    print(f"saved {path}")
+    try:
+        plot(rows, path.with_suffix(".png"))
+    except ImportError:
+        pass
+    return path
+
+
 def table(rows: list[dict], cols: list[str]) -> str:
     def fmt(v):
         if isinstance(v, float):
