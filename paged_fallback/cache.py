@@ -30,6 +30,7 @@ import torch
 from vmcache.pool import PagePool
 from vmcache.seqcache import SequenceCache, _check_int
 from vmcache.spec import KVSpec
+from vmcache.swap import Wire
 from vmcache.tables import PageTables
 
 
@@ -180,6 +181,19 @@ class PagedKVCache(SequenceCache):
     def _import_table(self, s: int, t: int, j0: int, data: torch.Tensor) -> None:
         blocks, offs = self._slots(s, t, j0 * self.block_size, data.shape[2])
         self.kv_pool[:, :, blocks, offs] = data.to(self.device)
+
+    def _wire(self, s: int, t: int, j0: int, length: int) -> Wire:
+        """One view per block per layer slot and K/V (``[B, N_KV, d_h]``, whole blocks), as
+        block-granular transfers go; packed: one ``index_select`` of every block at once."""
+        blocks = self._group_of[t].row(s, t)[j0 : -(-length // self.block_size)]
+        pool, idx = self.kv_pool, torch.tensor(blocks, device=self.device)
+        views = [pool[g, kv, b] for g in range(pool.shape[0]) for kv in (0, 1) for b in blocks]
+
+        def scatter(buf: torch.Tensor) -> None:
+            shape = pool.shape[:2] + (len(blocks),) + pool.shape[3:]
+            pool[:, :, idx] = buf.view(pool.dtype).view(shape)
+
+        return Wire(views, lambda: pool[:, :, idx].contiguous(), scatter)
 
     def close(self) -> None:
         for s in self.sequences:

@@ -35,6 +35,7 @@ from .pagestore import VMPageStore
 from .pool import PagePool
 from .seqcache import SequenceCache, _check_int
 from .spec import KVSpec
+from .swap import Wire
 from .tables import PageTables
 
 LAYOUTS = ("layer_major", "token_major")
@@ -208,6 +209,10 @@ class VMKVCache(SequenceCache):
     def _import_table(self, s: int, t: int, j0: int, data: torch.Tensor) -> None:
         lo = j0 * self.page_size
         self._row(s, t, lo, lo + data.numel()).copy_(data)
+
+    def _wire(self, s: int, t: int, j0: int, length: int) -> Wire:
+        """One run: the mapped pages of a row are adjacent in the virtual range."""
+        return Wire([self._row(s, t, j0 * self.page_size, length * self._token_bytes[t])])
 
     def _sync(self) -> None:
         self.backend.synchronize()

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from .errors import CacheFull, check_int, check_tokens
+from .errors import CacheFull, check_tokens
+from .errors import check_int as _check_int  # also the name cache.py and paged_fallback import
 from .invariants import check_invariants
 from .pool import PagePool
 from .prefix import PrefixIndex, PrefixOps
@@ -36,8 +37,6 @@ from .spec import KVSpec, check_kv
 from .stats import CacheStats, collect_stats
 from .swap import SwapOps, SwapTier
 from .tables import PageTables
-
-_check_int = check_int  # the name cache.py and paged_fallback import
 
 
 class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps):
@@ -90,7 +89,7 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps):
         self.cow_copies = 0  # pages copied on write since construction (owned by the cache)
         self.cow_bytes_copied = 0  # bytes those copies moved (used part of each page only)
 
-    # --- hooks a cache implements ------------------------------------------------------
+    # --- hooks a cache implements (K/V of table t of s: from page j0 to token length) ---
     def _attach(self, s: int, t: int, j0: int, pages: list[int]) -> None:
         raise NotImplementedError
 
@@ -107,7 +106,9 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps):
         raise NotImplementedError
 
     def _export_table(self, s: int, t: int, j0: int, length: int) -> torch.Tensor:
-        """Table ``t``'s K/V of ``s`` from page ``j0`` to token ``length`` (a host copy)."""
+        raise NotImplementedError  # a host copy
+
+    def _wire(self, s: int, t: int, j0: int, length: int):  # a swap.Wire over the pages
         raise NotImplementedError
 
     def _import_table(self, s: int, t: int, j0: int, data: torch.Tensor) -> None:
@@ -393,7 +394,6 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps):
                    * g.u // g.P for g in self.groups)  # fmt: skip
 
     def check_invariants(self) -> None:
-        """Check invariants 1–2 (refcounts = mappings; free list ⇔ refcount 0) and the
-        bookkeeping around them; raises :class:`~vmcache.errors.InvariantError`. For tests and
-        soak runs; O(pages)."""
+        """Invariants 1–2 (refcounts = mappings; free list ⇔ refcount 0) and the bookkeeping
+        around them, or :class:`~vmcache.errors.InvariantError`. For tests and soaks; O(pages)."""
         check_invariants(self)

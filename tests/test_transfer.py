@@ -1,0 +1,70 @@
+"""Whole-sequence hand-off between two processes (gloo on the CPU): what arrives is
+byte-identical, the sender is untouched, and a refused or broken hand-off changes nothing on
+either side (tests/handoff_scenarios.py runs the ranks)."""
+
+import pickle
+
+import pytest
+import torch
+from handoff_scenarios import CASES, KINDS, lost_peer, pair
+from ranks import run_ranks
+
+CASE_KEYS = [(k, c, p) for k in KINDS for c in CASES for p in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def pair_results():
+    res = run_ranks(pair, 2)
+    return res[0], res[1]
+
+
+@pytest.mark.parametrize("key", CASE_KEYS, ids=lambda k: "-".join(map(str, k)))
+def test_handoff_arrives_byte_identical_and_sender_unchanged(pair_results, key):
+    sent, got = pair_results[0][key], pair_results[1][key]
+    a, b = sent["sent"], got["got"]
+    assert a["manifest"] == b["manifest"]  # length, released pages, token ids, salt
+    assert a["window_starts"] == b["window_starts"]
+    assert len(a["kv"]) == len(b["kv"])
+    for x, y in zip(a["kv"], b["kv"]):
+        assert x.shape == y.shape and torch.equal(x, y)
+    assert got["extra"] == {"req": key}
+    from handoff_scenarios import _same
+
+    assert _same(sent["before"], sent["after"])  # refcounts, tables, K/V: untouched
+    assert sent["stats"].data_messages == got["stats"].data_messages == sent["plan"][0]
+    assert sent["stats"].data_bytes == got["stats"].data_bytes == sent["plan"][1]
+
+
+def test_message_counts_follow_the_layout(pair_results):
+    sent = pair_results[0]
+    n = lambda kind, packed=False: sent[(kind, "plain", packed)]["stats"].data_messages  # noqa: E731
+    assert n("vm") == 4  # one per table: 2 layers x K/V, whatever the length
+    assert n("vm_token_major") == 2
+    assert n("paged") == 2 * 2 * 3  # 45 tokens: 3 blocks of 16, per layer slot and K/V
+    assert n("paged", True) == 1  # one gathered copy of the one block table
+    assert sent[("vm", "windowed", False)]["stats"].data_messages == 4
+    assert (
+        sent[("vm", "windowed", False)]["stats"].data_bytes
+        < sent[("vm", "plain", False)]["stats"].data_bytes * 70 / 45
+    )  # released: not sent
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_refused_or_aborted_handoff_changes_nothing(pair_results, kind):
+    snd, rcv = pair_results[0][(kind, "refusals")], pair_results[1][(kind, "refusals")]
+    assert (snd["full"], rcv["full"]) == ("CacheFull", "CacheFull")
+    assert (snd["abort"], rcv["abort"]) == ("KeyError", "TransferError")
+    assert (snd["mismatch"], rcv["mismatch"]) == ("TransferError", "TransferError")
+    for name in ("full", "abort", "mismatch"):
+        assert snd[name + "_same"] and rcv[name + "_same"], name
+
+
+@pytest.mark.parametrize("kind", ["vm", "paged"])
+def test_a_peer_lost_mid_transfer_leaves_the_other_side_as_it_was(kind, tmp_path, monkeypatch):
+    report = tmp_path / "rank1.pkl"
+    monkeypatch.setenv("VMCACHE_TEST_REPORT", str(report))
+    res = run_ranks(lost_peer, 3, kind)
+    assert 0 not in res and 1 not in res  # both died mid-transfer, as injected
+    first = pickle.loads(report.read_bytes())  # rank 1, after rank 0 died mid-send
+    assert first == {"first": "TransferError", "same": True, "invariants": True}
+    assert res[2] == {"result": "TransferError", "same": True, "invariants": True}
