@@ -105,8 +105,9 @@ def pair(rank: int) -> dict:
                     c = receiver_for(kind, case)
                     arrival = recv_sequence(c, 0)
                     c.check_invariants()
-                    out[key] = {"got": content(c, arrival.slot), "extra": arrival.extra,
-                                "stats": arrival.stats, "pages": c.mapped_pages(arrival.slot)}  # fmt: skip
+                    s = arrival.slot
+                    out[key] = {"got": content(c, s), "extra": arrival.extra,
+                                "stats": arrival.stats, "pages": c.mapped_pages(s)}  # fmt: skip
                 c.close()
         out[(kind, "refusals")] = refusals(rank, kind, gen)
     return out
@@ -151,9 +152,10 @@ def refusals(rank, kind, gen) -> dict:
 
 
 def _same(a, b) -> bool:
+    kv_a, kv_b = a["kv"], b["kv"]
     return (a["stats"] == b["stats"] and a["refcounts"] == b["refcounts"]
-            and a["seqs"] == b["seqs"] and a["kv"].keys() == b["kv"].keys()
-            and all(torch.equal(x, y) for s in a["kv"] for x, y in zip(a["kv"][s], b["kv"][s])))  # fmt: skip
+            and a["seqs"] == b["seqs"] and kv_a.keys() == kv_b.keys()
+            and all(torch.equal(x, y) for s in kv_a for x, y in zip(kv_a[s], kv_b[s])))  # fmt: skip
 
 
 def lost_peer(rank: int, kind: str) -> dict:
