@@ -16,6 +16,8 @@ def _main(rank, world, init, fn, args, out):
     import torch.distributed as dist
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # what torchrun sets (transformers' tensor-parallel load reads them)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         # plain pickle bytes: tensors by value, not shared memory the dead child would take

@@ -140,9 +140,10 @@ def send_sequence(cache, s: int, dst: int, group=None, *, packed: bool = False,
     return HandoffStats(m.length, len(runs), nbytes, time.perf_counter() - t0)
 
 
-def recv_sequence(cache, src: int, group=None) -> Arrival:
+def recv_sequence(cache, src: int, group=None, *, headroom_pages: int = 0) -> Arrival:
     """Receive a sequence sent by rank ``src`` with :func:`send_sequence` into a new sequence
-    of ``cache``; all or nothing (see the module docstring)."""
+    of ``cache``; all or nothing (see the module docstring). Refused (``CacheFull`` on both
+    sides) unless ``headroom_pages`` stay free after it (room its running sequences need)."""
     t0 = time.perf_counter()
     dev = _ctrl_device(cache, group)
     header = torch.zeros(8, dtype=torch.int64, device=dev)
@@ -159,7 +160,9 @@ def recv_sequence(cache, src: int, group=None) -> Arrival:
     reply = torch.tensor([ACCEPTED, 0], dtype=torch.int64, device=dev)
     if key != layout_key(cache) or length > cache.max_seq_len:
         reply[0] = MISMATCH
-    elif not cache.can_adopt(m):
+    elif not cache.can_adopt(m) or not cache.pool.can_allocate(
+        cache.adopt_pages(length, firsts) + headroom_pages
+    ):
         reply.copy_(torch.tensor([FULL, cache.adopt_pages(length, firsts)]))
     _guarded(dist.send, reply, src, group)
     if reply[0] == FULL:

@@ -12,6 +12,7 @@ A request with ``n > 1`` is prefilled once; its other sequences are forks (copy-
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -63,6 +64,9 @@ class Engine:
         self.outputs: dict[str, list[list[int] | None]] = {}  # req_id -> n token lists
         self._pending_forks: dict[str, int] = {}  # req_id -> sequences still to create
         self.times: dict[str, list] = {}  # req_id -> [arrival, first token, finish] (perf_counter)
+        # called with (seq, its forked siblings) once a prompt is prefilled and sampled, for
+        # those still running (vmcache.distributed.disagg hands them to a decode worker)
+        self.on_prefilled: Callable[[Seq, list[Seq]], None] | None = None
 
     def add_request(self, req: Request, arrival_s: float | None = None) -> None:
         """Queue a request (arrived at ``arrival_s``, a ``time.perf_counter()`` value; now by
@@ -118,24 +122,28 @@ class Engine:
             if all(o is not None for o in out):
                 self.times[seq.req.req_id][2] = time.perf_counter()
 
-    def _fork_siblings(self, seq: Seq, logits: torch.Tensor) -> None:
-        """After a request's prefill: its other n−1 sequences share the prompt's pages."""
+    def _fork_siblings(self, seq: Seq, logits: torch.Tensor) -> list[Seq]:
+        """After a request's prefill: its other n−1 sequences share the prompt's pages
+        (returned: those that got a slot)."""
         rid = seq.req.req_id
         want = self._pending_forks.pop(rid, 0)
         if not want:
-            return
+            return []
         sched = self.scheduler
         free_slots = self.kv.max_seqs - len(self.kv.sequences)
         kids = self.kv.fork(seq.slot, min(want, free_slots)) if free_slots else []
+        forked = []
         for i in range(1, want + 1):
             sib = self._seq(seq.req, i, seq.tokens)
             if i <= len(kids):  # shares the prompt's pages, samples from the same logits
                 sib.slot, sib.cached = kids[i - 1], seq.cached
                 sib.status, sib.admitted_at = Status.RUNNING, seq.admitted_at
                 sched.running.append(sib)
+                forked.append(sib)
                 self._append(sib, self._sample(logits, sib))
             else:  # no slot left: it waits and is prefilled on its own later
                 sched.waiting.append(sib)
+        return forked
 
     def step(self) -> None:
         st, sched = self.stats, self.scheduler
@@ -167,8 +175,10 @@ class Engine:
                 continue  # a prompt chunk: the rest comes in later steps, no token yet
             times = self.times[seq.req.req_id]
             times[1] = now if times[1] is None else times[1]
-            self._fork_siblings(seq, row)  # before the parent's own token joins its context
+            kids = self._fork_siblings(seq, row)  # before the parent's token joins its context
             self._append(seq, self._sample(row, seq))
+            if self.on_prefilled is not None and seq.status is Status.RUNNING:
+                self.on_prefilled(seq, [k for k in kids if k.status is Status.RUNNING])
         t2 = time.perf_counter()
         st.steps += 1
         st.map_s += t1 - t0

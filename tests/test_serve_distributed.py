@@ -1,0 +1,56 @@
+"""Serving across processes on the CPU (gloo): the disaggregated engine (prefill on rank 0,
+decode on rank 1) and tensor parallelism (TP = 2: transformers' tp_plan load, KV heads
+sharded) give the single-process engine's greedy tokens (tests/serve_scenarios.py)."""
+
+import pytest
+import torch
+from ranks import run_ranks
+from serve_scenarios import CFG, DISAGG, disagg, model, tp
+
+GREEDY = [f"r{i}" for i in range(8)] + ["forks"]
+
+
+@pytest.fixture(scope="module")
+def disagg_results():
+    return run_ranks(disagg, 2)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [(k, p) for k, *_ in DISAGG for p in ((False, True) if k == "paged" else (False,))],
+    ids=str,
+)
+def test_disaggregated_outputs_equal_one_engine(disagg_results, case):
+    prefill, decode = disagg_results[0][case], disagg_results[1][case]
+    single = prefill["single"]
+    assert prefill["outputs"] == decode["outputs"]  # both ranks end with every output
+    for rid in GREEDY:
+        assert prefill["outputs"][rid] == single[rid], rid
+    # sampled with n = 2: the generator travels with the sequence, so these match too
+    assert prefill["outputs"]["sampled"] == single["sampled"]
+    assert prefill["left"] == decode["left"] == 0  # no page held once everything finished
+    log = decode["log"]
+    # one per request but r3 (1 token: it ends on rank 0); a sibling that found no slot to
+    # fork into on rank 0 is prefilled and handed off on its own (up to 3 more)
+    assert log["handoffs"] == prefill["log"]["handoffs"]
+    assert 9 <= log["handoffs"] <= 12
+    assert log["refused"] > 0  # the small decode pool refused hand-offs (retried later)
+    assert decode["stats"]["generated_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("tiny-llama")
+    model().save_pretrained(ckpt)
+    return run_ranks(tp, 2, str(ckpt))
+
+
+@pytest.mark.parametrize("kind", ["vm", "paged"])
+def test_tensor_parallel_equals_one_process(tp_results, kind):
+    r0, r1 = tp_results[0], tp_results[1]
+    assert r0["spec"] == r1["spec"] == (CFG.num_key_value_heads // 2, CFG.num_attention_heads // 2)
+    assert r0[kind]["outputs"] == r1[kind]["outputs"] == r0[kind]["single"]
+    assert r0[kind]["tables"] == r1[kind]["tables"]  # same page tables at every step
+    assert r0[kind]["preempted"] > 0  # the pools were small enough to preempt
+    torch.testing.assert_close(r0[kind]["logits"], r0[kind]["single_logits"], atol=1e-5, rtol=1e-5)
+    assert torch.equal(r0[kind]["logits"], r1[kind]["logits"])
