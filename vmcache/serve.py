@@ -1,0 +1,164 @@
+"""Serve requests over several processes: disaggregated prefill → decode, or tensor parallel.
+
+    python -m vmcache.serve --mode disagg [--cache vm|vm_token_major|paged] [options]
+    python -m vmcache.serve --mode tp --nproc 2 [options]
+    torchrun --nproc_per_node 2 -m vmcache.serve --mode disagg [options]
+
+Without torchrun's environment (RANK, WORLD_SIZE, ...) it spawns ``--nproc`` processes itself
+and joins them in a process group: NCCL when there is a CUDA GPU per process, else gloo on
+the CPU. ``--model PATH`` is a local transformers checkpoint of a Llama-family model; without
+it, a small random Llama is built (seeded; the same on every rank) and, for tensor
+parallelism, saved to a temporary directory first (transformers' sharded load reads a
+checkpoint). Rank 0 prints one JSON line with every rank's report: the outputs' digest,
+hand-off messages and bytes, engine statistics; ``--check`` also runs one process's
+engine on rank 0 and reports whether every greedy output is the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m vmcache.serve", description=__doc__.split("\n")[0])
+    p.add_argument("--mode", choices=("disagg", "tp"), default="disagg")
+    p.add_argument("--nproc", type=int, default=2, help="processes to spawn (without torchrun)")
+    p.add_argument("--cache", choices=("vm", "vm_token_major", "paged"), default="vm")
+    p.add_argument("--model", default=None, help="local checkpoint (default: a random Llama)")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=96)
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--pool-mib", type=float, default=4.0, help="KV pool per process")
+    p.add_argument("--max-batch-tokens", type=int, default=256)
+    p.add_argument("--packed", action="store_true", help="paged: one gathered message a table")
+    p.add_argument("--check", action="store_true", help="compare with one process's engine")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=4096)  # fmt: skip
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def build_cache(kind: str, spec, args, device):
+    from .cache import VMKVCache
+    from .paged_fallback import PagedKVCache
+
+    pool = int(args.pool_mib * 2**20)
+    max_len = args.prompt_len + args.max_new_tokens
+    if kind == "paged":
+        return PagedKVCache(spec, pool_bytes=pool, block_size=16, max_seq_len=max_len,
+                            max_seqs=32, device=device)  # fmt: skip
+    layout = "token_major" if kind == "vm_token_major" else "layer_major"
+    page = 64 * 1024 if device.type == "cpu" else None  # the CUDA default is 2 MiB
+    return VMKVCache(spec, 32, max_len, device, page_size=page, pool_bytes=pool, layout=layout)
+
+
+def make_requests(args, vocab: int):
+    from .engine import Request, SamplingParams
+
+    g = torch.Generator().manual_seed(args.seed)
+    return [Request(f"r{i}", tuple(torch.randint(0, vocab, (args.prompt_len,), generator=g)
+                                   .tolist()), SamplingParams(max_new_tokens=args.max_new_tokens))
+            for i in range(args.requests)]  # fmt: skip
+
+
+def digest(outputs: dict) -> str:
+    return hashlib.sha256(json.dumps(sorted(outputs.items())).encode()).hexdigest()[:16]
+
+
+def worker(args) -> dict:
+    """One rank's part (the process group already initialised)."""
+    from .engine import Engine
+    from .spec import KVSpec
+
+    rank = dist.get_rank()
+    device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")  # fmt: skip
+    if args.mode == "tp":
+        from .distributed.tp import load_tp_model, shard_spec, tensor_parallel_engine
+
+        model = load_tp_model(args.model)
+        spec = shard_spec(KVSpec.from_hf_config(model.config), dist.get_world_size())
+        engine = tensor_parallel_engine(model, build_cache(args.cache, spec, args, device),
+                                        max_batch_tokens=args.max_batch_tokens)  # fmt: skip
+        reqs = make_requests(args, model.config.vocab_size)
+        outputs = engine.run(reqs)
+        log = {}
+    else:
+        from .distributed.disagg import serve_disaggregated
+
+        model = (_load(args.model) if args.model else tiny_llama(args.seed)).to(device)
+        spec = KVSpec.from_hf_config(model.config)
+        engine = Engine(model, build_cache(args.cache, spec, args, device),
+                        max_batch_tokens=args.max_batch_tokens)  # fmt: skip
+        reqs = make_requests(args, model.config.vocab_size)
+        outputs = serve_disaggregated(engine, reqs, packed=args.packed)
+        log = engine.handoff_log.as_dict()
+    report = {"rank": rank, "mode": args.mode, "cache": args.cache, "backend": dist.get_backend(),
+              "requests": len(reqs), "digest": digest(outputs), "handoff": log,
+              "engine": engine.stats.as_dict()}  # fmt: skip
+    if args.check and rank == 0:
+        whole = (_load(args.model) if args.model else tiny_llama(args.seed)).to(device)
+        spec = KVSpec.from_hf_config(whole.config)
+        ref = Engine(whole, build_cache(args.cache, spec, args, device),
+                     max_batch_tokens=args.max_batch_tokens)  # fmt: skip
+        report["equal_to_one_process"] = ref.run(reqs) == outputs
+    return report
+
+
+def _load(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _rank_main(rank: int, world: int, init: str, args) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    backend = "nccl" if torch.cuda.device_count() >= world else "gloo"
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    try:
+        reports: list = [None] * world
+        dist.all_gather_object(reports, worker(args))
+        if rank == 0:
+            print(json.dumps({"world": world, "ranks": reports}), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.nproc < 2:
+        raise SystemExit("--nproc must be at least 2")
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.mode == "tp" and args.model is None:  # the sharded load reads a checkpoint
+            tiny_llama(args.seed).save_pretrained(tmp)
+            args.model = tmp
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+            world = int(os.environ["WORLD_SIZE"])
+            _rank_main(int(os.environ["RANK"]), world, "env://", args)
+            return 0
+        import torch.multiprocessing as mp
+
+        init = f"file://{os.path.join(tmp, 'rendezvous')}"
+        mp.start_processes(_rank_main, args=(args.nproc, init, args), nprocs=args.nproc,
+                           start_method="spawn")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
