@@ -201,3 +201,34 @@ def test_windowed_decode_and_prefill_after_pages_were_unmapped(kind, dtype):
     _every_impl(cache, kind, seqs, written, q_lens, dtype, windows=(700, None))
     torch.cuda.synchronize()
     cache.close()
+
+
+@pytest.mark.parametrize("layout", ["layer_major", "token_major", "paged"])
+def test_handoff_wires_read_and_fill_gpu_pages_in_place(layout):
+    """What send_sequence / recv_sequence move, within one process: the sender's wires (one
+    view per table over its CUDA virtual range), copied into the wires of a sequence adopted
+    by a second cache (NCCL needs a GPU per rank; this checks the views themselves)."""
+    from vmcache.distributed import plan_handoff
+
+    spec = KVSpec(4, 2, 64, torch.bfloat16)
+    make = (lambda: PagedKVCache(spec, num_blocks=200, max_seq_len=3000, max_seqs=2,
+                                 device="cuda")) if layout == "paged" else (
+        lambda: VMKVCache(spec, 2, 3000, "cuda", layout=layout))  # fmt: skip
+    a, b = make(), make()
+    s = a.new_sequence()
+    a.grow(s, 2500, token_ids=list(range(2500)))
+    for layer in range(4):
+        k = torch.randn(2500, 2, 64, device="cuda", dtype=torch.bfloat16)
+        a.write(layer, s, 0, k, -k)
+    msgs, _ = plan_handoff(a, s)
+    assert msgs == (2 * 4 * 157 if layout == "paged" else 8 if layout == "layer_major" else 2)
+
+    def fill(t):
+        for src, dst in zip(a.wires(s), b.wires(t)):
+            dst.unpack(src.packed().clone())
+
+    t = b.adopt_sequence(a.manifest(s), fill)
+    for layer in range(4):
+        for x, y in zip(a.kv(layer, s), b.kv(layer, t)):
+            assert torch.equal(x, y)
+    b.check_invariants()

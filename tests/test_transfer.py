@@ -68,3 +68,63 @@ def test_a_peer_lost_mid_transfer_leaves_the_other_side_as_it_was(kind, tmp_path
     first = pickle.loads(report.read_bytes())  # rank 1, after rank 0 died mid-send
     assert first == {"first": "TransferError", "same": True, "invariants": True}
     assert res[2] == {"result": "TransferError", "same": True, "invariants": True}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_wires_pack_and_unpack_into_an_adopted_sequence(kind):
+    """One process: a sequence's packed wires unpacked into a sequence another cache adopts
+    from its manifest are the same K/V (what a packed hand-off does on each side)."""
+    from handoff_scenarios import build, content
+
+    a, s = build(kind, "forked_child", torch.Generator().manual_seed(3))
+    b = KINDS[kind]()
+
+    def fill(t):
+        for src, dst in zip(a.wires(s), b.wires(t)):
+            assert src.nbytes == dst.nbytes
+            dst.unpack(src.packed().clone())
+
+    t = b.adopt_sequence(a.manifest(s), fill)
+    want, got = content(a, s), content(b, t)
+    assert want["manifest"] == got["manifest"]
+    assert all(torch.equal(x, y) for x, y in zip(want["kv"], got["kv"]))
+    b.check_invariants()
+
+    def broken(t):
+        raise RuntimeError("lost mid-way")
+
+    free = b.pool.num_available
+    with pytest.raises(RuntimeError, match="lost"):
+        b.adopt_sequence(a.manifest(s), broken)
+    assert b.pool.num_available == free and b.sequences == [t]  # all or nothing
+    b.check_invariants()
+
+
+def test_shard_spec_splits_kv_heads_evenly_or_refuses():
+    from vmcache import KVSpec
+    from vmcache.distributed.tp import shard_spec
+
+    spec = KVSpec(4, 8, 64, torch.bfloat16, num_q_heads=32)
+    half = shard_spec(spec, 2)
+    assert (half.num_kv_heads, half.q_heads, half.head_dim) == (4, 16, 64)
+    assert half.bytes_per_token * 2 == spec.bytes_per_token
+    for bad in (3, 0, True, 2.0):
+        with pytest.raises(ValueError):
+            shard_spec(spec, bad)
+
+
+def test_the_launcher_serves_disaggregated_and_matches_one_process():
+    import json
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "vmcache.serve", "--mode", "disagg", "--check",
+                          "--requests", "4", "--prompt-len", "40", "--max-new-tokens", "6"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    r0, r1 = report["ranks"]
+    assert r0["equal_to_one_process"] is True
+    assert r0["digest"] == r1["digest"]
+    assert r0["handoff"]["handoffs"] == r1["handoff"]["handoffs"] == 4
+    assert r0["handoff"]["data_messages"] == 4 * 8  # 4 layers x K/V, one message each
