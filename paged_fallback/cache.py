@@ -173,27 +173,40 @@ class PagedKVCache(SequenceCache):
         self.kv_pool[slot, 0, blocks, offs] = k
         self.kv_pool[slot, 1, blocks, offs] = v
 
-    def _export_table(self, s: int, t: int, j0: int, length: int) -> torch.Tensor:
-        start = j0 * self.block_size
-        blocks, offs = self._slots(s, t, start, length - start)
-        return self.kv_pool[:, :, blocks, offs].to("cpu", copy=True)  # [G, 2, n, N_KV, d_h]
-
-    def _import_table(self, s: int, t: int, j0: int, data: torch.Tensor) -> None:
-        blocks, offs = self._slots(s, t, j0 * self.block_size, data.shape[2])
-        self.kv_pool[:, :, blocks, offs] = data.to(self.device)
-
     def _wire(self, s: int, t: int, j0: int, length: int) -> Wire:
-        """One view per block per layer slot and K/V (``[B, N_KV, d_h]``, whole blocks), as
-        block-granular transfers go; packed: one ``index_select`` of every block at once."""
-        blocks = self._group_of[t].row(s, t)[j0 : -(-length // self.block_size)]
-        pool, idx = self.kv_pool, torch.tensor(blocks, device=self.device)
-        views = [pool[g, kv, b] for g in range(pool.shape[0]) for kv in (0, 1) for b in blocks]
+        """One view per block per layer slot and K/V (``[B, N_KV, d_h]``; the last block to
+        ``length`` only), as block-granular transfers go; packed: the full blocks gathered by
+        one index, then the last block's tokens.
+
+            blocks:  | b0 full | b1 full | b2: `used` tokens of B |
+            views:   for slot g, for K then V: b0, b1, b2[:used]
+            packed:  pool[:, :, [b0, b1]] (G, 2, 2, B, N_KV, d_h)  +  pool[:, :, b2, :used]
+        """
+        B, pool = self.block_size, self.kv_pool
+        blocks = self._group_of[t].row(s, t)[j0 : -(-length // B)]
+        used = length - (j0 + len(blocks) - 1) * B if blocks else 0
+        sizes = [B] * (len(blocks) - 1) + [used] * bool(blocks)
+        views = [pool[g, kv, b, :n] for g in range(pool.shape[0]) for kv in (0, 1)
+                 for b, n in zip(blocks, sizes)]  # fmt: skip
+        full = torch.tensor(blocks[:-1], dtype=torch.long, device=self.device)
+        full_shape = pool.shape[:2] + (len(full),) + pool.shape[3:]
+        tail_shape = pool.shape[:2] + (used,) + pool.shape[4:]
+
+        def gather() -> torch.Tensor:
+            head = pool[:, :, full].reshape(-1).view(torch.uint8)
+            if not blocks:
+                return head
+            tail = pool[:, :, blocks[-1], :used].contiguous().reshape(-1).view(torch.uint8)
+            return torch.cat([head, tail])
 
         def scatter(buf: torch.Tensor) -> None:
-            shape = pool.shape[:2] + (len(blocks),) + pool.shape[3:]
-            pool[:, :, idx] = buf.view(pool.dtype).view(shape)
+            buf = buf.to(pool.device).view(pool.dtype)
+            cut = math.prod(full_shape)
+            pool[:, :, full] = buf[:cut].view(full_shape)
+            if blocks:
+                pool[:, :, blocks[-1], :used] = buf[cut:].view(tail_shape)
 
-        return Wire(views, lambda: pool[:, :, idx].contiguous(), scatter)
+        return Wire(views, gather, scatter)
 
     def close(self) -> None:
         for s in self.sequences:

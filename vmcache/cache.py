@@ -201,15 +201,6 @@ class VMKVCache(SequenceCache):
         off = (t * self.max_seqs + s) * self.row_bytes
         return self._bytes[off + lo : off + hi]
 
-    def _export_table(self, s: int, t: int, j0: int, length: int) -> torch.Tensor:
-        row = self._row(s, t, j0 * self.page_size, length * self._token_bytes[t])
-        pin = self.device.type == "cuda"
-        return torch.empty(row.shape, dtype=torch.uint8, pin_memory=pin).copy_(row)
-
-    def _import_table(self, s: int, t: int, j0: int, data: torch.Tensor) -> None:
-        lo = j0 * self.page_size
-        self._row(s, t, lo, lo + data.numel()).copy_(data)
-
     def _wire(self, s: int, t: int, j0: int, length: int) -> Wire:
         """One run: the mapped pages of a row are adjacent in the virtual range."""
         return Wire([self._row(s, t, j0 * self.page_size, length * self._token_bytes[t])])

@@ -105,13 +105,7 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps):
     def _store(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def _export_table(self, s: int, t: int, j0: int, length: int) -> torch.Tensor:
-        raise NotImplementedError  # a host copy
-
     def _wire(self, s: int, t: int, j0: int, length: int):  # a swap.Wire over the pages
-        raise NotImplementedError
-
-    def _import_table(self, s: int, t: int, j0: int, data: torch.Tensor) -> None:
         raise NotImplementedError
 
     def _sync(self) -> None:

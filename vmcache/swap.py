@@ -27,7 +27,7 @@ class SwapHandle:
 
     length: int
     nbytes: int
-    payload: list[torch.Tensor] = field(repr=False)  # one per table, from its first mapped page
+    payload: list[torch.Tensor] = field(repr=False)  # per table: its Wire, packed (uint8)
     owner: int = field(repr=False)  # id() of the cache that made it
     consumed: bool = False
     token_ids: list[int] | None = field(default=None, repr=False)
@@ -122,7 +122,7 @@ class SwapOps:
         """Copy the sequence's mapped K/V to host memory and free its pages; returns a
         :class:`SwapHandle` for :meth:`swap_in`."""
         s = self._check_seq(s)
-        self.swap.check(self._held_bytes(s))
+        self.swap.check(sum(w.nbytes for w in self.wires(s)))
         handle = self.export_sequence(s)
         self.swap.hold(handle)
         self.free(s)
@@ -164,7 +164,7 @@ class SwapOps:
                        slot: int | None = None) -> int:  # fmt: skip
         """A new sequence (in ``slot``, else any free slot) of ``m.length`` tokens, mapped
         where ``m`` says (released pages stay released), whose K/V ``fill(s)`` writes (through
-        :meth:`wires`, or the import hook); all or nothing: if ``fill`` raises, the sequence is
+        :meth:`wires`); all or nothing: if ``fill`` raises, the sequence is
         freed and the error propagates. Token ids and salt are set once it is filled."""
         if m.length > self.max_seq_len:
             raise ValueError(f"{m.length} tokens exceed max_seq_len {self.max_seq_len}")
@@ -190,11 +190,13 @@ class SwapOps:
         """A host copy of sequence ``s`` (its mapped K/V, length, ids, salt); ``s`` stays."""
         s = self._check_seq(s)
         length = self._lens[s]
-        payload = [self._export_table(s, t, g.first(s), length)
-                   for g in self.groups for t in g.ids]  # fmt: skip
+        pin = self.device.type == "cuda"
+        payload = [torch.empty(w.nbytes, dtype=torch.uint8, pin_memory=pin).copy_(w.packed())
+                   for w in self.wires(s)]  # fmt: skip
         ids = None if self._tokens[s] is None else list(self._tokens[s])
         firsts = [g.first(s) for g in self.groups]
-        return SwapHandle(length, self._held_bytes(s), payload, id(self), token_ids=ids,
+        nbytes = sum(p.numel() for p in payload)  # PagedKVCache: whole blocks
+        return SwapHandle(length, nbytes, payload, id(self), token_ids=ids,
                           salt=self._salts[s], firsts=firsts)  # fmt: skip
 
     def import_sequence(self, handle: SwapHandle, slot: int | None = None) -> int:
@@ -204,9 +206,7 @@ class SwapOps:
         m = Manifest(handle.length, tuple(handle.firsts), ids, handle.salt)
 
         def fill(s: int) -> None:
-            data = iter(handle.payload)
-            for g in self.groups:
-                for t in g.ids:
-                    self._import_table(s, t, g.first(s), next(data))
+            for w, data in zip(self.wires(s), handle.payload, strict=True):
+                w.unpack(data.to(self.device))
 
         return self.adopt_sequence(m, fill, slot)
