@@ -40,19 +40,28 @@ def block_address(t: int, block_size: int) -> tuple[int, int]:
 
 
 class _BlockStore:
-    """Blocks are rows of preallocated tensors: creating is free, scrubbing zeroes rows."""
+    """Blocks are rows of preallocated tensors: creating is free, scrubbing zeroes rows, and
+    releasing gives nothing back (the pool tensor is allocated whole: what a block-table
+    cache without virtual memory can do; its budget still counts blocks) but zeroes them, so
+    a block created again reads as zeros like a new page."""
 
     def __init__(self, kv: torch.Tensor) -> None:
         self.kv = kv
 
-    def create(self, start: int, count: int) -> None:
+    def create(self, pages: list[int]) -> None:
         pass
+
+    def release(self, pages: list[int]) -> None:
+        if pages and self.kv.untyped_storage().nbytes():
+            self.scrub(pages)
 
     def scrub(self, pages: list[int]) -> None:
         self.kv[:, :, pages] = 0
 
 
 class PagedKVCache(SequenceCache):
+    releases_memory = False  # one preallocated block tensor: trim counts, gives nothing back
+
     def __init__(
         self,
         spec: KVSpec,
@@ -208,7 +217,34 @@ class PagedKVCache(SequenceCache):
 
         return Wire(views, gather, scatter)
 
+    # --- sleep / wake hooks (vmcache.elastic) ------------------------------------------
+    def _device_bytes(self) -> int:
+        return self.kv_pool.untyped_storage().nbytes()
+
+    def _release_all(self, live: list[int], keep: bool):
+        idx = torch.tensor(live, dtype=torch.long, device=self.device)
+        saved = self.kv_pool[:, :, idx].to("cpu") if keep else None
+        nbytes = self._device_bytes()
+        self.pool.release_all()
+        self.kv_pool.untyped_storage().resize_(0)  # k_pool / v_pool views share it
+        return saved, nbytes
+
+    def _restore_all(self, live: list[int], state) -> None:
+        saved, nbytes = state
+        self.pool.recreate(live)
+        try:
+            self.kv_pool.untyped_storage().resize_(nbytes)
+        except BaseException:
+            self.pool.release_all()
+            raise
+        self.kv_pool.zero_()
+        if saved is not None:
+            idx = torch.tensor(live, dtype=torch.long, device=self.device)
+            self.kv_pool[:, :, idx] = saved.to(self.device)
+
     def close(self) -> None:
+        if self.pool.asleep:
+            return
         for s in self.sequences:
             self.free(s)
 

@@ -48,6 +48,7 @@ class CacheMachine(RuleBasedStateMachine):
     def teardown(self):
         for s in list(self.shadow):
             self.c.free(s)
+        self.c.set_memory_limit(self.c.pool.num_pages * self.c.page_bytes)
         st_ = self.c.stats()
         assert st_.physical_pages == 0 and st_.free_pages == st_.total_pages
         self.c.check_invariants()

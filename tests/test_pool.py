@@ -11,12 +11,16 @@ class RecordingStore:
     """A real (in-memory) page store: pages are bytearrays; records scrubs."""
 
     def __init__(self):
-        self.pages: list[bytearray] = []
+        self.pages: dict[int, bytearray] = {}  # id -> bytes, for pages with memory
         self.scrubbed: list[int] = []
 
-    def create(self, start, count):
-        assert start == len(self.pages)
-        self.pages.extend(bytearray(8) for _ in range(count))
+    def create(self, pages):
+        assert pages == sorted(pages) and not set(pages) & set(self.pages)
+        self.pages.update({p: bytearray(8) for p in pages})
+
+    def release(self, pages):
+        for p in pages:
+            del self.pages[p]
 
     def scrub(self, pages):
         for p in pages:

@@ -148,6 +148,55 @@ def test_bad_prefix_input():
 PREFIX_COVERAGE: dict[str, Counter] = {}  # kind -> lookups, hits, hit tokens, swap_in
 
 
+def test_one_grow_evicts_the_least_recently_used_chain_first():
+    """Chain A (2 pages) cached before chain B (3 pages), no free page: a grow by two pages
+    evicts A's two, not one of each (a parent left a leaf by its child's eviction keeps its
+    own place by last use, ahead of B)."""
+    c = PagedKVCache(SPEC, num_blocks=5, block_size=4, max_seq_len=16, max_seqs=4,
+                     prefix_caching=True)  # fmt: skip
+    chain_a, chain_b = [1] * 8, [2] * 12
+    for ids in (chain_a, chain_b):
+        s = c.new_sequence(prefix_tokens=ids)
+        append(c, s, ids)
+        c.free(s)
+    s = c.new_sequence()
+    assert c.stats().free_pages == 0 and c.can_grow(s, 8)
+    c.grow(s, 8)
+    assert c.cached_prefix_tokens(chain_a) == 0
+    assert c.cached_prefix_tokens(chain_b) == 12
+    c.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["vm", "paged"])
+def test_can_grow_does_not_count_a_cached_page_whose_child_is_in_use(kind):
+    """A sequence's first page is cached, then copied on write: the index alone holds the
+    old copy, but its child entry (page 1) is still mapped, so eviction cannot free it."""
+    if kind == "paged":  # 4 blocks of 4: a's two, its copy of block 0, b's one
+        c = PagedKVCache(SPEC, num_blocks=4, block_size=4, max_seq_len=16, max_seqs=4,
+                         prefix_caching=True)  # fmt: skip
+    else:  # the same in 4 tables (2 layers x K/V): 4 pages a page of tokens
+        c = make("vm", pages=16, max_seq_len=256)
+    P = tpp(c)
+    a = c.new_sequence()
+    append(c, a, list(range(2 * P)))
+    c.cache_prefix(a)
+    k = kv_of([99])
+    for layer in range(SPEC.num_layers):
+        c.write(layer, a, 0, k, -k)  # copies page 0 on write: the index keeps the old one
+    b = c.new_sequence()
+    c.grow(b, P)  # the last free pages
+    assert c.stats().free_pages == 0
+    assert c.prefix.reclaimable() == 0
+    assert not c.can_grow(b, P)
+    with pytest.raises(CacheFull):
+        c.grow(b, P)
+    c.free(a)  # now the whole chain is only the index's: both pages count, and go
+    assert c.prefix.reclaimable() == c.pages_for_tokens(2 * P)
+    assert c.can_grow(b, P)
+    c.grow(b, P)
+    c.check_invariants()
+
+
 class PrefixMachine(RuleBasedStateMachine):
     """Sequences over a 3-token alphabet (so prefixes repeat) on a small pool; K/V are a
     function of (token, position), so a wrongly shared page breaks the content check."""
@@ -156,9 +205,9 @@ class PrefixMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        # about the same token capacity: 64 pages = 16 per (layer, K/V) table × 32 tokens,
+        # the same token capacity: 48 pages = 12 per (layer, K/V) table × 32 tokens,
         # 24 blocks × 16 tokens; small enough that cached pages get evicted
-        pages = 64 if type(self).kind == "vm" else 24
+        pages = 48 if type(self).kind == "vm" else 24
         self.c = make(type(self).kind, pages=pages, max_seqs=6, max_seq_len=160)
         self.tokens: dict[int, list[int]] = {}
         self.swapped: list[tuple[object, list[int]]] = []
@@ -234,6 +283,44 @@ class PrefixMachine(RuleBasedStateMachine):
             self.c.truncate(s, len(self.tokens[s]))  # a grow that succeeded, a write that did not
             return
         self.tokens[s] += ids
+
+    def _grow_checked(self, s, ids) -> bool:
+        """Grow ``s`` by ``ids`` (then write them) if the cache says it can: a scheduler
+        trusts can_grow, so it must say yes exactly when the grow succeeds."""
+        said = self.c.can_grow(s, len(ids))
+        try:
+            self.c.grow(s, len(ids), token_ids=ids)
+        except CacheFull:
+            assert not said, "can_grow said yes, grow raised CacheFull"
+            self.seen["grow refused"] += 1
+            return False
+        assert said, "can_grow said no, grow succeeded"
+        self.seen["grow allowed"] += 1
+        start = len(self.tokens[s])
+        k = kv_of(ids, start)
+        for layer in range(SPEC.num_layers):
+            self.c.write(layer, s, start, k, -k)
+        self.tokens[s] += ids
+        return True
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def grow_as_can_grow_says(self, data):
+        s = data.draw(st.sampled_from(self.seqs))
+        ids = self._ids(data, 5)[: self.c.max_seq_len - len(self.tokens[s])]
+        if ids:
+            self._grow_checked(s, ids)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def grow_until_refused(self, data):
+        """Grow the live sequences a page at a time until the pool (after evicting what
+        it can) refuses; can_grow is checked at every step."""
+        for s in self.seqs:
+            while len(self.tokens[s]) < self.c.max_seq_len:
+                ids = self._ids(data, 1)[: self.c.max_seq_len - len(self.tokens[s])]
+                if ids and not self._grow_checked(s, ids):
+                    return
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -325,8 +412,9 @@ def test_the_prefix_machines_really_hit(kind):
         max_examples=50, stateful_step_count=30, deadline=None, derandomize=True,
         database=None))  # fmt: skip
     seen = PREFIX_COVERAGE[kind]
-    assert seen["hits"] >= 10 and seen["hits"] >= seen["lookups"] // 5, seen
+    assert seen["hits"] >= 10 and seen["hits"] >= seen["lookups"] // 10, seen
     assert seen["swap_in"] >= 1, seen
+    assert seen["grow refused"] >= 3, seen  # can_grow was tested where it matters
     record_coverage(f"prefix machine {kind}", seen)
 
 

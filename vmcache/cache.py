@@ -31,6 +31,7 @@ import math
 import torch
 
 from .backends import Backend, make_backend, round_up
+from .budget import Budget
 from .pagestore import VMPageStore
 from .pool import PagePool
 from .seqcache import SequenceCache, _check_int
@@ -42,6 +43,8 @@ LAYOUTS = ("layer_major", "token_major")
 
 
 class VMKVCache(SequenceCache):
+    releases_memory = True  # trim / sleep give physical pages back to the device
+
     def __init__(
         self,
         spec: KVSpec,
@@ -59,9 +62,13 @@ class VMKVCache(SequenceCache):
         rollback_tokens: int = 0,
         prefix_caching: bool = False,
         own_backend: bool | None = None,
+        budget: Budget | None = None,
     ) -> None:
         """``backend``: physical memory (default: the real one for ``device``); the cache
-        closes it when it made it, or when ``own_backend`` is True."""
+        closes it when it made it, or when ``own_backend`` is True. ``budget``: how many
+        pages may exist at once (default: ``pool_bytes`` worth, changeable with
+        :meth:`set_memory_limit`; a :class:`~vmcache.ledger.SharedBudget` shares one
+        device's memory between processes)."""
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
         for name, value in (("max_seqs", max_seqs), ("max_seq_len", max_seq_len)):
@@ -76,7 +83,7 @@ class VMKVCache(SequenceCache):
         try:
             self._setup(spec, max_seqs, max_seq_len, page_size, pool_bytes, layout,
                         scrub_on_reuse, swap_bytes, chunk_pages, prefix_caching,
-                        rollback_tokens)  # fmt: skip
+                        rollback_tokens, budget)  # fmt: skip
         except BaseException:
             if self._owns_backend:
                 self.backend.close()
@@ -84,7 +91,7 @@ class VMKVCache(SequenceCache):
 
     def _setup(
         self, spec, max_seqs, max_seq_len, page_size, pool_bytes, layout, scrub, swap, chunk,
-        prefix, rollback,
+        prefix, rollback, budget,
     ):  # fmt: skip
         be = self.backend
         P = be.default_page_size if page_size is None else _check_int("page_size", page_size)
@@ -117,7 +124,8 @@ class VMKVCache(SequenceCache):
                 raise ValueError(f"pool_bytes ({pool_bytes}) is smaller than one page ({P})")
             num_pages = min(capacity, pool_bytes // P)
         self.store = VMPageStore(be, P, num_pages)
-        pool = PagePool(num_pages, self.store, scrub_on_reuse=scrub, chunk_pages=chunk)
+        pool = PagePool(num_pages, self.store, scrub_on_reuse=scrub, chunk_pages=chunk,
+                        budget=budget)  # fmt: skip
         tables = [PageTables(t_ids, w, max_seqs, tb[t_ids[0]], P, rollback)
                   for (w, _), t_ids in zip(groups, ids)]  # fmt: skip
         super().__init__(
@@ -208,6 +216,37 @@ class VMKVCache(SequenceCache):
     def _sync(self) -> None:
         self.backend.synchronize()
 
+    # --- sleep / wake hooks (vmcache.elastic) ------------------------------------------
+    def _release_all(self, live: list[int], keep: bool):
+        """Unmap every sequence's pages and release every page; the live ones' bytes first
+        to (pinned) host memory when ``keep``."""
+        saved = self.store.read(live, pin=self.device.type == "cuda") if keep else None
+        for s in self.sequences:
+            for g in self.groups:
+                for t, j0, pages in g.mapped_runs(s):
+                    self._detach(s, t, j0, len(pages))
+        self.pool.release_all()
+        return saved
+
+    def _restore_all(self, live: list[int], saved) -> None:
+        """Create ``live`` again at their window slots (zeroed), their bytes back, and map
+        every sequence's pages where they were; all or nothing."""
+        self.pool.recreate(live)
+        done = []
+        try:
+            if saved is not None:
+                self.store.write(live, saved)
+            for s in self.sequences:
+                for g in self.groups:
+                    for t, j0, pages in g.mapped_runs(s):
+                        self._attach(s, t, j0, pages)
+                        done.append((s, t, j0, len(pages)))
+        except BaseException:
+            for s, t, j0, n in reversed(done):
+                self._detach(s, t, j0, n)
+            self.pool.release_all()
+            raise
+
     # --- lifetime ----------------------------------------------------------------------
     def close(self) -> None:
         """Unmap everything and release pages, reservations and (if owned) the backend.
@@ -216,8 +255,9 @@ class VMKVCache(SequenceCache):
         this (their memory is unmapped). Without ``close()``, a live view keeps the memory."""
         if getattr(self, "closed", True):
             return
-        for s in self.sequences:
-            self.free(s)
+        if not self.pool.asleep:  # asleep, nothing is mapped and the store holds no page
+            for s in self.sequences:
+                self.free(s)
         self._views = []
         self._bytes = None
         self.store.close()

@@ -40,10 +40,15 @@ def check_invariants(cache) -> None:
     pool = cache.pool
     for p in range(pool.num_pages):
         require(pool.refcount(p) == counts.get(p, 0), (p, pool.refcount(p), counts.get(p)))
-    free = set(pool._free)
+    free, uncreated = set(pool._free), set(pool._uncreated)
     require(len(free) == len(pool._free), "a page is twice on the free list")
-    for p in range(pool._created):
-        require((p in free) == (pool.refcount(p) == 0), p)
+    require(len(uncreated) == len(pool._uncreated) and not free & uncreated, "page lists")
+    for p in range(pool.num_pages):  # created: free iff unreferenced; uncreated: unreferenced
+        require((p in free) == (pool.refcount(p) == 0) or p in uncreated, p)
+        require(p not in uncreated or pool.refcount(p) == 0, "a live page has no memory", p)
+    require(pool.num_created == pool.num_pages - len(uncreated), "created count")
+    held = getattr(pool.budget, "held", None)
+    require(held is None or held == pool.num_created, "budget", held, pool.num_created)
     require(pool.num_used == len(counts))
     indexed = set(cache.prefix.references()) if cache.prefix is not None else set()
     require(indexed == {p for p in range(pool.num_pages) if pool._indexed[p]})
@@ -54,6 +59,17 @@ def check_invariants(cache) -> None:
         want = {e.key for e in ix._entries.values()
                 if e.children == 0 and all(pool.refcount(p) == 1 for p in e.pages)}  # fmt: skip
         require(set(ix._evictable) == want, "prefix eviction queue", len(want))
+        # reclaimable: pages of entries whose whole subtree only the index holds, recounted
+        kids: dict[int, list] = {}
+        for e in ix._entries.values():
+            kids.setdefault(id(e.parent), []).append(e)
+
+        def whole(e) -> bool:
+            mine = all(pool.refcount(p) == 1 for p in e.pages)
+            return all([whole(c) for c in kids.get(id(e), [])]) and mine
+
+        free = sum(len(e.pages) for e in ix._entries.values() if whole(e))
+        require(ix.reclaimable() == free, "prefix reclaimable pages", ix.reclaimable(), free)
     require(sorted(cache._free_slots + cache.sequences) == list(range(cache.max_seqs)))
     for s in cache.sequences:
         known = cache._tokens[s]

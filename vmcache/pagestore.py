@@ -23,7 +23,7 @@ class VMPageStore:
         self.num_pages = num_pages
         self.window = backend.reserve(num_pages * page_size)
         self._window_view = backend.view(self.window, num_pages * page_size)
-        self._handles: list[Any] = []  # page id -> backend handle; owned here
+        self._handles: list[Any] = [None] * num_pages  # page id -> handle (None: no memory)
 
     def handle(self, page: int) -> Any:
         return self._handles[page]
@@ -36,31 +36,70 @@ class VMPageStore:
         """The page's bytes: a ``uint8`` tensor of ``page_size`` elements on the device."""
         return self._window_view[page * self.page_size : (page + 1) * self.page_size]
 
-    def create(self, start: int, count: int) -> None:
-        if start != len(self._handles):
-            raise ValueError(f"pages are created in order: expected {len(self._handles)}, "
-                             f"got {start}")  # fmt: skip
-        made: list[Any] = []
+    def create(self, pages: list[int]) -> None:
+        """Create ``pages`` (ascending ids) and map each at its window slot; all or nothing."""
+        made: list[tuple[int, Any]] = []
+        mapped: list[tuple[int, int]] = []  # (first id, count) of runs mapped
+        P = self.page_size
         try:
-            for _ in range(count):
-                made.append(self.backend.create_page(self.page_size))
-            self.backend.map(self.window + start * self.page_size, made, self.page_size)
+            for p in pages:
+                made.append((p, self.backend.create_page(P)))
+            for first, n in _runs(pages):
+                handles = [h for p, h in made if first <= p < first + n]
+                self.backend.map(self.window + first * P, handles, P)
+                mapped.append((first, n))
         except Exception:
-            for h in made:
+            for first, n in mapped:
+                self.backend.unmap(self.window + first * P, n, P)
+            for _, h in made:
                 self.backend.release_page(h)
             raise
-        self._handles.extend(made)
+        for p, h in made:
+            self._handles[p] = h
         if self.backend.device.type != "cpu":  # new device memory is not zeroed; memfd is
-            self._window_view[start * self.page_size : (start + count) * self.page_size].zero_()
+            for first, n in _runs(pages):
+                self._window_view[first * P : (first + n) * P].zero_()
+
+    def read(self, pages: list[int], pin: bool = False) -> torch.Tensor:
+        """``[len(pages), page_size]`` uint8 host copy of ``pages`` (one gather, one copy)."""
+        rows = self._window_view.view(self.num_pages, self.page_size)
+        idx = torch.tensor(pages, dtype=torch.long, device=rows.device)
+        out = torch.empty((len(pages), self.page_size), dtype=torch.uint8, pin_memory=pin)
+        return out.copy_(rows[idx])
+
+    def write(self, pages: list[int], data: torch.Tensor) -> None:
+        """Inverse of :meth:`read`."""
+        rows = self._window_view.view(self.num_pages, self.page_size)
+        idx = torch.tensor(pages, dtype=torch.long, device=rows.device)
+        rows[idx] = data.to(rows.device)
+
+    def release(self, pages: list[int]) -> None:
+        """Unmap ``pages`` from the window and give their memory back (cuMemRelease; on the
+        host, a punched hole). Mappings elsewhere must be gone already."""
+        P = self.page_size
+        for first, n in _runs(sorted(pages)):
+            self.backend.unmap(self.window + first * P, n, P)
+        for p in pages:
+            self.backend.release_page(self._handles[p])
+            self._handles[p] = None
 
     def scrub(self, pages: list[int]) -> None:
         for p in pages:
             self.backend.zero_page(self._handles[p], self.view(p))
 
     def close(self) -> None:
-        if self._handles:
-            self.backend.unmap(self.window, len(self._handles), self.page_size)
-            for h in self._handles:
-                self.backend.release_page(h)
-            self._handles.clear()
+        live = [p for p, h in enumerate(self._handles) if h is not None]
+        if live:
+            self.release(live)
         self.backend.release_reservation(self.window, self.num_pages * self.page_size)
+
+
+def _runs(pages: list[int]) -> list[tuple[int, int]]:
+    """Ascending ids as (first, count) runs of consecutive ids."""
+    runs: list[tuple[int, int]] = []
+    for p in pages:
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((p, 1))
+    return runs

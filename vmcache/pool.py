@@ -1,12 +1,18 @@
-"""PagePool: a fixed number of physical pages, a free list and refcounts.
+"""PagePool: page ids, a free list and refcounts; physical memory behind ids on demand.
 
 The pool is the only code that changes refcounts. What a page *is* (a CUDA handle, a memfd
 offset, a row of a block tensor) belongs to a :class:`PageStore`; the pool asks it to create
-pages (lazily, in chunks: ``cuMemCreate`` costs ~200 µs, so pages are created ahead and reused)
-and to scrub pages that change owner.
+pages (lazily, in chunks: ``cuMemCreate`` costs ~200 µs, so pages are created ahead and reused),
+to scrub pages that change owner and to release free ones (:meth:`PagePool.trim`). A
+:class:`~vmcache.budget.Budget` says how many may exist at once (shrink and grow at run time;
+shared by processes with :class:`~vmcache.ledger.SharedBudget`).
 
-    page id:   0 1 2 3 ... created-1 | created ... num_pages-1
-               [ live or on _free    ] [ not created yet: free ]
+    page id:   0 1 2 3 ...                                          num_pages-1
+               [ live (refcount > 0) | free, created (_free) | not created (_uncreated) ]
+    num_free = created free pages + the uncreated ones the budget lets it create
+
+A page id is stable for its whole life (VMPageStore maps id p at window + p·P), so releasing
+its memory and creating it again later changes no page table.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from .budget import Budget, LocalBudget
 from .errors import CacheFull, DriverError, require
 
 
@@ -30,11 +37,14 @@ class Reclaimer(Protocol):
 
 
 class PageStore(Protocol):
-    def create(self, start: int, count: int) -> None:
-        """Make pages ``[start, start+count)`` exist (all or nothing); they read as zeros."""
+    def create(self, pages: list[int]) -> None:
+        """Make ``pages`` (ids, ascending) exist (all or nothing); they read as zeros."""
 
     def scrub(self, pages: list[int]) -> None:
         """Make ``pages`` read as zeros before a new owner gets them."""
+
+    def release(self, pages: list[int]) -> None:
+        """Give the memory of ``pages`` (created, unreferenced) back to the device."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,7 @@ class PagePool:
         *,
         scrub_on_reuse: bool = True,
         chunk_pages: int = 64,
+        budget: Budget | None = None,
     ) -> None:
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
@@ -66,7 +77,10 @@ class PagePool:
         self._refcount = [0] * num_pages  # owned here alone
         self._free: list[int] = []  # created pages with refcount 0; pop() gives the lowest id
         self._dirty = [False] * num_pages  # held data since its last scrub
-        self._created = 0
+        self._created = 0  # pages with memory behind them
+        self._uncreated = list(range(num_pages - 1, -1, -1))  # ids without; pop() = lowest
+        self.budget: Budget = budget if budget is not None else LocalBudget(num_pages)
+        self.asleep = False  # set by the cache's sleep(): nothing may be allocated
         self.reclaimer: Reclaimer | None = None  # asked for pages before CacheFull
         self._indexed = [False] * num_pages  # referenced by the reclaimer (the prefix index)
         self.index_only = 0  # pages the reclaimer alone references (refcount 1, indexed)
@@ -75,11 +89,17 @@ class PagePool:
     # --- queries -----------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free) + (self.num_pages - self._created)
+        return len(self._free) + min(len(self._uncreated), self.budget.available())
+
+    @property
+    def num_created(self) -> int:
+        """Pages with physical memory behind them (in use or free)."""
+        return self._created
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - self.num_free
+        """Pages with a reference (neither free nor without memory)."""
+        return self.num_pages - len(self._free) - len(self._uncreated)
 
     @property
     def num_available(self) -> int:
@@ -101,7 +121,7 @@ class PagePool:
         return self._refcount[page]
 
     def used_pages(self) -> list[int]:
-        return [p for p in range(self._created) if self._refcount[p] > 0]
+        return [p for p in range(self.num_pages) if self._refcount[p] > 0]
 
     def stats(self) -> PoolStats:
         return PoolStats(self.num_pages, self.num_used, self.num_free, self.num_shared,
@@ -112,11 +132,16 @@ class PagePool:
         """``n`` pages with refcount 1, all or nothing (:class:`CacheFull` changes nothing)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"allocate needs a non-negative int, got {n!r}")
+        if self.asleep:
+            raise RuntimeError("the cache is asleep: wake() it before allocating pages")
         if n > self.num_free and self.reclaimer is not None and n <= self.num_available:
             self.reclaimer.reclaim(n - self.num_free)
         if n > self.num_free:
+            capped = self.budget.available() < len(self._uncreated)
+            why = f" (the memory budget allows {self._created + self.budget.available()})"
             raise CacheFull(
-                f"page pool exhausted: {n} pages wanted, {self.num_free} free of {self.num_pages}",
+                f"page pool exhausted: {n} pages wanted, {self.num_free} free of "
+                f"{self.num_pages}{why if capped else ''}",
                 wanted=n,
                 free=self.num_free,
             )
@@ -184,12 +209,21 @@ class PagePool:
         return freed
 
     def _create_chunk(self, at_least: int) -> None:
-        count = min(max(at_least, self._chunk), self.num_pages - self._created)
-        start = self._created
+        """Create at least ``at_least`` pages (a chunk if the budget allows), lowest ids first."""
+        room = min(len(self._uncreated), self.budget.available())
+        count = min(max(at_least, self._chunk), room)
+        if count < at_least or not self.budget.acquire(count):
+            raise CacheFull(f"memory budget: {at_least} more pages wanted, {room} allowed",
+                            wanted=at_least, free=len(self._free))  # fmt: skip
+        pages = [self._uncreated.pop() for _ in range(count)]
         try:
-            self._store.create(start, count)
-        except DriverError as exc:
-            if "OUT_OF_MEMORY" in exc.code or exc.code in ("ENOMEM", "ENOSPC"):
+            self._store.create(sorted(pages))
+        except BaseException as exc:
+            self._uncreated.extend(reversed(pages))
+            self.budget.release(count)
+            if isinstance(exc, DriverError) and (
+                "OUT_OF_MEMORY" in exc.code or exc.code in ("ENOMEM", "ENOSPC")
+            ):
                 raise CacheFull(
                     f"device memory exhausted creating {count} pages ({exc})",
                     wanted=at_least,
@@ -197,4 +231,51 @@ class PagePool:
                 ) from exc
             raise
         self._created += count
-        self._free[:0] = range(start + count - 1, start - 1, -1)  # below the reused pages
+        self._free[:0] = sorted(pages, reverse=True)  # below the reused pages
+
+    def trim(self, keep_free: int = 0) -> int:
+        """Release the memory of free pages until at most ``keep_free`` created pages are
+        free (mapped pages are never touched; their ids stay valid and can be created again).
+        Returns the pages released."""
+        if isinstance(keep_free, bool) or not isinstance(keep_free, int) or keep_free < 0:
+            raise ValueError(f"keep_free must be a non-negative int, got {keep_free!r}")
+        n = len(self._free) - keep_free
+        if n <= 0:
+            return 0
+        pages = sorted(self._free[-n:])  # the lowest ids stay (pop() takes from the end)
+        self._store.release(pages)
+        del self._free[-n:]
+        for p in pages:
+            self._dirty[p] = False  # created again, it reads as zeros
+        self._uncreated.extend(sorted(pages, reverse=True))
+        self._uncreated.sort(reverse=True)
+        self._created -= n
+        self.budget.release(n)
+        return n
+
+    def release_all(self) -> list[int]:
+        """Sleep: release the memory of every created page, live ones too (their refcounts
+        and ids stay); returns the live ones, which :meth:`recreate` brings back."""
+        live = [p for p in range(self.num_pages) if self._refcount[p] > 0]
+        self.trim(0)
+        if live:
+            self._store.release(live)
+            self.budget.release(len(live))
+            self._created -= len(live)
+        self.asleep = True
+        return live
+
+    def recreate(self, live: list[int]) -> None:
+        """Wake: create ``live`` again (all or nothing; ``CacheFull`` if the budget or the
+        device refuses, and the pool stays asleep)."""
+        if not self.budget.acquire(len(live)):
+            room = self.budget.available()
+            raise CacheFull(f"memory budget: waking needs {len(live)} pages, {room} allowed",
+                            wanted=len(live), free=room)  # fmt: skip
+        try:
+            self._store.create(sorted(live))
+        except BaseException:
+            self.budget.release(len(live))
+            raise
+        self._created += len(live)
+        self.asleep = False

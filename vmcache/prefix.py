@@ -10,12 +10,20 @@ tokens *and* the same prefix before them, and never across salts:
 
 Every entry holds one pool reference per page, so cached pages outlive the sequence that
 wrote them. Entries whose pages nobody else maps (refcount 1) are evictable, least recently
-used first, leaves before parents; the pool calls :meth:`reclaim` before it would raise
-``CacheFull``. The index alone changes its entries; refcounts change only through the pool.
+used first (a chain's entries share the tick of their last use), leaves before parents; the
+pool calls :meth:`reclaim` before it would raise ``CacheFull``. :meth:`reclaimable` counts
+only what eviction can really free: an entry whose pages nobody else maps but below which a
+sequence still maps a descendant stays, so its pages do not count (a scheduler trusts
+``can_grow``). The index alone changes its entries; refcounts change only through the pool.
+
+    A (alone) ── B (mapped by a sequence) ── C (alone)
+    evictable now: C.   reclaimable: C's pages only (A waits for B).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +47,12 @@ class _Entry:
     children: int = 0
     last_used: int = 0
     alone: int = 0  # of its pages, those only the index holds (refcount 1)
+    blocked: int = 0  # children whose subtrees are not wholly reclaimable
+    whole: bool = False  # its pages and every descendant's are only the index's
+
+    @property
+    def freeable(self) -> bool:
+        return self.alone == len(self.pages) and self.blocked == 0
 
 
 @dataclass
@@ -64,8 +78,12 @@ class PrefixIndex:
     _tick: int = 0
     _stats: PrefixStats = field(default_factory=PrefixStats)
     _of_page: dict[int, _Entry] = field(default_factory=dict)  # page -> the entry holding it
-    # leaves whose pages only the index holds, oldest release first: eviction is O(1) each
+    # leaves whose pages only the index holds; _lru orders them by last use, lazily (an
+    # item is stale once its entry left _evictable or was used again): O(log n) an eviction
     _evictable: dict[tuple, _Entry] = field(default_factory=dict)
+    _lru: list[tuple[int, int, tuple]] = field(default_factory=list)
+    _order: itertools.count = field(default_factory=itertools.count)
+    _whole_pages: int = 0  # pages of entries whose whole subtree eviction can free
 
     def _key(self, parent: _Entry | None, tokens: Sequence[int], j: int, salt) -> tuple:
         """Page ``j`` of ``tokens`` after ``parent``: exact, so no two prefixes collide."""
@@ -91,9 +109,7 @@ class PrefixIndex:
             e = self._entries.get(self._key(found[-1] if found else None, tokens, j, salt))
             if e is None:
                 break
-            e.last_used = self._tick
-            if self._evictable.pop(e.key, None) is not None:
-                self._evictable[e.key] = e  # used now: the back of the eviction queue
+            self._touch(e)
             found.append(e)
         st = self._stats
         st.lookups += 1
@@ -120,47 +136,79 @@ class PrefixIndex:
                 self._entries[key] = e
                 if parent is not None:
                     parent.children += 1
-                    self._update(parent)
+                    parent.blocked += 1  # e is not wholly reclaimable until _refresh says so
+                    self._refresh(parent)
+                self._refresh(e)
                 new += len(e.pages)
-            e.last_used = self._tick
+            self._touch(e)
             parent = e
         self._stats.inserted_pages += new
         return new
 
-    def _update(self, e: _Entry) -> None:
-        """Keep ``e``'s place in the eviction queue: a leaf whose pages nobody else maps
-        joins at the back (most recently released); anything else leaves it."""
-        evictable = e.children == 0 and e.alone == len(e.pages) and e.key in self._entries
-        if evictable and e.key not in self._evictable:
-            self._evictable[e.key] = e
-        elif not evictable:
-            self._evictable.pop(e.key, None)
+    def _touch(self, e: _Entry) -> None:
+        e.last_used = self._tick
+        if e.key in self._evictable:  # used now: its old place in _lru goes stale
+            self._push(e)
+
+    def _push(self, e: _Entry) -> None:
+        if len(self._lru) > 2 * len(self._evictable) + 64:  # mostly stale: rebuild
+            self._lru = [(x.last_used, next(self._order), k) for k, x in self._evictable.items()]
+            heapq.heapify(self._lru)
+        heapq.heappush(self._lru, (e.last_used, next(self._order), e.key))
+
+    def _refresh(self, e: _Entry | None) -> None:
+        """After ``e``'s pages or children changed: its place among the evictable leaves,
+        and whether its subtree is wholly reclaimable (which may change its parent's, and
+        so on up the chain: O(depth))."""
+        while e is not None and e.key in self._entries:
+            evictable = e.children == 0 and e.alone == len(e.pages)
+            if evictable and e.key not in self._evictable:
+                self._evictable[e.key] = e
+                self._push(e)
+            elif not evictable:
+                self._evictable.pop(e.key, None)
+            if e.freeable == e.whole:
+                return
+            e.whole = e.freeable
+            self._whole_pages += len(e.pages) if e.whole else -len(e.pages)
+            if e.parent is not None:
+                e.parent.blocked += -1 if e.whole else 1
+            e = e.parent
 
     def alone_changed(self, page: int, alone: bool) -> None:
         """The pool's notice that an indexed page's refcount reached or left 1."""
         e = self._of_page.get(page)
         if e is not None:
             e.alone += 1 if alone else -1
-            self._update(e)
+            self._refresh(e)
 
     def reclaimable(self) -> int:
-        """Pages that eviction could return to the pool now: those only the index holds
-        (counted by the pool as refcounts change, O(1) here)."""
-        return self.pool.index_only
+        """Pages that eviction could return to the pool now: those of entries whose pages,
+        and every descendant's, only the index holds (kept as refcounts change, O(1) here)."""
+        return self._whole_pages
+
+    def _pop_lru(self) -> _Entry:
+        while True:
+            used, _, key = heapq.heappop(self._lru)
+            e = self._evictable.get(key)
+            if e is not None and e.last_used == used:
+                return e
 
     def reclaim(self, pages: int) -> int:
-        """Evict unreferenced leaves, least recently released first (a parent becomes a leaf
-        when its last child goes), until ``pages`` pages went back to the pool or nothing
-        evictable is left; returns pages freed. O(entries evicted)."""
+        """Evict unreferenced leaves, least recently used first (a parent becomes a leaf when
+        its last child goes, and takes its own place by its last use), until ``pages`` pages
+        went back to the pool or nothing evictable is left; returns pages freed.
+        O(log entries) per entry evicted."""
         freed = 0
         while freed < pages and self._evictable:
-            e = next(iter(self._evictable.values()))
+            e = self._pop_lru()
             del self._evictable[e.key], self._entries[e.key]
+            self._whole_pages -= len(e.pages)  # a leaf alone in its pages: it was whole
             for p in e.pages:
                 del self._of_page[p]
             if e.parent is not None:
                 e.parent.children -= 1
-                self._update(e.parent)
+                self._refresh(e.parent)
             self.pool.set_indexed(e.pages, False)
             self.pool.decref(e.pages)
             freed += len(e.pages)
@@ -170,6 +218,20 @@ class PrefixIndex:
     def clear(self) -> int:
         """Evict everything evictable (pages still mapped by sequences stay)."""
         return self.reclaim(self.pool.num_pages)
+
+    def forget(self) -> int:
+        """Drop every entry, also those whose pages sequences map (their K/V are about to be
+        lost: a sleep that keeps nothing); returns the references dropped."""
+        pages = [p for e in self._entries.values() for p in e.pages]
+        self._entries.clear()
+        self._of_page.clear()
+        self._evictable.clear()
+        self._lru.clear()
+        self._whole_pages = 0
+        self.pool.set_indexed(pages, False)
+        self.pool.decref(pages)
+        self._stats.evicted_pages += len(pages)
+        return len(pages)
 
     def references(self) -> list[int]:
         """Every page reference the index holds (for invariant checks)."""

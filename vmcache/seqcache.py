@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .elastic import ElasticOps
 from .errors import CacheFull, check_tokens
 from .errors import check_int as _check_int  # also the name cache.py and paged_fallback import
 from .invariants import check_invariants
@@ -39,7 +40,7 @@ from .swap import SwapOps, SwapTier
 from .tables import PageTables
 
 
-class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps):
+class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps, ElasticOps):
     def __init__(
         self,
         spec: KVSpec,
@@ -113,6 +114,8 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps):
 
     # --- queries -----------------------------------------------------------------------
     def _check_seq(self, s: Any) -> int:
+        if self.pool.asleep:
+            raise RuntimeError("the cache is asleep: wake() it first")
         _check_int("sequence id", s)
         if not 0 <= s < self.max_seqs or not self._live[s]:
             raise KeyError(f"sequence {s} is not live (unknown, freed or swapped out)")

@@ -48,7 +48,7 @@ def collect_stats(cache) -> CacheStats:
     pool = cache.pool.stats()
     return CacheStats(
         num_sequences=len(live),
-        num_tokens=sum(cache.seq_len(s) for s in live),
+        num_tokens=sum(cache._lens[s] for s in live),
         page_bytes=cache.page_bytes,
         mapped_bytes=entries * cache.page_bytes,
         used_bytes=sum(cache._held_bytes(s) for s in live),

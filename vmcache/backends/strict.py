@@ -103,6 +103,10 @@ class StrictBackend:
         del self._reservations[va]
         self._starts.remove(va)
 
+    def live_handles(self) -> int:
+        """Pages created and not yet released (what a leak check counts)."""
+        return len(self._handles)
+
     def create_page(self, page_size: int) -> Any:
         self._aligned("cuMemCreate", "size", page_size)
         h = self.inner.create_page(page_size)
