@@ -92,6 +92,11 @@ class PagePool:
         return len(self._free) + min(len(self._uncreated), self.budget.available())
 
     @property
+    def num_free_created(self) -> int:
+        """Free pages that hold memory (what :meth:`trim` can give back)."""
+        return len(self._free)
+
+    @property
     def num_created(self) -> int:
         """Pages with physical memory behind them (in use or free)."""
         return self._created

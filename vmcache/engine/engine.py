@@ -40,6 +40,7 @@ class EngineStats:
     model_s: float = 0.0  # time in model steps
     elapsed_s: float = 0.0
     max_running: int = 0
+    released_pages: int = 0  # free pages' memory given back (keep_free_pages)
     step_s: list[float] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict:
@@ -54,9 +55,14 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model, cache, *, preemption: str = "recompute", victim: str = "last",
-                 max_batch_tokens: int = 2048, map_ahead: bool = True) -> None:  # fmt: skip
+                 max_batch_tokens: int = 2048, map_ahead: bool = True,
+                 keep_free_pages: int | None = None) -> None:  # fmt: skip
+        """``keep_free_pages``: after each step, give back the memory of free pages beyond
+        that many (elastic memory: an engine sharing a device's budget returns what it does
+        not use); None keeps every page it created."""
         self.kv = cache
         self.map_ahead = map_ahead
+        self.keep_free_pages = keep_free_pages
         self.runner = ModelRunner(model, cache)
         self.vocab = model.config.get_text_config().vocab_size
         self.scheduler = Scheduler(cache, preemption, victim, max_batch_tokens)
@@ -179,6 +185,9 @@ class Engine:
             self._append(seq, self._sample(row, seq))
             if self.on_prefilled is not None and seq.status is Status.RUNNING:
                 self.on_prefilled(seq, [k for k in kids if k.status is Status.RUNNING])
+        keep = self.keep_free_pages
+        if keep is not None and self.kv.pool.num_free_created > keep:
+            st.released_pages += self.kv.pool.trim(keep)
         t2 = time.perf_counter()
         st.steps += 1
         st.map_s += t1 - t0
