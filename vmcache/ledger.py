@@ -7,7 +7,11 @@ token), and each update first reaps processes that died holding pages.
                                "procs": {"<pid>": {"start": ..., "held": h, "min": m, "max": M}}}
     a process may take n more pages when
         held + n <= max   and   Σ held + n + Σ_{others} max(0, min − held) <= T
-    (every process's guaranteed minimum stays available to it)
+    (every process's guaranteed minimum stays available to it), and, while another process
+    was refused pages in the last WANT_S seconds, only up to its fair share
+        held + n <= max(min, T / active processes)
+    so a busy process cannot take what another needs: when both are overloaded each keeps its
+    share (no page ping-pong, no preemption storms), and one alone may use the whole budget.
 
 A process is dead when ``kill(pid, 0)`` finds no such process or the pid now belongs to a
 process started at another time (``/proc/<pid>/stat``): its pages go back to the budget the
@@ -21,9 +25,13 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import time
 from contextlib import contextmanager
 
 from .budget import _pages
+
+WANT_S = 1.0  # how long a refusal marks a process as wanting pages
+TTL_S = 0.002  # available() answers from a cached read this long (acquire always locks)
 
 
 def _start_time(pid: int) -> str | None:
@@ -79,6 +87,8 @@ class SharedBudget:
             os.close(self._fd)
             raise
         self.held = 0  # mirror of this process's entry (only this process changes it)
+        self._cached: tuple[float, int] | None = None  # (time, available()) of the last read
+        self._wanted_at = float("-inf")  # when want() last wrote
 
     @contextmanager
     def _locked(self):
@@ -99,24 +109,48 @@ class SharedBudget:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     @staticmethod
-    def _room(doc: dict, me: str) -> int:
+    def _room(doc: dict, me: str, now: float) -> int:
         procs = doc["procs"]
         mine = procs[me]
         held = sum(p["held"] for p in procs.values())
         promised = sum(max(0, p["min"] - p["held"]) for k, p in procs.items() if k != me)
-        return max(0, min(mine["max"] - mine["held"], doc["total_pages"] - held - promised))
+        room = min(mine["max"] - mine["held"], doc["total_pages"] - held - promised)
+        if any(p.get("want_until", 0) > now for k, p in procs.items() if k != me):
+            active = sum(1 for p in procs.values() if p["held"] or p.get("want_until", 0) > now)
+            fair = max(mine["min"], doc["total_pages"] // max(active, 1))
+            room = min(room, fair - mine["held"])
+        return max(0, room)
 
     def acquire(self, n: int) -> bool:
+        self._cached = None
+        now = time.monotonic()
         with self._locked() as doc:
-            if n > self._room(doc, str(self.pid)):
+            mine = doc["procs"][str(self.pid)]
+            if n > self._room(doc, str(self.pid), now):
+                mine["want_until"] = now + WANT_S  # others keep to their share meanwhile
+                self._wanted_at = now
                 return False
-            doc["procs"][str(self.pid)]["held"] += n
+            mine["held"] += n
+            mine.pop("want_until", None)
         self.held += n
         return True
+
+    def want(self) -> None:
+        """Note unmet demand (a scheduler found no room for what it wants to run): for the
+        next WANT_S seconds the others keep to their fair share. At most one write per
+        WANT_S / 2."""
+        now = time.monotonic()
+        if now < self._wanted_at + WANT_S / 2:
+            return
+        self._wanted_at = now
+        self._cached = None
+        with self._locked() as doc:
+            doc["procs"][str(self.pid)]["want_until"] = now + WANT_S
 
     def release(self, n: int) -> None:
         if n > self.held:
             raise ValueError(f"release of {n} pages, {self.held} held")
+        self._cached = None
         with self._locked() as doc:
             doc["procs"][str(self.pid)]["held"] -= n
         self.held -= n
@@ -124,9 +158,14 @@ class SharedBudget:
     def available(self) -> int:
         """Pages :meth:`acquire` would give now (another process may take them first: a
         ``can_grow`` that says yes is then answered by ``CacheFull``, which a scheduler
-        handles by preempting, as for any full pool)."""
+        handles by preempting, as for any full pool). Read at most every TTL_S seconds."""
+        now = time.monotonic()
+        if self._cached is not None and now - self._cached[0] < TTL_S:
+            return self._cached[1]
         with self._locked() as doc:
-            return self._room(doc, str(self.pid))
+            room = self._room(doc, str(self.pid), now)
+        self._cached = (now, room)
+        return room
 
     def snapshot(self) -> dict:
         """The ledger now (dead processes reaped): total and per-pid held / min / max."""

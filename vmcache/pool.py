@@ -113,7 +113,12 @@ class PagePool:
         return self.num_free + extra
 
     def can_allocate(self, n: int) -> bool:
-        return 0 <= n <= self.num_available
+        ok = 0 <= n <= self.num_available
+        if not ok and n <= self.num_pages:
+            want = getattr(self.budget, "want", None)  # a shared budget hears the demand
+            if want is not None:
+                want()
+        return ok
 
     def gain_from_decref(self, pages: Iterable[int]) -> int:
         """How many pages :attr:`num_available` would gain if ``pages`` (distinct) each lost

@@ -41,6 +41,7 @@ class EngineStats:
     elapsed_s: float = 0.0
     max_running: int = 0
     released_pages: int = 0  # free pages' memory given back (keep_free_pages)
+    budget_waits: int = 0  # steps with nothing to run while a shared budget was taken
     step_s: list[float] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict:
@@ -63,6 +64,8 @@ class Engine:
         self.kv = cache
         self.map_ahead = map_ahead
         self.keep_free_pages = keep_free_pages
+        self.max_wait_s = 60.0  # on a shared budget: how long nothing may run before CacheFull
+        self._stalled_since: float | None = None
         self.runner = ModelRunner(model, cache)
         self.vocab = model.config.get_text_config().vocab_size
         self.scheduler = Scheduler(cache, preemption, victim, max_batch_tokens)
@@ -157,8 +160,16 @@ class Engine:
         batch = sched.schedule(st.steps)
         t1 = time.perf_counter()
         if not batch:
-            raise CacheFull("nothing can run: the pool cannot hold the next waiting request",
-                            wanted=1, free=0)  # fmt: skip
+            # a budget shared with other processes frees up as they finish: wait, not fail
+            shared = getattr(self.kv.pool.budget, "want", None) is not None
+            self._stalled_since = t0 if self._stalled_since is None else self._stalled_since
+            if not shared or t0 - self._stalled_since > self.max_wait_s:
+                raise CacheFull("nothing can run: the pool cannot hold the next waiting "
+                                "request", wanted=1, free=0)  # fmt: skip
+            st.budget_waits += 1
+            time.sleep(0.002)
+            return
+        self._stalled_since = None
         decodes = [bool(s.generated) and s.chunk == 1 and s.cached == len(s.tokens) - 1
                    for s in batch]  # fmt: skip
         st.prefill_tokens += sum(s.chunk for s, d in zip(batch, decodes) if not d)
