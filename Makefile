@@ -15,7 +15,7 @@ OLD_STAMP := $(OLD)/.vmcache-installed
 # Without an NVIDIA GPU take the CPU build first, so no multi-GB CUDA build is pulled.
 CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q torch==2.13.0; fi
 
-.PHONY: bench bench-30k bench-window bench-handoff readme test test-newest test-oldest test-long coverage compile-sm90 lint \
+.PHONY: bench bench-30k bench-window bench-handoff bench-elastic readme test test-newest test-oldest test-long coverage compile-sm90 lint \
 	gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -51,6 +51,10 @@ bench-window: $(STAMP)
 # messages, bytes and gloo wall time per sequence hand-off (the README's hand-off table)
 bench-handoff: $(STAMP)
 	$(PY) benchmarks/bench_handoff.py
+
+# two engines on one shared budget vs static halves, and sleep/wake time (the README's table)
+bench-elastic: $(STAMP)
+	$(PY) benchmarks/bench_elastic.py
 
 # the README's result tables from the committed JSON (tests/test_readme_results.py checks them)
 readme: $(STAMP)

@@ -133,11 +133,17 @@ class Scheduler:
             n = min(len(seq.pending), budget)
             while not self.kv.can_grow(seq.slot, n):
                 victim = self._pick_victim(exclude=seq)
+                if victim is None and getattr(self.kv.pool.budget, "want", None) is not None:
+                    victim = seq  # a shared budget: others hold the pages, and will free them
                 if victim is None:
                     raise CacheFull(f"a single sequence cannot grow to {seq.cached + n} tokens "
                                     "in this pool", wanted=n, free=0)  # fmt: skip
                 self._preempt(victim, batch)
                 preempted = True
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
             seq.chunk = n
             self.kv.grow(seq.slot, n, token_ids=seq.scheduled)
             batch.append(seq)
