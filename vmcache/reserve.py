@@ -14,7 +14,7 @@ first. Reserving is best effort: with no free page it maps nothing and raises no
 
 from __future__ import annotations
 
-from .errors import check_int
+from .errors import CacheFull, check_int
 
 
 class ReserveOps:
@@ -84,7 +84,10 @@ class ReserveOps:
         total = sum(len(g.ids) * extra for g, _, extra in plan)
         if not plan or not self.pool.can_allocate(total):
             return 0
-        fresh = iter(self.pool.allocate(total))
+        try:
+            fresh = iter(self.pool.allocate(total))
+        except CacheFull:  # a shared budget's pages went to another process first
+            return 0
         rows = [[[next(fresh) for _ in range(extra)] for _ in g.ids] for g, _, extra in plan]
         done = []
         try:

@@ -80,13 +80,30 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preempt_recompute += 1
 
-    def _start(self, seq: Seq, step: int, batch: list[Seq], chunk: int) -> None:
+    def _shared(self) -> bool:
+        """Whether the pool draws from a budget other processes share: a grow it said it
+        could make may then find the pages taken (answered by preempting, not failing)."""
+        return getattr(self.kv.pool.budget, "want", None) is not None
+
+    def _grow(self, seq: Seq, n: int, batch: list[Seq]) -> bool:
+        try:
+            self.kv.grow(seq.slot, n, token_ids=seq.tokens[seq.cached : seq.cached + n])
+        except CacheFull:
+            if not self._shared():
+                raise
+            self._preempt(seq, batch)  # another process took the pages first
+            return False
+        return True
+
+    def _start(self, seq: Seq, step: int, batch: list[Seq], chunk: int) -> bool:
         seq.status, seq.admitted_at, seq.chunk = Status.RUNNING, step, chunk
         self.running.append(seq)
-        self.kv.grow(seq.slot, chunk, token_ids=seq.scheduled)
+        if not self._grow(seq, chunk, batch):
+            return False
         batch.append(seq)
         if self.kv.headroom(seq.slot) == 0:
             self._growing += 1
+        return True
 
     def _waits_for_prefix(self, seq: Seq) -> bool:
         """Whether a running sequence still prefilling shares more whole pages with ``seq``
@@ -133,7 +150,7 @@ class Scheduler:
             n = min(len(seq.pending), budget)
             while not self.kv.can_grow(seq.slot, n):
                 victim = self._pick_victim(exclude=seq)
-                if victim is None and getattr(self.kv.pool.budget, "want", None) is not None:
+                if victim is None and self._shared():
                     victim = seq  # a shared budget: others hold the pages, and will free them
                 if victim is None:
                     raise CacheFull(f"a single sequence cannot grow to {seq.cached + n} tokens "
@@ -145,7 +162,9 @@ class Scheduler:
             if seq not in self.running:
                 continue
             seq.chunk = n
-            self.kv.grow(seq.slot, n, token_ids=seq.scheduled)
+            if not self._grow(seq, n, batch):
+                preempted = True
+                continue
             batch.append(seq)
             budget -= n
         if preempted:
@@ -158,7 +177,8 @@ class Scheduler:
             seq.slot = self.kv.swap_in(seq.swap)
             seq.swap = None
             self.swapped.popleft()
-            self._start(seq, step, batch, min(len(seq.pending), max(budget, 1)))
+            if not self._start(seq, step, batch, min(len(seq.pending), max(budget, 1))):
+                return batch
             budget = max(budget - seq.chunk, 0)
         i = 0
         while i < len(self.waiting) and self.kv.num_free_slots and budget > 0:
@@ -171,6 +191,7 @@ class Scheduler:
             if not chunk:
                 break
             del self.waiting[i]
-            self._start(seq, step, batch, chunk)
+            if not self._start(seq, step, batch, chunk):
+                break
             budget -= chunk
         return batch
