@@ -52,7 +52,7 @@ class _BlockStore:
         pass
 
     def release(self, pages: list[int]) -> None:
-        if pages and self.kv.untyped_storage().nbytes():
+        if pages and self.kv.untyped_storage().nbytes():  # asleep, the storage is gone
             self.scrub(pages)
 
     def scrub(self, pages: list[int]) -> None:
@@ -225,18 +225,12 @@ class PagedKVCache(SequenceCache):
         idx = torch.tensor(live, dtype=torch.long, device=self.device)
         saved = self.kv_pool[:, :, idx].to("cpu") if keep else None
         nbytes = self._device_bytes()
-        self.pool.release_all()
         self.kv_pool.untyped_storage().resize_(0)  # k_pool / v_pool views share it
         return saved, nbytes
 
     def _restore_all(self, live: list[int], state) -> None:
         saved, nbytes = state
-        self.pool.recreate(live)
-        try:
-            self.kv_pool.untyped_storage().resize_(nbytes)
-        except BaseException:
-            self.pool.release_all()
-            raise
+        self.kv_pool.untyped_storage().resize_(nbytes)
         self.kv_pool.zero_()
         if saved is not None:
             idx = torch.tensor(live, dtype=torch.long, device=self.device)

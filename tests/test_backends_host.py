@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from vmcache.backends.host import HostBackend, _runs, process_map_count
+from vmcache.backends.base import runs as _runs
+from vmcache.backends.host import HostBackend, process_map_count
 
 P = 4096
 

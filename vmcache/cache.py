@@ -218,20 +218,18 @@ class VMKVCache(SequenceCache):
 
     # --- sleep / wake hooks (vmcache.elastic) ------------------------------------------
     def _release_all(self, live: list[int], keep: bool):
-        """Unmap every sequence's pages and release every page; the live ones' bytes first
-        to (pinned) host memory when ``keep``."""
+        """Before the pool releases every page: the live ones' bytes to (pinned) host memory
+        when ``keep``, and every sequence's pages unmapped."""
         saved = self.store.read(live, pin=self.device.type == "cuda") if keep else None
         for s in self.sequences:
             for g in self.groups:
                 for t, j0, pages in g.mapped_runs(s):
                     self._detach(s, t, j0, len(pages))
-        self.pool.release_all()
         return saved
 
     def _restore_all(self, live: list[int], saved) -> None:
-        """Create ``live`` again at their window slots (zeroed), their bytes back, and map
-        every sequence's pages where they were; all or nothing."""
-        self.pool.recreate(live)
+        """After the pool created ``live`` again at their window slots (zeroed): their bytes
+        back, and every sequence's pages mapped where they were; all or nothing."""
         done = []
         try:
             if saved is not None:
@@ -244,7 +242,6 @@ class VMKVCache(SequenceCache):
         except BaseException:
             for s, t, j0, n in reversed(done):
                 self._detach(s, t, j0, n)
-            self.pool.release_all()
             raise
 
     # --- lifetime ----------------------------------------------------------------------

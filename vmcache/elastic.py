@@ -40,7 +40,7 @@ class ElasticOps:
             raise ValueError(f"limit_bytes must be >= 0, got {limit_bytes}")
         pages = min(limit_bytes // self.page_bytes, self.pool.num_pages)
         self.pool.budget.set_limit(pages)
-        self.pool.trim(max(0, pages - (self.pool.num_created - len(self.pool._free))))
+        self.pool.trim(max(0, pages - self.pool.num_used))
 
     def sleep(self, keep: str = "host") -> int:
         """Give every physical page back, keeping sequences, page tables, the prefix index
@@ -63,9 +63,11 @@ class ElasticOps:
         if keep == "none" and self.prefix is not None:
             self.prefix.forget()  # cached K/V would read zeros: never serve them
         self._sync()
-        live = [p for p in range(self.pool.num_pages) if self.pool.refcount(p) > 0]
+        live = self.pool.used_pages()
         held = self.resident_bytes if self.releases_memory else self._device_bytes()
-        self._asleep = (live, self._release_all(live, keep == "host"))
+        state = self._release_all(live, keep == "host")  # contents saved, nothing mapped
+        self.pool.release_all(live)
+        self._asleep = (live, state)
         return held
 
     def wake(self) -> None:
@@ -74,7 +76,13 @@ class ElasticOps:
         cannot give the pages back; the cache then stays asleep (call again later)."""
         if not self.pool.asleep:
             raise RuntimeError("the cache is not asleep")
-        self._restore_all(*self._asleep)
+        live, state = self._asleep
+        self.pool.recreate(live)
+        try:
+            self._restore_all(live, state)  # contents back, every sequence mapped again
+        except BaseException:
+            self.pool.release_all(live)
+            raise
         self._asleep = None
 
     @property

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .backends.base import Backend
+from .backends.base import Backend, runs
 
 
 class VMPageStore:
@@ -38,26 +38,25 @@ class VMPageStore:
 
     def create(self, pages: list[int]) -> None:
         """Create ``pages`` (ascending ids) and map each at its window slot; all or nothing."""
-        made: list[tuple[int, Any]] = []
+        made: list[Any] = []  # handles, in the order of ``pages``
         mapped: list[tuple[int, int]] = []  # (first id, count) of runs mapped
         P = self.page_size
         try:
-            for p in pages:
-                made.append((p, self.backend.create_page(P)))
-            for first, n in _runs(pages):
-                handles = [h for p, h in made if first <= p < first + n]
-                self.backend.map(self.window + first * P, handles, P)
-                mapped.append((first, n))
+            for _ in pages:
+                made.append(self.backend.create_page(P))
+            for i, n in runs(pages, 1):
+                self.backend.map(self.window + pages[i] * P, made[i : i + n], P)
+                mapped.append((pages[i], n))
         except Exception:
             for first, n in mapped:
                 self.backend.unmap(self.window + first * P, n, P)
-            for _, h in made:
+            for h in made:
                 self.backend.release_page(h)
             raise
-        for p, h in made:
+        for p, h in zip(pages, made):
             self._handles[p] = h
         if self.backend.device.type != "cpu":  # new device memory is not zeroed; memfd is
-            for first, n in _runs(pages):
+            for first, n in mapped:
                 self._window_view[first * P : (first + n) * P].zero_()
 
     def read(self, pages: list[int], pin: bool = False) -> torch.Tensor:
@@ -76,9 +75,9 @@ class VMPageStore:
     def release(self, pages: list[int]) -> None:
         """Unmap ``pages`` from the window and give their memory back (cuMemRelease; on the
         host, a punched hole). Mappings elsewhere must be gone already."""
-        P = self.page_size
-        for first, n in _runs(sorted(pages)):
-            self.backend.unmap(self.window + first * P, n, P)
+        P, ids = self.page_size, sorted(pages)
+        for i, n in runs(ids, 1):
+            self.backend.unmap(self.window + ids[i] * P, n, P)
         for p in pages:
             self.backend.release_page(self._handles[p])
             self._handles[p] = None
@@ -92,14 +91,3 @@ class VMPageStore:
         if live:
             self.release(live)
         self.backend.release_reservation(self.window, self.num_pages * self.page_size)
-
-
-def _runs(pages: list[int]) -> list[tuple[int, int]]:
-    """Ascending ids as (first, count) runs of consecutive ids."""
-    runs: list[tuple[int, int]] = []
-    for p in pages:
-        if runs and runs[-1][0] + runs[-1][1] == p:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((p, 1))
-    return runs

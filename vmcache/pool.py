@@ -92,6 +92,12 @@ class PagePool:
         return len(self._free) + min(len(self._uncreated), self.budget.available())
 
     @property
+    def shared_budget(self) -> bool:
+        """Whether the budget is shared with other processes (it hears unmet demand, and a
+        page it said was available may be taken by another process first)."""
+        return getattr(self.budget, "want", None) is not None
+
+    @property
     def num_free_created(self) -> int:
         """Free pages that hold memory (what :meth:`trim` can give back)."""
         return len(self._free)
@@ -114,10 +120,8 @@ class PagePool:
 
     def can_allocate(self, n: int) -> bool:
         ok = 0 <= n <= self.num_available
-        if not ok and n <= self.num_pages:
-            want = getattr(self.budget, "want", None)  # a shared budget hears the demand
-            if want is not None:
-                want()
+        if not ok and n <= self.num_pages and self.shared_budget:
+            self.budget.want()  # the other processes hear the demand
         return ok
 
     def gain_from_decref(self, pages: Iterable[int]) -> int:
@@ -257,16 +261,16 @@ class PagePool:
         del self._free[-n:]
         for p in pages:
             self._dirty[p] = False  # created again, it reads as zeros
-        self._uncreated.extend(sorted(pages, reverse=True))
+        self._uncreated.extend(pages)
         self._uncreated.sort(reverse=True)
         self._created -= n
         self.budget.release(n)
         return n
 
-    def release_all(self) -> list[int]:
-        """Sleep: release the memory of every created page, live ones too (their refcounts
-        and ids stay); returns the live ones, which :meth:`recreate` brings back."""
-        live = [p for p in range(self.num_pages) if self._refcount[p] > 0]
+    def release_all(self, live: list[int]) -> None:
+        """Sleep: release the memory of every created page, the ``live`` ones (every page
+        with a reference, :meth:`used_pages`) too: their refcounts and ids stay, and
+        :meth:`recreate` brings them back."""
         self.trim(0)
         if live:
             self._store.release(live)

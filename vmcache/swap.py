@@ -21,20 +21,6 @@ from .errors import CacheFull
 from .tables import RELEASED
 
 
-@dataclass(eq=False)
-class SwapHandle:
-    """K/V of a swapped-out sequence, held in host memory until :meth:`swap_in`."""
-
-    length: int
-    nbytes: int
-    payload: list[torch.Tensor] = field(repr=False)  # per table: its Wire, packed (uint8)
-    owner: int = field(repr=False)  # id() of the cache that made it
-    consumed: bool = False
-    token_ids: list[int] | None = field(default=None, repr=False)
-    salt: object = field(default=None, repr=False)
-    firsts: list[int] = field(default_factory=list, repr=False)  # released pages, per group
-
-
 @dataclass(frozen=True)
 class Manifest:
     """Sequence state apart from its K/V bytes: enough to map an equal sequence elsewhere."""
@@ -43,6 +29,25 @@ class Manifest:
     firsts: tuple[int, ...]  # per attention group: pages its window released at the front
     token_ids: tuple[int, ...] | None
     salt: object = None
+
+
+@dataclass(eq=False)
+class SwapHandle:
+    """K/V of a swapped-out sequence, held in host memory until :meth:`swap_in`."""
+
+    manifest: Manifest = field(repr=False)  # length, released pages, token ids, salt
+    nbytes: int
+    payload: list[torch.Tensor] = field(repr=False)  # per table: its Wire, packed (uint8)
+    owner: int = field(repr=False)  # id() of the cache that made it
+    consumed: bool = False
+
+    @property
+    def length(self) -> int:
+        return self.manifest.length
+
+    def __repr__(self) -> str:
+        return (f"SwapHandle(length={self.length}, nbytes={self.nbytes}, "
+                f"consumed={self.consumed})")  # fmt: skip
 
 
 def as_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -137,7 +142,7 @@ class SwapOps:
 
     def swap_in_pages(self, handle: SwapHandle) -> int:
         """Pages :meth:`swap_in` maps for ``handle`` (a window's released pages excluded)."""
-        return self.adopt_pages(handle.length, handle.firsts)
+        return self.adopt_pages(handle.length, handle.manifest.firsts)
 
     def adopt_pages(self, length: int, firsts) -> int:
         """Pages a sequence of ``length`` tokens maps with ``firsts`` released per group."""
@@ -149,10 +154,12 @@ class SwapOps:
         return Manifest(self._lens[s], tuple(g.first(s) for g in self.groups), ids,
                         self._salts[s])  # fmt: skip
 
-    def can_adopt(self, m: Manifest) -> bool:
-        """Whether :meth:`adopt_sequence` of ``m`` would find a slot and its pages now."""
+    def can_adopt(self, m: Manifest, headroom_pages: int = 0) -> bool:
+        """Whether :meth:`adopt_sequence` of ``m`` would find a slot and its pages now, with
+        ``headroom_pages`` still free after."""
+        need = self.adopt_pages(m.length, m.firsts) + headroom_pages
         return (bool(self._free_slots) and 0 < m.length <= self.max_seq_len
-                and self.pool.can_allocate(self.adopt_pages(m.length, m.firsts)))  # fmt: skip
+                and self.pool.can_allocate(need))  # fmt: skip
 
     def wires(self, s: int) -> list[Wire]:
         """Sequence ``s``'s mapped K/V, one :class:`Wire` per table (table order): zero-copy
@@ -188,25 +195,18 @@ class SwapOps:
 
     def export_sequence(self, s: int) -> SwapHandle:
         """A host copy of sequence ``s`` (its mapped K/V, length, ids, salt); ``s`` stays."""
-        s = self._check_seq(s)
-        length = self._lens[s]
         pin = self.device.type == "cuda"
         payload = [torch.empty(w.nbytes, dtype=torch.uint8, pin_memory=pin).copy_(w.packed())
                    for w in self.wires(s)]  # fmt: skip
-        ids = None if self._tokens[s] is None else list(self._tokens[s])
-        firsts = [g.first(s) for g in self.groups]
-        nbytes = sum(p.numel() for p in payload)  # PagedKVCache: whole blocks
-        return SwapHandle(length, nbytes, payload, id(self), token_ids=ids,
-                          salt=self._salts[s], firsts=firsts)  # fmt: skip
+        nbytes = sum(p.numel() for p in payload)
+        return SwapHandle(self.manifest(s), nbytes, payload, id(self))
 
     def import_sequence(self, handle: SwapHandle, slot: int | None = None) -> int:
         """A new sequence (in ``slot``, else any free slot) holding ``handle``'s K/V, mapped
         where they were (a window's released pages stay released); all or nothing."""
-        ids = None if handle.token_ids is None else tuple(handle.token_ids)
-        m = Manifest(handle.length, tuple(handle.firsts), ids, handle.salt)
 
         def fill(s: int) -> None:
             for w, data in zip(self.wires(s), handle.payload, strict=True):
                 w.unpack(data.to(self.device))
 
-        return self.adopt_sequence(m, fill, slot)
+        return self.adopt_sequence(handle.manifest, fill, slot)

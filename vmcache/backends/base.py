@@ -53,3 +53,15 @@ class Backend(Protocol):
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+def runs(values: list[int], step: int) -> list[tuple[int, int]]:
+    """Split ``values`` into runs where each is the previous + ``step`` (file-contiguous page
+    offsets, consecutive page ids): ``[(start index, count), ...]``."""
+    out: list[tuple[int, int]] = []
+    for i, v in enumerate(values):
+        if out and values[i - 1] + step == v:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((i, 1))
+    return out

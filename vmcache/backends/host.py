@@ -21,7 +21,7 @@ import threading
 import torch
 
 from ..errors import DriverError, MapLimitError
-from .base import round_up
+from .base import round_up, runs
 
 PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 1, 2, 0x10, 0x20, 0x4000
@@ -110,7 +110,7 @@ class HostBackend:
         self._check_open()
         done = 0
         try:
-            for start, count in _runs(handles, page_size):
+            for start, count in runs(handles, page_size):
                 addr = va + start * page_size
                 res = _libc.mmap(
                     addr, count * page_size, PROT_READ | PROT_WRITE,
@@ -188,14 +188,3 @@ class HostBackend:
                 f"vm.max_map_count is {max_map_count()}: use larger pages or fewer sequences",
             )  # fmt: skip
         return DriverError(call, code, detail)
-
-
-def _runs(offsets: list[int], page_size: int) -> list[tuple[int, int]]:
-    """Split ``offsets`` into runs of file-contiguous pages: [(start_index, count), ...]."""
-    runs: list[tuple[int, int]] = []
-    for i, off in enumerate(offsets):
-        if runs and offsets[i - 1] + page_size == off:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((i, 1))
-    return runs

@@ -160,9 +160,7 @@ def recv_sequence(cache, src: int, group=None, *, headroom_pages: int = 0) -> Ar
     reply = torch.tensor([ACCEPTED, 0], dtype=torch.int64, device=dev)
     if key != layout_key(cache) or length > cache.max_seq_len:
         reply[0] = MISMATCH
-    elif not cache.can_adopt(m) or not cache.pool.can_allocate(
-        cache.adopt_pages(length, firsts) + headroom_pages
-    ):
+    elif not cache.can_adopt(m, headroom_pages):
         reply.copy_(torch.tensor([FULL, cache.adopt_pages(length, firsts)]))
     _guarded(dist.send, reply, src, group)
     if reply[0] == FULL:

@@ -161,9 +161,8 @@ class Engine:
         t1 = time.perf_counter()
         if not batch:
             # a budget shared with other processes frees up as they finish: wait, not fail
-            shared = getattr(self.kv.pool.budget, "want", None) is not None
             self._stalled_since = t0 if self._stalled_since is None else self._stalled_since
-            if not shared or t0 - self._stalled_since > self.max_wait_s:
+            if not self.kv.pool.shared_budget or t0 - self._stalled_since > self.max_wait_s:
                 raise CacheFull("nothing can run: the pool cannot hold the next waiting "
                                 "request", wanted=1, free=0)  # fmt: skip
             st.budget_waits += 1

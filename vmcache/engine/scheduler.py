@@ -80,16 +80,11 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preempt_recompute += 1
 
-    def _shared(self) -> bool:
-        """Whether the pool draws from a budget other processes share: a grow it said it
-        could make may then find the pages taken (answered by preempting, not failing)."""
-        return getattr(self.kv.pool.budget, "want", None) is not None
-
     def _grow(self, seq: Seq, n: int, batch: list[Seq]) -> bool:
         try:
             self.kv.grow(seq.slot, n, token_ids=seq.tokens[seq.cached : seq.cached + n])
         except CacheFull:
-            if not self._shared():
+            if not self.kv.pool.shared_budget:
                 raise
             self._preempt(seq, batch)  # another process took the pages first
             return False
@@ -150,7 +145,7 @@ class Scheduler:
             n = min(len(seq.pending), budget)
             while not self.kv.can_grow(seq.slot, n):
                 victim = self._pick_victim(exclude=seq)
-                if victim is None and self._shared():
+                if victim is None and self.kv.pool.shared_budget:
                     victim = seq  # a shared budget: others hold the pages, and will free them
                 if victim is None:
                     raise CacheFull(f"a single sequence cannot grow to {seq.cached + n} tokens "
