@@ -136,6 +136,7 @@ def _rank_main(rank: int, world: int, init: str, args) -> None:
         dist.all_gather_object(reports, worker(args))
         if rank == 0:
             print(json.dumps({"world": world, "ranks": reports}), flush=True)
+        dist.barrier()  # no rank tears its connections down while another still uses them
     finally:
         dist.destroy_process_group()
 
