@@ -75,6 +75,7 @@ class PagedKVCache(SequenceCache):
         scrub_on_reuse: bool = True,
         swap_bytes: int | None = None,
         prefix_caching: bool = False,
+        prefix_tiers=None,
         rollback_tokens: int = 0,
     ) -> None:
         if not isinstance(spec, KVSpec):
@@ -114,6 +115,7 @@ class PagedKVCache(SequenceCache):
         super().__init__(
             spec, max_seqs, max_seq_len, pool, groups=groups, page_bytes=block_bytes,
             device=dev, swap_bytes=swap_bytes, prefix_caching=prefix_caching,
+            prefix_tiers=prefix_tiers,
         )  # fmt: skip
         self.max_blocks_per_seq = -(-max_seq_len // block_size)
 
@@ -216,6 +218,19 @@ class PagedKVCache(SequenceCache):
                 pool[:, :, blocks[-1], :used] = buf[cut:].view(tail_shape)
 
         return Wire(views, gather, scatter)
+
+    # --- prefix tier hooks (vmcache.tiers): a block's bytes across its slots and K/V ----
+    def _read_pages(self, pages: list[int]) -> torch.Tensor:
+        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
+        blocks = self.kv_pool[:, :, idx].movedim(2, 0).contiguous()  # [n, G, 2, B, N_KV, d_h]
+        return blocks.view(len(pages), -1).view(torch.uint8).cpu()
+
+    def _write_pages(self, pages: list[int], data: torch.Tensor) -> None:
+        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
+        pool = self.kv_pool
+        shape = (len(pages),) + pool.shape[:2] + pool.shape[3:]
+        blocks = data.to(self.device).contiguous().view(pool.dtype).view(shape)
+        pool[:, :, idx] = blocks.movedim(0, 2)
 
     # --- sleep / wake hooks (vmcache.elastic) ------------------------------------------
     def _device_bytes(self) -> int:

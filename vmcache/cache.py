@@ -61,6 +61,7 @@ class VMKVCache(SequenceCache):
         chunk_pages: int = 64,
         rollback_tokens: int = 0,
         prefix_caching: bool = False,
+        prefix_tiers=None,
         own_backend: bool | None = None,
         budget: Budget | None = None,
     ) -> None:
@@ -83,7 +84,7 @@ class VMKVCache(SequenceCache):
         try:
             self._setup(spec, max_seqs, max_seq_len, page_size, pool_bytes, layout,
                         scrub_on_reuse, swap_bytes, chunk_pages, prefix_caching,
-                        rollback_tokens, budget)  # fmt: skip
+                        rollback_tokens, budget, prefix_tiers)  # fmt: skip
         except BaseException:
             if self._owns_backend:
                 self.backend.close()
@@ -91,7 +92,7 @@ class VMKVCache(SequenceCache):
 
     def _setup(
         self, spec, max_seqs, max_seq_len, page_size, pool_bytes, layout, scrub, swap, chunk,
-        prefix, rollback, budget,
+        prefix, rollback, budget, tiers,
     ):  # fmt: skip
         be = self.backend
         P = be.default_page_size if page_size is None else _check_int("page_size", page_size)
@@ -130,7 +131,7 @@ class VMKVCache(SequenceCache):
                   for (w, _), t_ids in zip(groups, ids)]  # fmt: skip
         super().__init__(
             spec, max_seqs, max_seq_len, pool, groups=tables, page_bytes=P, device=be.device,
-            swap_bytes=swap, prefix_caching=prefix,
+            swap_bytes=swap, prefix_caching=prefix, prefix_tiers=tiers,
         )  # fmt: skip
         self._reserved = n_tables * max_seqs * self.row_bytes
         self.base = be.reserve(self._reserved)
@@ -217,6 +218,13 @@ class VMKVCache(SequenceCache):
         self.backend.synchronize()
 
     # --- sleep / wake hooks (vmcache.elastic) ------------------------------------------
+    def _read_pages(self, pages: list[int]) -> torch.Tensor:
+        self._sync()
+        return self.store.read(pages)
+
+    def _write_pages(self, pages: list[int], data: torch.Tensor) -> None:
+        self.store.write(pages, data)
+
     def _release_all(self, live: list[int], keep: bool):
         """Before the pool releases every page: the live ones' bytes to (pinned) host memory
         when ``keep``, and every sequence's pages unmapped."""

@@ -18,14 +18,23 @@ sequence still maps a descendant stays, so its pages do not count (a scheduler t
 
     A (alone) ── B (mapped by a sequence) ── C (alone)
     evictable now: C.   reclaimable: C's pages only (A waits for B).
+
+With :class:`~vmcache.tiers.PrefixTiers`, evicted entries are demoted (their bytes read in
+one copy before their pages go back) and a lookup that runs past the device entries promotes
+the tiers' next pages into freshly allocated ones (:meth:`PrefixIndex._promote`).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+
+import torch
+
+from .errors import CacheFull
+from .tiers.digest import page_digest, salt_bytes
 
 
 def whole_pages_shared(a: Iterable[int], b: Iterable[int], page: int) -> int:
@@ -49,6 +58,7 @@ class _Entry:
     alone: int = 0  # of its pages, those only the index holds (refcount 1)
     blocked: int = 0  # children whose subtrees are not wholly reclaimable
     whole: bool = False  # its pages and every descendant's are only the index's
+    digest: bytes = b""  # its name in the tiers (with tiers only)
 
     @property
     def freeable(self) -> bool:
@@ -60,6 +70,7 @@ class PrefixStats:
     lookups: int = 0
     lookup_tokens: int = 0
     hit_tokens: int = 0  # tokens served from the index (their K/V not recomputed)
+    tier_hit_tokens: int = 0  # of those, tokens promoted from host RAM or disk
     inserted_pages: int = 0
     evicted_pages: int = 0
     cached_pages: int = 0
@@ -84,6 +95,10 @@ class PrefixIndex:
     _lru: list[tuple[int, int, tuple]] = field(default_factory=list)
     _order: itertools.count = field(default_factory=itertools.count)
     _whole_pages: int = 0  # pages of entries whose whole subtree eviction can free
+    tiers: object = None  # a bound PrefixTiers (owns the demoted bytes), or None
+    read_pages: Callable[[list[int]], torch.Tensor] | None = None  # the cache's page bytes
+    write_pages: Callable[[list[int], torch.Tensor], None] | None = None
+    root: bytes = b""  # the tiers' digest of the empty prefix
 
     def _key(self, parent: _Entry | None, tokens: Sequence[int], j: int, salt) -> tuple:
         """Page ``j`` of ``tokens`` after ``parent``: exact, so no two prefixes collide."""
@@ -93,52 +108,117 @@ class PrefixIndex:
     def peek(self, tokens: Sequence[int], salt=None) -> int:
         """Tokens of ``tokens`` the index holds now (whole pages), touching nothing: no
         recency, no stats (for schedulers deciding whether to wait for a prefix)."""
-        parent, j = None, 0
+        parent, j, e = None, 0, None
         while j < len(tokens) // self.tokens_per_page:
-            parent = self._entries.get(self._key(parent, tokens, j, salt))
-            if parent is None:
+            e = self._entries.get(self._key(parent, tokens, j, salt))
+            if e is None:
                 break
-            j += 1
+            parent, j = e, j + 1
+        if self.tiers is not None:
+            n = len(tokens) // self.tokens_per_page
+            j += self.tiers.held(self._digests(parent, tokens, salt, j, n))
         return j * self.tokens_per_page
 
-    def match(self, tokens: Sequence[int], salt=None) -> list[_Entry]:
-        """The longest run of cached full pages that starts ``tokens`` (touched as used)."""
+    def match(self, tokens: Sequence[int], salt=None, max_pages: int | None = None) -> list[_Entry]:
+        """The longest run of cached full pages (at most ``max_pages``) that starts
+        ``tokens``, touched as used; with tiers, their next pages promoted if they hold them."""
         self._tick += 1
         found: list[_Entry] = []
-        for j in range(len(tokens) // self.tokens_per_page):
+        n = len(tokens) // self.tokens_per_page
+        n = n if max_pages is None else min(n, max_pages)
+        for j in range(n):
             e = self._entries.get(self._key(found[-1] if found else None, tokens, j, salt))
             if e is None:
                 break
             self._touch(e)
             found.append(e)
+        device = len(found)
+        if self.tiers is not None and device < n:
+            self._promote(found, tokens, salt, n)
         st = self._stats
         st.lookups += 1
         st.lookup_tokens += len(tokens)
         st.hit_tokens += len(found) * self.tokens_per_page
+        st.tier_hit_tokens += (len(found) - device) * self.tokens_per_page
         return found
+
+    def _digests(self, parent, tokens, salt, j0: int, j1: int) -> list[bytes]:
+        """Tier names of pages ``j0 .. j1-1`` of ``tokens`` (``parent`` holds page j0-1)."""
+        P, sb = self.tokens_per_page, salt_bytes(salt)
+        d, out = parent.digest if parent is not None else self.root, []
+        for j in range(j0, j1):
+            d = page_digest(d, sb, tokens[j * P : (j + 1) * P])
+            out.append(d)
+        return out
+
+    def _promote(self, found: list[_Entry], tokens, salt, n: int) -> None:
+        """Extend ``found`` by the pages the tiers hold next: fresh pages allocated (which may
+        evict, i.e. demote, colder entries; ``found`` is pinned meanwhile), filled in one copy,
+        indexed like inserted ones. No room or a corrupt tier file: fewer (or no) pages."""
+        T = self.num_tables
+        parent = found[-1] if found else None
+        digests = self._digests(parent, tokens, salt, len(found), n)
+        want = self.tiers.held(digests)
+        if want == 0:
+            return
+        pinned = [p for e in found for p in e.pages]
+        self.pool.incref(pinned)  # not evictable while pages are found for the rest
+        try:
+            want = min(want, self.pool.num_available // T)
+            try:
+                pages = self.pool.allocate(want * T) if want else []
+            except CacheFull:
+                return
+            blobs = self.tiers.fetch(digests[:want])
+            if len(blobs) < want:
+                self.pool.decref(pages[len(blobs) * T :])
+            if not blobs:
+                return
+            self.write_pages(pages[: len(blobs) * T], torch.stack(blobs).view(len(blobs) * T, -1))
+            self.tiers.promoted(len(blobs))
+            for i in range(len(blobs)):
+                j = len(found)
+                e = self._add(self._key(parent, tokens, j, salt), parent,
+                              tuple(pages[i * T : (i + 1) * T]), digests[i])  # fmt: skip
+                self._touch(e)
+                found.append(e)
+                parent = e
+        finally:
+            self.pool.decref(pinned)
+
+    def _add(self, key: tuple, parent: _Entry | None, pages: tuple[int, ...], digest: bytes):
+        """A new entry over ``pages`` (the index's reference already counted)."""
+        e = _Entry(key, parent, pages, digest=digest)
+        self._entries[key] = e
+        for p in pages:
+            self._of_page[p] = e
+        if parent is not None:
+            parent.children += 1
+            parent.blocked += 1  # e is not wholly reclaimable until _refresh says so
+            self._refresh(parent)
+        self.pool.set_indexed(pages, True)  # at refcount 1: alone_changed counts them
+        self._refresh(e)
+        return e
 
     def insert(self, tokens: Sequence[int], tables: Sequence[Sequence[int]], salt=None) -> int:
         """Index the full pages of a sequence holding ``tokens`` in ``tables`` (T page lists);
         pages already indexed keep their first copy. Returns the pages newly referenced."""
         self._tick += 1
-        n = min(len(tokens) // self.tokens_per_page, min(len(t) for t in tables))
+        P = self.tokens_per_page
+        n = min(len(tokens) // P, min(len(t) for t in tables))
         new = 0
         parent = None
         for j in range(n):
             key = self._key(parent, tokens, j, salt)
             e = self._entries.get(key)
             if e is None:
-                e = _Entry(key, parent, tuple(t[j] for t in tables))
-                self.pool.incref(e.pages)
-                for p in e.pages:
-                    self._of_page[p] = e
-                self.pool.set_indexed(e.pages, True)
-                self._entries[key] = e
-                if parent is not None:
-                    parent.children += 1
-                    parent.blocked += 1  # e is not wholly reclaimable until _refresh says so
-                    self._refresh(parent)
-                self._refresh(e)
+                pages = tuple(t[j] for t in tables)
+                self.pool.incref(pages)
+                digest = b""
+                if self.tiers is not None:
+                    d = parent.digest if parent is not None else self.root
+                    digest = page_digest(d, salt_bytes(salt), tokens[j * P : (j + 1) * P])
+                e = self._add(key, parent, pages, digest)
                 new += len(e.pages)
             self._touch(e)
             parent = e
@@ -199,6 +279,7 @@ class PrefixIndex:
         its last child goes, and takes its own place by its last use), until ``pages`` pages
         went back to the pool or nothing evictable is left; returns pages freed.
         O(log entries) per entry evicted."""
+        gone: list[_Entry] = []
         freed = 0
         while freed < pages and self._evictable:
             e = self._pop_lru()
@@ -209,10 +290,14 @@ class PrefixIndex:
             if e.parent is not None:
                 e.parent.children -= 1
                 self._refresh(e.parent)
-            self.pool.set_indexed(e.pages, False)
-            self.pool.decref(e.pages)
+            gone.append(e)
             freed += len(e.pages)
-            self._stats.evicted_pages += len(e.pages)
+        out = [p for e in gone for p in e.pages]
+        if self.tiers is not None and gone:  # their bytes first, while the pages are ours
+            self.tiers.demote([e.digest for e in gone], self.read_pages(out), self.num_tables)
+        self.pool.set_indexed(out, False)
+        self.pool.decref(out)
+        self._stats.evicted_pages += freed
         return freed
 
     def clear(self) -> int:
@@ -241,40 +326,3 @@ class PrefixIndex:
         st = self._stats
         st.cached_pages = sum(len(e.pages) for e in self._entries.values())
         return PrefixStats(**vars(st))
-
-
-class PrefixOps:
-    """new_sequence(prefix_tokens=...)'s attach step and cache_prefix: operations of
-    :class:`~vmcache.seqcache.SequenceCache` (its lengths, token ids, salts and its one
-    full-attention group; prefix caching is refused for sliding-window models)."""
-
-    def _attach_prefix(self, s: int, tokens: list[int]) -> None:
-        entries = self.prefix.match(tokens, self._salts[s])
-        while entries and len(entries) * self.prefix.tokens_per_page > self.max_seq_len:
-            entries.pop()
-        if not entries:
-            return
-        (g,) = self.groups
-        rows = [[e.pages[i] for e in entries] for i in range(self._T)]
-        self._attach_row(s, g.ids, 0, rows)
-        self.pool.incref([p for r in rows for p in r])
-        n = len(entries) * self.prefix.tokens_per_page
-        g.open(s, rows)
-        self._tokens[s] = list(tokens[:n])
-        self._set_len(s, n)
-
-    def cached_prefix_tokens(self, tokens, salt=None) -> int:
-        """How many leading tokens of ``tokens`` a new sequence would find cached under
-        ``salt`` now (0 without prefix caching); changes nothing."""
-        return 0 if self.prefix is None else self.prefix.peek(list(tokens), salt)
-
-    def cache_prefix(self, s: int) -> int:
-        """Index sequence ``s``'s full pages of known tokens now (``free`` does it too), so
-        requests that arrive while it runs share them; call it once their K/V are written.
-        Returns the pages newly indexed (0 without prefix caching or known token ids)."""
-        s = self._check_seq(s)
-        tokens = self._tokens[s]
-        if self.prefix is None or tokens is None:
-            return 0
-        n = min(len(tokens), self._lens[s])
-        return self.prefix.insert(tokens[:n], self.groups[0].rows(s), self._salts[s])

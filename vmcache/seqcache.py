@@ -31,13 +31,15 @@ from .errors import CacheFull, check_tokens
 from .errors import check_int as _check_int  # also the name cache.py and paged_fallback import
 from .invariants import check_invariants
 from .pool import PagePool
-from .prefix import PrefixIndex, PrefixOps
+from .prefix import PrefixIndex
+from .prefix_ops import PrefixOps
 from .reserve import ReserveOps
 from .sharing import SharingOps
 from .spec import KVSpec, check_kv
 from .stats import CacheStats, collect_stats
 from .swap import SwapOps, SwapTier
 from .tables import PageTables
+from .tiers.digest import salt_bytes
 
 
 class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps, ElasticOps):
@@ -53,6 +55,7 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps, ElasticOps):
         device: torch.device,
         swap_bytes: int | None,
         prefix_caching: bool = False,
+        prefix_tiers=None,
     ) -> None:
         self.spec = spec
         self.max_seqs = max_seqs
@@ -71,18 +74,7 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps, ElasticOps):
         self._salts: list[object] = [None] * max_seqs  # tenant salt for the prefix index
         self.reserved_pages_mapped = 0  # pages mapped ahead by reserve() (owned here)
         self.prefix: PrefixIndex | None = None  # owned here; holds pool references
-        if prefix_caching:
-            if any(g.sliding for g in groups):
-                raise ValueError(
-                    "prefix caching is not supported for models with sliding-window layers "
-                    f"(layers {list(spec.sliding_layers)}): a cached prefix would need the "
-                    "pages those layers release"
-                )
-            u, P = groups[0].u, groups[0].P
-            if P % u:
-                raise ValueError(f"prefix caching needs pages of whole tokens; {P} % {u} != 0")
-            self.prefix = PrefixIndex(pool, P // u, self._T)
-            pool.reclaimer = self.prefix
+        self._setup_prefix(prefix_caching, prefix_tiers)
         self._lens_tensor: torch.Tensor | None = None
         self.epoch = 0  # bumped whenever a length or a page table changes (owned here)
         self.step_plan = None  # per-step kernel metadata memo; owned by vmcache.kernels.plan
@@ -111,6 +103,14 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps, ElasticOps):
 
     def _sync(self) -> None:
         pass
+
+    def _read_pages(self, pages: list[int]) -> torch.Tensor:
+        """uint8 ``[len(pages), page_bytes]`` host copy of ``pages`` (one copy; prefix tiers)."""
+        raise NotImplementedError
+
+    def _write_pages(self, pages: list[int], data: torch.Tensor) -> None:
+        """Inverse of :meth:`_read_pages` (pages no sequence maps)."""
+        raise NotImplementedError
 
     # --- queries -----------------------------------------------------------------------
     def _check_seq(self, s: Any) -> int:
@@ -181,6 +181,8 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps, ElasticOps):
             raise CacheFull(f"all {self.max_seqs} sequence slots are in use", wanted=1, free=0)
         if prefix_tokens is not None:
             prefix_tokens = check_tokens("prefix_tokens", prefix_tokens)
+        if self.prefix is not None and self.prefix.tiers is not None:
+            salt_bytes(salt)  # TypeError for a salt with no name outside this process
         s = self._free_slots.pop() if slot is None else slot
         if slot is not None:
             self._free_slots.remove(slot)
