@@ -15,7 +15,7 @@ OLD_STAMP := $(OLD)/.vmcache-installed
 # Without an NVIDIA GPU take the CPU build first, so no multi-GB CUDA build is pulled.
 CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q torch==2.13.0; fi
 
-.PHONY: bench bench-30k bench-window bench-handoff bench-elastic readme test test-newest test-oldest test-long coverage compile-sm90 lint \
+.PHONY: bench bench-30k bench-window bench-handoff bench-elastic bench-tiers readme test test-newest test-oldest test-long coverage compile-sm90 lint \
 	gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -55,6 +55,10 @@ bench-handoff: $(STAMP)
 # two engines on one shared budget vs static halves, and sleep/wake time (the README's table)
 bench-elastic: $(STAMP)
 	$(PY) benchmarks/bench_elastic.py
+
+# a multi-turn trace over prefix tiers (RAM, disk) against none (the README's tier table)
+bench-tiers: $(STAMP)
+	$(PY) benchmarks/bench_tiers.py
 
 # the README's result tables from the committed JSON (tests/test_readme_results.py checks them)
 readme: $(STAMP)
