@@ -110,7 +110,7 @@ def elastic(name, doc) -> str:
 
 
 def tiers(name, doc) -> str:
-    rows, x = doc["rows"], doc["extra"]
+    rows, x = doc["rows"], doc
 
     def get(r, k):
         return r.get(k, float("nan"))
@@ -140,9 +140,9 @@ def tiers(name, doc) -> str:
         f"{'all' if same else 'not all'}: **{'AGREES' if holds else 'DIFFERS'}**. Wall time: "
         f"the model is tiny and runs on this CPU, so recomputing a token costs about what "
         f"moving its K/V through RAM or disk does (no tier {f(none['vm']['wall_s'])} s, host "
-        f"tier {f(next(r for r in tiered if r['cache'] == 'vm')['wall_s'])} s on VMKVCache): "
-        f"the saved prefill tokens, not this wall time, are what carries over to a large model "
-        f"on a GPU. Both caches batch their transfers alike (one device copy for all the pages "
+        f"tier {f(next(r for r in tiered if r['cache'] == 'vm')['wall_s'])} s on VMKVCache); "
+        f"the token counts do not depend on the machine, the wall time does (not measured on a "
+        f"GPU). Both caches batch their transfers alike (one device copy for all the pages "
         f"one eviction or one promotion moves, one file per batch), so they move the same "
         f"bytes per copy.\n"
     )
