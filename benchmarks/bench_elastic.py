@@ -18,7 +18,9 @@ SLEEP/WAKE: a VMKVCache (host backend, 2 MiB pages) holding 64-512 MiB of live K
 (keep="host": copy out, release every page) and wake (create, copy back, map), median of
 --repeats with min-max.
 
-On this machine the two engines share 2 CPU cores: compute, not memory bandwidth, bounds their
+On this machine the two engines share 2 CPU cores, one torch thread each (more would
+oversubscribe the cores: an earlier version set OMP_NUM_THREADS after torch was imported, which
+did nothing, and its runs varied up to 5x in model time per step): compute bounds their
 steps; the budget binds through preemption and queueing, which is what the rows compare.
 """
 
@@ -64,7 +66,7 @@ def _engine_rank(rank, init, ledger, mode, per_burst, period, bursts, queue):
 
 
 def _serve(rank, init, ledger, mode, per_burst, period, bursts, queue):
-    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)  # two engines on two cores: more threads each oversubscribe them
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     from vmcache.engine import Engine, Request, SamplingParams
     from vmcache.ledger import SharedBudget
@@ -98,7 +100,8 @@ def _serve(rank, init, ledger, mode, per_burst, period, bursts, queue):
     st = engine.stats
     res = {"wall_s": wall, "tokens": st.generated_tokens, "ttft": [f - a for a, f, _, _ in recs],
            "preempted": st.preempt_recompute, "released_pages": st.released_pages,
-           "budget_waits": st.budget_waits}  # fmt: skip
+           "budget_waits": st.budget_waits, "steps": st.steps, "map_s": st.map_s,
+           "model_s": st.model_s}  # fmt: skip
     dist.barrier()
     kv.close()
     if mode == "shared":
