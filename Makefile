@@ -54,11 +54,11 @@ bench-handoff: $(STAMP)
 
 # two engines on one shared budget vs static halves, and sleep/wake time (the README's table)
 bench-elastic: $(STAMP)
-	$(PY) benchmarks/bench_elastic.py
+	$(PY) -m vmcache.bench --mode elastic
 
 # a multi-turn trace over prefix tiers (RAM, disk) against none (the README's tier table)
 bench-tiers: $(STAMP)
-	$(PY) benchmarks/bench_tiers.py
+	$(PY) -m vmcache.bench --mode tiers
 
 # the README's result tables from the committed JSON (tests/test_readme_results.py checks them)
 readme: $(STAMP)

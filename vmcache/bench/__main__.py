@@ -30,6 +30,13 @@ vm-layer-2M / vm-layer-64K (a virtual range per layer and K/V, 2 MiB or 64 KiB p
 vm-token-2M (one range per K/V, all layers of a token together), radix-<cache> (prefix caching
 on); extras: vm-token-64K, <cache>-copy (forks copy: the baseline sharing is measured against).
 
+ELASTIC MODE (--mode elastic; make bench-elastic): two engines in two processes with
+alternating bursts on one shared page budget against two static halves at 1x, 2x and 4x the
+load that fits, and sleep/wake time (vmcache/bench/elastic.py). TIERS MODE (--mode tiers; make
+bench-tiers): a multi-turn trace four times the device pool through prefix tiers in host RAM
+and on disk (vmcache/bench/tiers.py). Both take --quick, --repeats and --out here; their
+scripts in benchmarks/ take all their options.
+
 CLAIMS: each row with a claim from the literature gets a verdict that can read DIFFERS (rules
 in vmcache/bench/report.py: verdicts); a row where memory never bound says so instead of
 quoting a capacity. Results: JSON (with commit, CPU, package versions) and PNG under --out;
@@ -133,7 +140,8 @@ def sizing_progress(label: str):
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m vmcache.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--mode", choices=("sizing", "compute", "both"), default="both")
+    ap.add_argument("--mode", choices=("sizing", "compute", "both", "elastic", "tiers"),
+                    default="both")  # fmt: skip
     g = ap.add_argument_group("sizing mode")
     g.add_argument("--model", default="llama-3-8b", help="KVSpec preset (llama-3-8b, -70b, ...)")
     g.add_argument("--budget-gb", type=float, default=16.0, help="KV budget in GB (16)")
@@ -168,6 +176,13 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     ap = parser()
     args = ap.parse_args(argv)
+    if args.mode in ("elastic", "tiers"):  # their own workloads, options and results files
+        from . import elastic, tiers
+
+        fwd = ["--repeats", str(args.repeats)] + ["--quick"] * args.quick
+        fwd += ["--out", args.out] if args.out else []
+        (elastic if args.mode == "elastic" else tiers).main(fwd)
+        return
     if args.quick:
         args.compute_requests, args.repeats, args.compute_rates, args.budgets = 8, 1, "4", "4,8"
     if args.trace:
