@@ -289,3 +289,23 @@ def _machine(kind):
 
 TestVMTieredPrefixMachine = _machine("vm")
 TestPagedTieredPrefixMachine = _machine("paged")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_sleep_that_keeps_nothing_leaves_the_prefixes_in_the_tiers(kind, tmp):
+    c = cache(kind, PrefixTiers(1 << 20, disk_dir=tmp, disk_bytes=1 << 22))
+    P = tpp(c)
+    A, B = [1] * P + [2] * P + [3], [5] * P + [6]
+    s = c.new_sequence(prefix_tokens=A)
+    append(c, s, A)
+    c.free(s)  # A cached, unreferenced
+    live = c.new_sequence(prefix_tokens=B)
+    append(c, live, B)
+    c.cache_prefix(live)  # B cached and mapped by a live sequence
+    c.sleep(keep="none")
+    assert c.prefix.stats().cached_pages == 0
+    c.wake()
+    assert c.seq_len(live) == len(B) and c.kv(1, live)[0].abs().sum() == 0  # zeros, as said
+    assert hit(c, A) == 2 * P and hit(c, B) == P  # both served from the tiers, checked
+    c.free(live)
+    c.check_invariants()

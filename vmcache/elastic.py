@@ -46,7 +46,8 @@ class ElasticOps:
         """Give every physical page back, keeping sequences, page tables, the prefix index
         and (VMKVCache) the reservation: ``keep="host"`` first copies the live pages' bytes to
         (pinned) host memory; ``"none"`` drops them (and the prefix index, whose K/V would be
-        lost): after :meth:`wake` they read as zeros. Until then no call may touch a sequence
+        lost; with prefix tiers its entries are demoted to them first): after :meth:`wake`
+        they read as zeros. Until then no call may touch a sequence
         (``RuntimeError``) and no view may be read. Returns the bytes given back.
 
         VMKVCache: pages are released (``cuMemRelease`` / a punched hole) and :meth:`wake`
@@ -61,7 +62,7 @@ class ElasticOps:
         for s in self.sequences:
             self._drop_reserved(s)  # pages mapped ahead: nothing to keep
         if keep == "none" and self.prefix is not None:
-            self.prefix.forget()  # cached K/V would read zeros: never serve them
+            self.prefix.forget()  # cached K/V would read zeros: never serve them (tiers keep them)
         self._sync()
         live = self.pool.used_pages()
         held = self.resident_bytes if self.releases_memory else self._device_bytes()

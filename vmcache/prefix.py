@@ -306,8 +306,12 @@ class PrefixIndex:
 
     def forget(self) -> int:
         """Drop every entry, also those whose pages sequences map (their K/V are about to be
-        lost: a sleep that keeps nothing); returns the references dropped."""
-        pages = [p for e in self._entries.values() for p in e.pages]
+        lost: a sleep that keeps nothing); with tiers, demoted first (least recently used
+        first, one copy), so they can be promoted after. Returns the references dropped."""
+        entries = sorted(self._entries.values(), key=lambda e: e.last_used)
+        pages = [p for e in entries for p in e.pages]
+        if self.tiers is not None and entries:
+            self.tiers.demote([e.digest for e in entries], self.read_pages(pages), self.num_tables)
         self._entries.clear()
         self._of_page.clear()
         self._evictable.clear()
