@@ -13,7 +13,7 @@ from caches import examples, record_coverage
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule, run_state_machine_as_test
-from test_prefix import PrefixMachine, append, kv_of, make, tpp
+from prefix_machine import PrefixMachine, append, kv_of, make, tpp
 
 from vmcache import CacheFull
 from vmcache.tiers import PrefixTiers
