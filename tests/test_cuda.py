@@ -232,3 +232,58 @@ def test_handoff_wires_read_and_fill_gpu_pages_in_place(layout):
         for x, y in zip(a.kv(layer, s), b.kv(layer, t)):
             assert torch.equal(x, y)
     b.check_invariants()
+
+
+@pytest.mark.parametrize("keep", ["host", "none"])
+def test_sleep_releases_device_memory_and_wake_maps_the_same_addresses(keep):
+    spec = KVSpec(2, 8, 128, torch.bfloat16)
+    with VMKVCache(spec, 2, 4096, device="cuda") as c:
+        s = c.new_sequence()
+        c.grow(s, 3000)
+        k = torch.randn(3000, 8, 128, device="cuda", dtype=torch.bfloat16)
+        for layer in range(2):
+            c.write(layer, s, 0, k, -k)
+        view, ptr = c.k_cache(1), c.k_cache(1).data_ptr()
+        held = c.resident_bytes
+        torch.cuda.empty_cache()
+        free_before = torch.cuda.mem_get_info()[0]
+        assert c.sleep(keep=keep) == held and c.resident_bytes == 0
+        torch.cuda.empty_cache()  # the gather that copied the pages out was torch's memory
+        assert torch.cuda.mem_get_info()[0] >= free_before + held  # cuMemRelease gave it back
+        c.wake()
+        assert c.k_cache(1).data_ptr() == ptr  # same virtual addresses
+        want = k if keep == "host" else torch.zeros_like(k)
+        assert torch.equal(view[s, :3000], want)  # a view from before sleep reads the bytes
+        c.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["vm", "paged"])
+def test_prefix_tiers_round_trip_gpu_pages(kind, tmp_path):
+    from vmcache.tiers import PrefixTiers
+
+    spec = KVSpec(2, 8, 128, torch.bfloat16)
+    tiers = PrefixTiers(1, disk_dir=tmp_path, disk_bytes=1 << 30)  # everything to disk
+    if kind == "vm":
+        c = VMKVCache(spec, 4, 4096, device="cuda", layout="token_major", prefix_caching=True,
+                      prefix_tiers=tiers)  # fmt: skip
+    else:
+        c = PagedKVCache(spec, num_blocks=64, device="cuda", max_seq_len=4096, max_seqs=4,
+                         prefix_caching=True, prefix_tiers=tiers)  # fmt: skip
+    ids = list(range(1100))
+    s = c.new_sequence(prefix_tokens=ids)
+    c.grow(s, len(ids), token_ids=ids)
+    k = torch.randn(len(ids), 8, 128, device="cuda", dtype=torch.bfloat16)
+    for layer in range(2):
+        c.write(layer, s, 0, k, -k)
+    c.free(s)
+    c.prefix.clear()  # to disk, one device copy
+    s = c.new_sequence(prefix_tokens=ids)
+    n = c.seq_len(s)
+    assert n > 0 and c.prefix.stats().tier_hit_tokens == n
+    for layer in range(2):
+        kk, vv = c.kv(layer, s)
+        assert torch.equal(kk, k[:n]) and torch.equal(vv, -k[:n])
+    assert c.tier_stats().device_copies == 2
+    c.free(s)
+    c.check_invariants()
+    c.close()
