@@ -72,7 +72,7 @@ def _fill(c, n: int, gen: torch.Generator) -> int:
 
 
 def _rank(rank: int, init: str, lengths, repeats: int, queue) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)  # two processes on two cores (OMP_NUM_THREADS is read at import)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     spec = KVSpec.preset("llama-3.2-1b", torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
