@@ -155,11 +155,16 @@ def test_a_directory_serves_the_next_cache_of_the_same_layout_and_namespace(kind
     c.close()
     other = cache(kind, PrefixTiers(disk_dir=tmp, disk_bytes=1 << 22, namespace="model-b"))
     assert hit(other, A) == 0 and len(list(tmp.iterdir())) == 1  # not its file: left alone
+    cached(other, [9] * P)  # model-b's own file
     wider = cache(kind, PrefixTiers(disk_dir=tmp, disk_bytes=1 << 22, namespace="model-a"),
                   max_seq_len=512)  # fmt: skip
     assert hit(wider, A) == 2 * P  # max_seq_len is not part of a page's bytes
     again = cache(kind, PrefixTiers(disk_dir=tmp, disk_bytes=1 << 22, namespace="model-a"))
     assert hit(again, A) == 2 * P
+    again.prefix.clear()
+    again.prefix.tiers.clear()  # this namespace's files go, model-b's stays
+    assert hit(again, A) == 0 and again.cached_prefix_tokens(A) == 0
+    assert len(list(tmp.iterdir())) == 1 and hit(other, [9] * P) == P
 
 
 @pytest.mark.parametrize("kind", ["vm", "paged"])

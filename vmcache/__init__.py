@@ -7,6 +7,7 @@ from .pool import PagePool
 from .spec import KVSpec
 from .stats import CacheStats
 from .swap import SwapHandle
+from .tiers import PrefixTiers
 
 __all__ = [
     "KVSpec",
@@ -17,6 +18,7 @@ __all__ = [
     "InvariantError",
     "PagePool",
     "SwapHandle",
+    "PrefixTiers",
     "CacheStats",
 ]
 __version__ = "0.1.0"

@@ -138,6 +138,13 @@ class DiskTier:
         self.counters.bytes_written += file.size
         self._evict()
 
+    def clear(self) -> int:
+        """Delete every file of this root (others' files stay); returns how many."""
+        names = list(self._files)
+        for name in names:
+            self._drop(name, corrupt=False)
+        return len(names)
+
     def _evict(self) -> None:
         while self.bytes > self.limit_bytes and self._files:
             name = next(iter(self._files))

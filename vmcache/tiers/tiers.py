@@ -130,6 +130,13 @@ class PrefixTiers:
             i = j
         return out
 
+    def clear(self) -> None:
+        """Empty both tiers: the host tier's tensors go, and the disk tier's files of this
+        layout and namespace are deleted (e.g. once the weights they came from changed)."""
+        self.host.clear()
+        if self.disk is not None:
+            self.disk.clear()
+
     def promoted(self, count: int) -> None:
         """``count`` fetched entries went to the device (one copy)."""
         self._copies += 1 if count else 0
