@@ -1,7 +1,8 @@
 """The disk tier: demoted prefix pages in files under a directory the user gives.
 
-One file per batch that overflows the host tier (one write), read whole on a hit (one read),
-least recently used file first out over the byte limit. A file is written under a temporary
+One file per batch that overflows the host tier (one write); a hit reads the file's header and
+table, then the span of entries it needs (one read of K/V per run of entries in one file); the
+least recently used file goes first over the byte limit. A file is written under a temporary
 name and renamed, so no reader ever sees half of one:
 
     header  magic "VMKVTIER", version u32, n u32, entry_bytes u64, root (16), table sum (16)
@@ -169,52 +170,55 @@ class DiskTier:
 
     def get(self, digests: list[bytes]) -> list[torch.Tensor]:
         """The entries of the longest leading run of ``digests`` held on disk and intact
-        (uint8 CPU tensors of ``entry_bytes``); each file read once, whole (one I/O)."""
+        (uint8 CPU tensors of ``entry_bytes``). Consecutive digests in one file are one run:
+        its header and table are read and checked, then the span of entries it needs, in one
+        read (a file written by a large eviction is not read whole for a few entries)."""
         out: list[torch.Tensor] = []
-        opened: dict[str, bytes | None] = {}
-        for d in digests:
-            if d not in self._where:
+        i = 0
+        while i < len(digests) and digests[i] in self._where:
+            name = self._where[digests[i]][0]
+            idx = []
+            while i < len(digests) and self._where.get(digests[i], (None,))[0] == name:
+                idx.append(self._where[digests[i]][1])
+                i += 1
+            got = self._read(name, idx)
+            out += got
+            if len(got) < len(idx):
                 break
-            name, i = self._where[d]
-            if name not in opened:
-                opened[name] = self._read(name)
-            raw = opened[name]
-            if raw is None:
-                break
-            n = len(self._files[name].digests)
-            start = _HEAD.size + n * _ROW + i * self.entry_bytes
-            row = _HEAD.size + i * _ROW + DIGEST_BYTES
-            data = memoryview(raw)[start : start + self.entry_bytes]
-            if checksum(data) != raw[row : row + DIGEST_BYTES]:
-                self._drop(name, corrupt=True)
-                opened[name] = None
-                break
-            self._files.move_to_end(name)
-            out.append(torch.frombuffer(raw, dtype=torch.uint8, count=self.entry_bytes,
-                                        offset=start))  # fmt: skip
         return out
 
-    def _read(self, name: str) -> bytearray | None:
-        """The whole file (one read) if its size, header and table check out (else the file
-        is dropped: None)."""
-        file = self._files[name]
-        raw = bytearray(file.size)
+    def _read(self, name: str, idx: list[int]) -> list[torch.Tensor]:
+        """Entries ``idx`` of file ``name``, as far as they are intact; a file whose size,
+        header, table or a needed entry's checksum fails is dropped (counted corrupt)."""
+        file, eb = self._files[name], self.entry_bytes
+        n = len(file.digests)
+        lo, hi = min(idx), max(idx) + 1
+        span = bytearray((hi - lo) * eb)
         try:
             with open(self.dir / name, "rb") as f:
-                got = f.readinto(raw)
-                ok = got == file.size and not f.read(1)  # neither truncated nor grown
+                meta = f.read(_HEAD.size + n * _ROW)
+                f.seek(_HEAD.size + n * _ROW + lo * eb)
+                got = f.readinto(span)
+                size = os.fstat(f.fileno()).st_size
         except OSError:
-            got, ok = 0, False
+            meta, got, size = b"", 0, -1
         self.counters.files_read += 1
-        self.counters.bytes_read += got
-        n = len(file.digests)
+        self.counters.bytes_read += len(meta) + got
+        ok = size == file.size and got == len(span) and len(meta) == _HEAD.size + n * _ROW
         if ok:
-            head = _HEAD.unpack_from(raw)
-            table = bytes(raw[_HEAD.size : _HEAD.size + n * _ROW])
+            table = meta[_HEAD.size :]
             digests = [table[j * _ROW : j * _ROW + DIGEST_BYTES] for j in range(n)]
-            want = (MAGIC, VERSION, n, self.entry_bytes, self.root, checksum(table))
-            ok = head == want and digests == file.digests
-        if not ok:
+            want = (MAGIC, VERSION, n, eb, self.root, checksum(table))
+            ok = _HEAD.unpack_from(meta) == want and digests == file.digests
+        out: list[torch.Tensor] = []
+        for k in idx if ok else ():
+            data = memoryview(span)[(k - lo) * eb : (k - lo + 1) * eb]
+            row = k * _ROW + DIGEST_BYTES
+            if checksum(data) != table[row : row + DIGEST_BYTES]:
+                break
+            out.append(torch.frombuffer(span, dtype=torch.uint8, count=eb, offset=(k - lo) * eb))
+        if len(out) < len(idx):
             self._drop(name, corrupt=True)
-            return None
-        return raw
+        else:
+            self._files.move_to_end(name)
+        return out
