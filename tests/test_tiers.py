@@ -17,6 +17,7 @@ from prefix_machine import PrefixMachine, append, kv_of, make, tpp
 
 from vmcache import CacheFull
 from vmcache.tiers import PrefixTiers
+from vmcache.tiers.digest import page_digest, salt_bytes
 from vmcache.tiers.disk import file_bytes
 
 KINDS = ["vm", "vm_token_major", "paged"]
@@ -250,7 +251,7 @@ class TieredPrefixMachine(PrefixMachine):
         else of any file."""
         disk, ix = self.c.prefix.tiers.disk, self.c.prefix
         ix.clear()
-        (root,) = ix._digests(None, self.seeded, None, 0, 1)  # noqa: SLF001
+        root = page_digest(ix.root, salt_bytes(None), self.seeded[: tpp(self.c)])
         files = disk.files()
         where = disk._where.get(root)  # noqa: SLF001
         path = disk.dir / where[0] if where else data.draw(st.sampled_from(files))

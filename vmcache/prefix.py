@@ -115,8 +115,7 @@ class PrefixIndex:
                 break
             parent, j = e, j + 1
         if self.tiers is not None:
-            n = len(tokens) // self.tokens_per_page
-            j += self.tiers.held(self._digests(parent, tokens, salt, j, n))
+            j += len(self._held(parent, tokens, salt, j, len(tokens) // self.tokens_per_page))
         return j * self.tokens_per_page
 
     def match(self, tokens: Sequence[int], salt=None, max_pages: int | None = None) -> list[_Entry]:
@@ -142,12 +141,15 @@ class PrefixIndex:
         st.tier_hit_tokens += (len(found) - device) * self.tokens_per_page
         return found
 
-    def _digests(self, parent, tokens, salt, j0: int, j1: int) -> list[bytes]:
-        """Tier names of pages ``j0 .. j1-1`` of ``tokens`` (``parent`` holds page j0-1)."""
+    def _held(self, parent, tokens, salt, j0: int, j1: int) -> list[bytes]:
+        """Tier names of pages ``j0 ..`` of ``tokens`` (``parent`` holds page j0-1), as far
+        as some tier holds them (no I/O; hashing stops at the first miss)."""
         P, sb = self.tokens_per_page, salt_bytes(salt)
         d, out = parent.digest if parent is not None else self.root, []
         for j in range(j0, j1):
             d = page_digest(d, sb, tokens[j * P : (j + 1) * P])
+            if d not in self.tiers:
+                break
             out.append(d)
         return out
 
@@ -157,8 +159,8 @@ class PrefixIndex:
         indexed like inserted ones. No room or a corrupt tier file: fewer (or no) pages."""
         T = self.num_tables
         parent = found[-1] if found else None
-        digests = self._digests(parent, tokens, salt, len(found), n)
-        want = self.tiers.held(digests)
+        digests = self._held(parent, tokens, salt, len(found), n)
+        want = len(digests)
         if want == 0:
             return
         pinned = [p for e in found for p in e.pages]

@@ -83,13 +83,6 @@ class PrefixTiers:
     def __contains__(self, digest: bytes) -> bool:
         return digest in self.host or (self.disk is not None and digest in self.disk)
 
-    def held(self, digests: list[bytes]) -> int:
-        """How many leading ``digests`` some tier holds (no I/O: a checksum may still fail)."""
-        n = 0
-        while n < len(digests) and digests[n] in self:
-            n += 1
-        return n
-
     def demote(self, digests: list[bytes], data: torch.Tensor, tables: int) -> None:
         """Entries the device index evicts, least recently used first: ``data`` is uint8
         ``[len(digests) * tables, page_bytes]`` on the host, entry i in rows i*tables...
