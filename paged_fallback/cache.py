@@ -220,10 +220,10 @@ class PagedKVCache(SequenceCache):
         return Wire(views, gather, scatter)
 
     # --- prefix tier hooks (vmcache.tiers): a block's bytes across its slots and K/V ----
-    def _read_pages(self, pages: list[int]) -> torch.Tensor:
+    def _read_pages(self, pages: list[int], pin: bool = False) -> torch.Tensor:
         idx = torch.tensor(pages, dtype=torch.long, device=self.device)
         blocks = self.kv_pool[:, :, idx].movedim(2, 0).contiguous()  # [n, G, 2, B, N_KV, d_h]
-        return blocks.view(len(pages), -1).view(torch.uint8).cpu()
+        return blocks.view(-1).view(torch.uint8).view(len(pages), self.page_bytes).cpu()
 
     def _write_pages(self, pages: list[int], data: torch.Tensor) -> None:
         idx = torch.tensor(pages, dtype=torch.long, device=self.device)
@@ -237,8 +237,7 @@ class PagedKVCache(SequenceCache):
         return self.kv_pool.untyped_storage().nbytes()
 
     def _release_all(self, live: list[int], keep: bool):
-        idx = torch.tensor(live, dtype=torch.long, device=self.device)
-        saved = self.kv_pool[:, :, idx].to("cpu") if keep else None
+        saved = self._read_pages(live) if keep else None
         nbytes = self._device_bytes()
         self.kv_pool.untyped_storage().resize_(0)  # k_pool / v_pool views share it
         return saved, nbytes
@@ -248,8 +247,7 @@ class PagedKVCache(SequenceCache):
         self.kv_pool.untyped_storage().resize_(nbytes)
         self.kv_pool.zero_()
         if saved is not None:
-            idx = torch.tensor(live, dtype=torch.long, device=self.device)
-            self.kv_pool[:, :, idx] = saved.to(self.device)
+            self._write_pages(live, saved)
 
     def close(self) -> None:
         if self.pool.asleep:

@@ -218,9 +218,9 @@ class VMKVCache(SequenceCache):
         self.backend.synchronize()
 
     # --- sleep / wake hooks (vmcache.elastic) ------------------------------------------
-    def _read_pages(self, pages: list[int]) -> torch.Tensor:
+    def _read_pages(self, pages: list[int], pin: bool = False) -> torch.Tensor:
         self._sync()
-        return self.store.read(pages)
+        return self.store.read(pages, pin=pin)
 
     def _write_pages(self, pages: list[int], data: torch.Tensor) -> None:
         self.store.write(pages, data)
@@ -228,7 +228,7 @@ class VMKVCache(SequenceCache):
     def _release_all(self, live: list[int], keep: bool):
         """Before the pool releases every page: the live ones' bytes to (pinned) host memory
         when ``keep``, and every sequence's pages unmapped."""
-        saved = self.store.read(live, pin=self.device.type == "cuda") if keep else None
+        saved = self._read_pages(live, pin=self.device.type == "cuda") if keep else None
         for s in self.sequences:
             for g in self.groups:
                 for t, j0, pages in g.mapped_runs(s):
@@ -241,7 +241,7 @@ class VMKVCache(SequenceCache):
         done = []
         try:
             if saved is not None:
-                self.store.write(live, saved)
+                self._write_pages(live, saved)
             for s in self.sequences:
                 for g in self.groups:
                     for t, j0, pages in g.mapped_runs(s):

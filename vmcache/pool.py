@@ -277,7 +277,6 @@ class PagePool:
             self.budget.release(len(live))
             self._created -= len(live)
         self.asleep = True
-        return live
 
     def recreate(self, live: list[int]) -> None:
         """Wake: create ``live`` again (all or nothing; ``CacheFull`` if the budget or the

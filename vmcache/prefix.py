@@ -108,7 +108,7 @@ class PrefixIndex:
     def peek(self, tokens: Sequence[int], salt=None) -> int:
         """Tokens of ``tokens`` the index holds now (whole pages), touching nothing: no
         recency, no stats (for schedulers deciding whether to wait for a prefix)."""
-        parent, j, e = None, 0, None
+        parent, j = None, 0
         while j < len(tokens) // self.tokens_per_page:
             e = self._entries.get(self._key(parent, tokens, j, salt))
             if e is None:
@@ -294,13 +294,19 @@ class PrefixIndex:
                 self._refresh(e.parent)
             gone.append(e)
             freed += len(e.pages)
-        out = [p for e in gone for p in e.pages]
-        if self.tiers is not None and gone:  # their bytes first, while the pages are ours
-            self.tiers.demote([e.digest for e in gone], self.read_pages(out), self.num_tables)
+        out = self._demote(gone)
         self.pool.set_indexed(out, False)
         self.pool.decref(out)
         self._stats.evicted_pages += freed
         return freed
+
+    def _demote(self, entries: list[_Entry]) -> list[int]:
+        """Hand ``entries`` (least recently used first) to the tiers, if any, in one copy while
+        their pages are still the index's; returns their pages."""
+        pages = [p for e in entries for p in e.pages]
+        if self.tiers is not None and entries:
+            self.tiers.demote([e.digest for e in entries], self.read_pages(pages), self.num_tables)
+        return pages
 
     def clear(self) -> int:
         """Evict everything evictable (pages still mapped by sequences stay)."""
@@ -310,10 +316,7 @@ class PrefixIndex:
         """Drop every entry, also those whose pages sequences map (their K/V are about to be
         lost: a sleep that keeps nothing); with tiers, demoted first (least recently used
         first, one copy), so they can be promoted after. Returns the references dropped."""
-        entries = sorted(self._entries.values(), key=lambda e: e.last_used)
-        pages = [p for e in entries for p in e.pages]
-        if self.tiers is not None and entries:
-            self.tiers.demote([e.digest for e in entries], self.read_pages(pages), self.num_tables)
+        pages = self._demote(sorted(self._entries.values(), key=lambda e: e.last_used))
         self._entries.clear()
         self._of_page.clear()
         self._evictable.clear()

@@ -104,8 +104,9 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps, ElasticOps):
     def _sync(self) -> None:
         pass
 
-    def _read_pages(self, pages: list[int]) -> torch.Tensor:
-        """uint8 ``[len(pages), page_bytes]`` host copy of ``pages`` (one copy; prefix tiers)."""
+    def _read_pages(self, pages: list[int], pin: bool = False) -> torch.Tensor:
+        """uint8 ``[len(pages), page_bytes]`` host copy of ``pages`` (one copy; prefix tiers,
+        sleep); ``pin``: page-locked where the cache can (VMKVCache), for a fast copy back."""
         raise NotImplementedError
 
     def _write_pages(self, pages: list[int], data: torch.Tensor) -> None:
