@@ -1,0 +1,65 @@
+"""Installed as users install it: the package list in pyproject.toml covers every folder, and a
+built wheel, installed into a fresh virtual environment outside the checkout, imports every
+module (an editable install, which every other test uses, hides a package left out)."""
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _listed() -> tuple[set[str], dict[str, str]]:
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    return set(conf["packages"]), conf["package-dir"]
+
+
+def test_every_package_folder_is_listed():
+    packages, dirs = _listed()
+    folders = {}  # package name -> folder, for every folder with code in it
+    for base, name in [("vmcache", "vmcache"), *[(d, p) for p, d in dirs.items() if p != d]]:
+        for src in (ROOT / base).rglob("*.py"):
+            rel = src.parent.relative_to(ROOT / base).parts
+            folders[".".join((name, *rel))] = src.parent
+    assert set(folders) == packages, f"missing: {set(folders) - packages}, stale: " \
+        f"{packages - set(folders)}"  # fmt: skip
+    for folder in folders.values():  # regular packages (walk_packages skips namespace ones)
+        assert (folder / "__init__.py").exists(), folder
+
+
+def test_built_wheel_imports_every_module(tmp_path):
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(dist), str(ROOT)],
+                   check=True, cwd=tmp_path)  # fmt: skip
+    (wheel,) = dist.glob("vmcache-*.whl")
+    env_dir = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True)
+    py = env_dir / "bin" / "python"
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+    # the wheel alone, installed with this pip into the fresh environment; its dependencies
+    # (torch, triton, transformers) come from this environment's site-packages, added after
+    # it by a .pth line (which does not run this environment's editable-install hook)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                    site, str(wheel)], check=True)  # fmt: skip
+    Path(site, "deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    script = (
+        "import importlib, pkgutil, vmcache\n"
+        "assert 'site-packages' in vmcache.__file__ and '" + str(ROOT) + "' not in "
+        "vmcache.__file__, vmcache.__file__\n"
+        "names = [m.name for m in pkgutil.walk_packages(vmcache.__path__, 'vmcache.')\n"
+        "         if not m.name.startswith('vmcache.bench.__main__')]\n"
+        "for n in names: importlib.import_module(n)\n"
+        "print(len(names))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([py, "-c", script], check=True, capture_output=True, text=True,
+                         cwd=tmp_path, env=env)  # fmt: skip
+    assert int(out.stdout.split()[-1]) >= 50  # every module, not just the package
