@@ -7,7 +7,7 @@ import torch
 from caches import FACTORIES, SPEC, examples, paged, vm
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import rule
+from hypothesis.stateful import invariant, rule
 from test_interface import COVERAGE, POOLS, CacheMachine, _machine_class
 
 from vmcache import CacheFull
@@ -74,6 +74,50 @@ def test_a_lower_limit_refuses_growth_and_a_higher_one_allows_it():
     c.check_invariants()
     with pytest.raises(ValueError):
         c.set_memory_limit(-1)
+    c.close()
+
+
+@pytest.mark.parametrize("kind", sorted(FACTORIES))
+def test_a_lowered_limit_holds_once_the_sequences_over_it_end(kind):
+    """Pages freed while the cache holds more than its limit are released, not kept on the
+    free list for the next grow (which would keep twice the limit and grow past it)."""
+    c = FACTORIES[kind]()
+    a, b = c.new_sequence(), c.new_sequence()
+    fill(c, a, 64, 1)
+    fill(c, b, 64, 2)
+    used = c.pool.num_used
+    limit = used // 2
+    c.set_memory_limit(limit * c.page_bytes)
+    assert c.pool.num_created == used  # mapped pages stay until their sequences end
+    c.free(b)
+    assert c.pool.num_created == max(limit, c.pool.num_used)  # b's pages went back
+    assert c.pool.budget.held == c.pool.num_created
+    assert not c.can_grow(a, 64)
+    with pytest.raises(CacheFull, match="budget"):
+        c.grow(a, 64)
+    c.free(a)
+    assert c.pool.num_created <= limit
+    s = c.new_sequence()
+    fill(c, s, 16, 3)
+    assert c.pool.num_created <= limit
+    c.check_invariants()
+    c.close()
+
+
+@pytest.mark.parametrize("kind", sorted(FACTORIES))
+def test_nothing_starts_while_asleep(kind):
+    c = FACTORIES[kind]()
+    s = c.new_sequence()
+    fill(c, s, 8, 1)
+    c.sleep()
+    free_slots = c.num_free_slots
+    with pytest.raises(RuntimeError, match="asleep"):
+        c.new_sequence()
+    with pytest.raises(RuntimeError, match="asleep"):
+        c.new_sequence(prefix_tokens=[1, 2, 3])
+    assert c.num_free_slots == free_slots and c.sequences == [s]
+    c.wake()
+    assert c.new_sequence() != s
     c.close()
 
 
@@ -165,6 +209,12 @@ def test_bad_sleep_arguments_change_nothing():
 class ElasticMachine(CacheMachine):
     """The same machine with elastic memory too: trims, limits lowered below the next grow
     and lifted, sleeps that keep or drop the contents, all against the same shadow."""
+
+    @invariant()
+    def the_limit_holds(self):
+        """Never more pages with memory than the limit, unless mapped ones are over it."""
+        pool = self.c.pool
+        assert pool.num_created <= max(pool.budget.limit, pool.num_used) or pool.asleep
 
     @rule(what=st.sampled_from(["lower", "trim", "lift"]), k=st.integers(0, 3))
     def shrink_or_grow(self, what, k):

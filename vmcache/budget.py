@@ -22,6 +22,10 @@ class Budget(Protocol):
     def available(self) -> int:
         """Pages :meth:`acquire` would give now."""
 
+    def excess(self) -> int:
+        """Pages held beyond the limit (a limit lowered below what is held): the pool
+        releases free pages until this is 0."""
+
 
 class LocalBudget:
     """A limit of ``limit_pages`` for one pool (``set_limit`` moves it; lowering it below
@@ -48,6 +52,9 @@ class LocalBudget:
 
     def available(self) -> int:
         return max(0, self.limit - self.held)
+
+    def excess(self) -> int:
+        return max(0, self.held - self.limit)
 
 
 def _pages(name: str, n) -> int:

@@ -155,6 +155,9 @@ class SharedBudget:
             doc["procs"][str(self.pid)]["held"] -= n
         self.held -= n
 
+    def excess(self) -> int:
+        return max(0, self.held - self.max)
+
     def available(self) -> int:
         """Pages :meth:`acquire` would give now (another process may take them first: a
         ``can_grow`` that says yes is then answered by ``CacheFull``, which a scheduler

@@ -220,7 +220,17 @@ class PagePool:
                     require(False, f"page {p} freed while the index holds it")
                 freed.append(p)
         self._free.extend(sorted(freed, reverse=True))
+        if freed:
+            self._hold_limit()
         return freed
+
+    def _hold_limit(self) -> None:
+        """Release free pages while the pool holds more than its budget's limit (a limit
+        lowered below what was mapped holds once those pages are freed: they never go back
+        to the free list for the next allocation)."""
+        over = min(self.budget.excess(), len(self._free))
+        if over > 0:
+            self.trim(len(self._free) - over)
 
     def _create_chunk(self, at_least: int) -> None:
         """Create at least ``at_least`` pages (a chunk if the budget allows), lowest ids first."""

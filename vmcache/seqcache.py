@@ -174,6 +174,8 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps, ElasticOps):
         batch row i in slot i, like :mod:`vmcache.hf`). With ``prefix_tokens`` (token ids) and
         prefix caching on, the leading full pages already cached under ``salt`` are mapped in,
         nothing copied: ``seq_len`` is then the number of tokens whose K/V are present."""
+        if self.pool.asleep:
+            raise RuntimeError("the cache is asleep: wake() it first")
         if slot is not None:
             _check_int("slot", slot)
             if slot not in self._free_slots:
