@@ -1,1 +1,2 @@
-"""The A/B harness: sizing, compute, latency, elastic and tier workloads (``python -m vmcache.bench``)."""
+"""The A/B harness: sizing, compute, latency, elastic and tier workloads
+(``python -m vmcache.bench``)."""
