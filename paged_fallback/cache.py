@@ -250,6 +250,7 @@ class PagedKVCache(SequenceCache):
             self._write_pages(live, saved)
 
     def close(self) -> None:
+        self._close_tiers()
         if self.pool.asleep:
             return
         for s in self.sequences:

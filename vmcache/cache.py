@@ -263,6 +263,7 @@ class VMKVCache(SequenceCache):
         if not self.pool.asleep:  # asleep, nothing is mapped and the store holds no page
             for s in self.sequences:
                 self.free(s)
+        self._close_tiers()
         self._views = []
         self._bytes = None
         self.store.close()

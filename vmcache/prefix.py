@@ -294,18 +294,23 @@ class PrefixIndex:
                 self._refresh(e.parent)
             gone.append(e)
             freed += len(e.pages)
-        out = self._demote(gone)
-        self.pool.set_indexed(out, False)
-        self.pool.decref(out)
+        self._demote_and_drop(gone)
         self._stats.evicted_pages += freed
         return freed
 
-    def _demote(self, entries: list[_Entry]) -> list[int]:
+    def _demote_and_drop(self, entries: list[_Entry]) -> list[int]:
         """Hand ``entries`` (least recently used first) to the tiers, if any, in one copy while
-        their pages are still the index's; returns their pages."""
+        their pages are still the index's, then drop the index's references (also when the
+        demotion fails: its entries are then a later miss, never a lost page); returns their
+        pages."""
         pages = [p for e in entries for p in e.pages]
-        if self.tiers is not None and entries:
-            self.tiers.demote([e.digest for e in entries], self.read_pages(pages), self.num_tables)
+        try:
+            if self.tiers is not None and entries:
+                data = self.read_pages(pages)
+                self.tiers.demote([e.digest for e in entries], data, self.num_tables)
+        finally:
+            self.pool.set_indexed(pages, False)
+            self.pool.decref(pages)
         return pages
 
     def clear(self) -> int:
@@ -316,14 +321,13 @@ class PrefixIndex:
         """Drop every entry, also those whose pages sequences map (their K/V are about to be
         lost: a sleep that keeps nothing); with tiers, demoted first (least recently used
         first, one copy), so they can be promoted after. Returns the references dropped."""
-        pages = self._demote(sorted(self._entries.values(), key=lambda e: e.last_used))
+        entries = sorted(self._entries.values(), key=lambda e: e.last_used)
         self._entries.clear()
         self._of_page.clear()
         self._evictable.clear()
         self._lru.clear()
         self._whole_pages = 0
-        self.pool.set_indexed(pages, False)
-        self.pool.decref(pages)
+        pages = self._demote_and_drop(entries)
         self._stats.evicted_pages += len(pages)
         return len(pages)
 

@@ -46,6 +46,11 @@ class PrefixOps:
         self._tokens[s] = list(tokens[:n])
         self._set_len(s, n)
 
+    def _close_tiers(self) -> None:
+        """The disk tier's directory given up (the cache's close)."""
+        if self.prefix is not None and self.prefix.tiers is not None:
+            self.prefix.tiers.close()
+
     def _bind_tiers(self, tiers) -> None:
         from .tiers import PrefixTiers
 

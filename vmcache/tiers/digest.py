@@ -3,13 +3,17 @@
 The device index keys an entry by its parent *object*; a page demoted to host RAM or disk
 outlives that object, so the tiers name it by a digest of everything its K/V depend on:
 
-    root   = H(namespace, cache kind, layout, dtype, heads, head_dim, page bytes, ...)
+    root   = MAC_key(namespace, cache kind, layout, dtype, heads, head_dim, page bytes, ...)
     d(j)   = H(d(j-1), salt, tokens of page j)          (BLAKE2b, 16 bytes)
 
 Two pages share a digest only with the same model layout, the same tokens before them, the
 same tokens in them and the same tenant salt, so a hit in any tier is as exact as a hit on the
 device, and salts stay apart in every tier. ``namespace`` names the weights: caches of two
 models with equal shapes must not share a tier directory under one namespace.
+
+The root is keyed (the tiers' secret key), so without the key no digest can be computed: a
+stored digest does not confirm a guessed prompt, and :func:`mac` (keyed too) makes a tier file
+that passes its checks impossible to forge. Files name their root only by :func:`root_tag`.
 """
 
 from __future__ import annotations
@@ -38,10 +42,29 @@ def salt_bytes(salt) -> bytes:
     )
 
 
-def root_digest(fields: dict) -> bytes:
-    """The chain's start for one cache layout: every field a page's bytes depend on."""
+def root_digest(fields: dict, key: bytes) -> bytes:
+    """The chain's start for one cache layout (every field a page's bytes depend on), keyed."""
     text = repr(sorted((str(k), repr(v)) for k, v in fields.items())).encode()
-    return hashlib.blake2b(text, digest_size=DIGEST_BYTES, person=b"vmcache-root").digest()
+    return hashlib.blake2b(text, digest_size=DIGEST_BYTES, key=key,
+                           person=b"vmcache-root").digest()  # fmt: skip
+
+
+def root_tag(root: bytes) -> bytes:
+    """What a file stores to say which root it belongs to (one-way: not the root itself)."""
+    return hashlib.blake2b(root, digest_size=DIGEST_BYTES, person=b"vmcache-rtag").digest()
+
+
+def mac_key(key: bytes) -> bytes:
+    """The key :func:`mac` uses, derived from the tiers' key (never the key itself)."""
+    return hashlib.blake2b(key, digest_size=32, person=b"vmcache-mac").digest()
+
+
+def mac(key: bytes, *parts) -> bytes:
+    """Keyed BLAKE2b of ``parts`` (buffers) in order: a tier file's integrity tag."""
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES, key=key, person=b"vmcache-file")
+    for part in parts:
+        h.update(part)
+    return h.digest()
 
 
 def page_digest(parent: bytes, salt: bytes, tokens: Sequence[int]) -> bytes:
@@ -50,8 +73,3 @@ def page_digest(parent: bytes, salt: bytes, tokens: Sequence[int]) -> bytes:
     h.update(len(salt).to_bytes(4, "little") + salt)
     h.update(array("q", tokens).tobytes())
     return h.digest()
-
-
-def checksum(data) -> bytes:
-    """BLAKE2b of a buffer (what a tier file stores beside each entry's bytes)."""
-    return hashlib.blake2b(data, digest_size=DIGEST_BYTES).digest()

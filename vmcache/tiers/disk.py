@@ -3,16 +3,22 @@
 One file per batch that overflows the host tier (one write); a hit reads the file's header and
 table, then the span of entries it needs (one read of K/V per run of entries in one file); the
 least recently used file goes first over the byte limit. A file is written under a temporary
-name and renamed, so no reader ever sees half of one:
+name (0600, exclusive create) and renamed, so no reader ever sees half of one:
 
-    header  magic "VMKVTIER", version u32, n u32, entry_bytes u64, root (16), table sum (16)
-    table   n x (digest (16), checksum of the entry's bytes (16))
+    header  magic "VMKVTIER", version u32, n u32, entry_bytes u64, root tag (16), table MAC (16)
+    table   n x (digest (16), MAC of digest + the entry's bytes (16))
     data    n x entry_bytes
 
-A file whose size, header, table or entry checksum does not match is corrupt: it is deleted
-and every entry in it is a miss (never returned as K/V). Files of other layouts or namespaces
-(another root) in the same directory are left alone. Opening a directory indexes the files a
-previous cache of the same root left there (a warm restart), oldest modification first out.
+Every MAC is keyed (:mod:`vmcache.tiers.digest`): a file planted or edited by anyone without
+the key fails its checks. A file whose size, header, table or entry MAC does not match is
+corrupt: it is deleted and every entry in it is a miss (never returned as K/V). Anything that
+is not a regular file is never opened for reading (a FIFO cannot block the cache), skipped and
+counted. Files of other layouts or namespaces (another root) are left alone. Opening a
+directory (see :mod:`~vmcache.tiers.files`: private, one user of it at a time) removes
+temporary files a crashed writer left and indexes the files a previous cache of the same root
+left there (a warm restart), oldest modification first out. A write that fails (disk full, a
+quota) removes its temporary file, drops its entries (a later miss) and is counted; it never
+raises into the eviction that demoted them.
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ from pathlib import Path
 
 import torch
 
-from .digest import DIGEST_BYTES, checksum
+from . import files
+from .digest import DIGEST_BYTES, mac, mac_key, root_tag
 
-MAGIC, VERSION, SUFFIX = b"VMKVTIER", 1, ".kvt"
+MAGIC, VERSION, SUFFIX = b"VMKVTIER", 2, ".kvt"
 _HEAD = struct.Struct(f"<8sIIQ{DIGEST_BYTES}s{DIGEST_BYTES}s")
 _ROW = 2 * DIGEST_BYTES
 
@@ -53,21 +60,38 @@ class DiskCounters:
     corrupt_files: int = 0
     files_dropped: int = 0  # by the byte limit
     entries_dropped: int = 0  # entries that left the disk tier by the byte limit
+    failed_writes: int = 0  # demotions the disk refused (full, quota): their entries dropped
+    entries_lost: int = 0  # entries of failed writes (a later miss; their pages were freed)
+    skipped_files: int = 0  # names like a tier file that are no regular file: never opened
+    stale_temporaries: int = 0  # temporary files of a crashed writer, removed at open
 
 
 class DiskTier:
     def __init__(self, directory: str | os.PathLike, limit_bytes: int, root: bytes,
-                 entry_bytes: int) -> None:  # fmt: skip
+                 entry_bytes: int, key: bytes, shared_ok: bool = False) -> None:  # fmt: skip
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = -1
+        files.private_dir(self.dir, shared_ok)
+        self._lock = files.lock_dir(self.dir)  # held until close(): this tier's directory
         self.limit_bytes = limit_bytes
         self.root = root
+        self._tag = root_tag(root)
+        self._mac = mac_key(key)
         self.entry_bytes = entry_bytes
         self._files: OrderedDict[str, _File] = OrderedDict()  # owned here; LRU order
         self._where: dict[bytes, tuple[str, int]] = {}  # digest -> (file, index in it)
         self.bytes = 0  # sizes of the indexed files
         self.counters = DiskCounters()
         self._scan()
+
+    def close(self) -> None:
+        """Give the directory up (its files stay, for the next cache)."""
+        if getattr(self, "_lock", -1) >= 0:
+            os.close(self._lock)
+            self._lock = -1
+
+    def __del__(self) -> None:
+        self.close()
 
     def __contains__(self, digest: bytes) -> bool:
         return digest in self._where
@@ -81,27 +105,57 @@ class DiskTier:
     def _size(self, n: int) -> int:
         return file_bytes(n, self.entry_bytes)
 
+    def _table_mac(self, head: bytes, table: bytes) -> bytes:
+        return mac(self._mac, head[: _HEAD.size - DIGEST_BYTES], table)
+
     def _scan(self) -> None:
         found = []
-        for path in self.dir.glob(f"*{SUFFIX}"):
-            try:
-                with open(path, "rb") as f:
-                    head = f.read(_HEAD.size)
-                    magic, version, n, eb, root, tsum = _HEAD.unpack(head)
-                    table = f.read(n * _ROW)
-                size = path.stat().st_size
-            except (OSError, struct.error):
+        for path in self.dir.iterdir():
+            if path.name.endswith(SUFFIX + ".tmp"):
+                self._unlink(path.name)  # a writer died mid-file (we own the directory)
+                self.counters.stale_temporaries += 1
                 continue
-            if (magic, version, eb, root) != (MAGIC, VERSION, self.entry_bytes, self.root):
-                continue  # another layout's or namespace's file: not ours to judge
-            if checksum(table) != tsum or size != self._size(n):
-                self._drop(path.name, corrupt=True, indexed=False)
+            if not path.name.endswith(SUFFIX):
                 continue
+            got = self._read_meta(path.name)
+            if got is None:
+                continue
+            (n, size, mtime), table = got
             digests = [table[i * _ROW : i * _ROW + DIGEST_BYTES] for i in range(n)]
-            found.append((path.stat().st_mtime_ns, path.name, _File(digests, size)))
+            found.append((mtime, path.name, _File(digests, size)))
         for _, name, file in sorted(found):
             self._index(name, file)
         self._evict()
+
+    def _read_meta(self, name: str):
+        """((n, size, mtime), table) of our file ``name``, checked; None for another root's
+        file (left alone) or a non-regular one (skipped); a damaged one is deleted."""
+        fd = files.open_regular(self.dir / name)
+        if fd is None:
+            self.counters.skipped_files += 1
+            return None
+        try:
+            st = os.fstat(fd)
+            head = os.pread(fd, _HEAD.size, 0)
+            if len(head) < _HEAD.size:
+                return self._damaged(name)
+            magic, version, n, eb, tag, tmac = _HEAD.unpack(head)
+            if (magic, version, eb, tag) != (MAGIC, VERSION, self.entry_bytes, self._tag):
+                return None  # another layout's or namespace's file: not ours to judge
+            if st.st_size != self._size(n):  # checked before reading n rows
+                return self._damaged(name)
+            table = os.pread(fd, n * _ROW, _HEAD.size)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        if len(table) != n * _ROW or self._table_mac(head, table) != tmac:
+            return self._damaged(name)
+        return (n, st.st_size, st.st_mtime_ns), table
+
+    def _damaged(self, name: str) -> None:
+        self.counters.corrupt_files += 1
+        self._unlink(name)
 
     def _index(self, name: str, file: _File) -> None:
         self._files[name] = file
@@ -111,7 +165,8 @@ class DiskTier:
 
     def put(self, items: list[tuple[bytes, torch.Tensor]]) -> None:
         """Write ``items`` ((digest, uint8 CPU tensor of ``entry_bytes``), least recently used
-        first) not held yet as one file; then drop the oldest files over the byte limit."""
+        first) not held yet as one file; then drop the oldest files over the byte limit. A
+        failed write drops the items (counted) and raises nothing."""
         fresh, seen = [], set()
         for d, blob in items:
             if d in self._where:
@@ -125,14 +180,18 @@ class DiskTier:
         if not fresh:
             return
         datas = [blob.contiguous().view(-1).numpy() for _, blob in fresh]
-        table = b"".join(d + checksum(data) for (d, _), data in zip(fresh, datas))
-        head = _HEAD.pack(MAGIC, VERSION, len(fresh), self.entry_bytes, self.root,
-                          checksum(table))  # fmt: skip
+        table = b"".join(d + mac(self._mac, d, data) for (d, _), data in zip(fresh, datas))
+        head = _HEAD.pack(MAGIC, VERSION, len(fresh), self.entry_bytes, self._tag, bytes(16))
+        head = head[:-DIGEST_BYTES] + self._table_mac(head, table)
         name = uuid.uuid4().hex + SUFFIX
-        tmp = self.dir / (name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(head + table + b"".join(memoryview(x) for x in datas))
-        os.replace(tmp, self.dir / name)
+        try:
+            files.write_private(self.dir / (name + ".tmp"), [head, table, *datas])
+            os.replace(self.dir / (name + ".tmp"), self.dir / name)
+        except OSError:
+            self._unlink(name + ".tmp")
+            self.counters.failed_writes += 1
+            self.counters.entries_lost += len(fresh)
+            return
         file = _File([d for d, _ in fresh], self._size(len(fresh)))
         self._index(name, file)
         self.counters.files_written += 1
@@ -155,14 +214,16 @@ class DiskTier:
             self._drop(name, corrupt=False)
             self.counters.files_dropped += 1
 
-    def _drop(self, name: str, *, corrupt: bool, indexed: bool = True) -> None:
-        if indexed:
-            file = self._files.pop(name)
-            self.bytes -= file.size
-            for d in file.digests:
-                if self._where.get(d, (None,))[0] == name:
-                    del self._where[d]
+    def _drop(self, name: str, *, corrupt: bool) -> None:
+        file = self._files.pop(name)
+        self.bytes -= file.size
+        for d in file.digests:
+            if self._where.get(d, (None,))[0] == name:
+                del self._where[d]
         self.counters.corrupt_files += corrupt
+        self._unlink(name)
+
+    def _unlink(self, name: str) -> None:
         try:
             os.unlink(self.dir / name)
         except OSError:
@@ -189,32 +250,36 @@ class DiskTier:
 
     def _read(self, name: str, idx: list[int]) -> list[torch.Tensor]:
         """Entries ``idx`` of file ``name``, as far as they are intact; a file whose size,
-        header, table or a needed entry's checksum fails is dropped (counted corrupt)."""
+        header, table or a needed entry's MAC fails (or that is no longer a regular file) is
+        dropped (counted corrupt)."""
         file, eb = self._files[name], self.entry_bytes
         n = len(file.digests)
         lo, hi = min(idx), max(idx) + 1
         span = bytearray((hi - lo) * eb)
-        try:
-            with open(self.dir / name, "rb") as f:
-                meta = f.read(_HEAD.size + n * _ROW)
-                f.seek(_HEAD.size + n * _ROW + lo * eb)
-                got = f.readinto(span)
-                size = os.fstat(f.fileno()).st_size
-        except OSError:
-            meta, got, size = b"", 0, -1
+        meta, got = b"", 0
+        fd = files.open_regular(self.dir / name)
+        if fd is not None:
+            try:
+                if os.fstat(fd).st_size == file.size:
+                    meta = os.pread(fd, _HEAD.size + n * _ROW, 0)
+                    got = os.preadv(fd, [span], _HEAD.size + n * _ROW + lo * eb)
+            except OSError:
+                meta, got = b"", 0
+            finally:
+                os.close(fd)
         self.counters.files_read += 1
         self.counters.bytes_read += len(meta) + got
-        ok = size == file.size and got == len(span) and len(meta) == _HEAD.size + n * _ROW
+        ok = got == len(span) and len(meta) == _HEAD.size + n * _ROW
         if ok:
-            table = meta[_HEAD.size :]
+            head, table = meta[: _HEAD.size], meta[_HEAD.size :]
             digests = [table[j * _ROW : j * _ROW + DIGEST_BYTES] for j in range(n)]
-            want = (MAGIC, VERSION, n, eb, self.root, checksum(table))
-            ok = _HEAD.unpack_from(meta) == want and digests == file.digests
+            want = (MAGIC, VERSION, n, eb, self._tag, self._table_mac(head, table))
+            ok = _HEAD.unpack(head) == want and digests == file.digests
         out: list[torch.Tensor] = []
         for k in idx if ok else ():
             data = memoryview(span)[(k - lo) * eb : (k - lo + 1) * eb]
             row = k * _ROW + DIGEST_BYTES
-            if checksum(data) != table[row : row + DIGEST_BYTES]:
+            if mac(self._mac, file.digests[k], data) != table[row : row + DIGEST_BYTES]:
                 break
             out.append(torch.frombuffer(span, dtype=torch.uint8, count=eb, offset=(k - lo) * eb))
         if len(out) < len(idx):

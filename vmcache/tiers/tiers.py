@@ -12,19 +12,27 @@ disk file read once, one host-to-device copy). The host tier gives a promoted en
 bytes are on the device again); the disk keeps its copy, so evicting the entry again costs
 no write. Each tier has its own byte limit and least-recently-used order.
 
-A tiers object serves one cache (``bind`` once): the cache passes it as ``prefix_tiers=``.
+A tiers object serves one cache (``bind`` once): the cache passes it as ``prefix_tiers=``,
+and ``close()`` of the cache gives the disk tier's directory up. A directory serves one
+PrefixTiers at a time, in any process (a second one is refused with
+:class:`~vmcache.tiers.files.TierDirectoryError`): one byte limit and one LRU order per
+directory, and no process deletes files another is serving. Its files are authenticated with a
+secret key (``key=``, else the directory's own private key file): see
+:mod:`vmcache.tiers.files` for what that protects.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ..errors import check_int
 from .digest import root_digest
 from .disk import DiskTier
+from .files import KEY_BYTES, dir_key, private_dir
 from .host import HostTier
 
 
@@ -40,18 +48,23 @@ class TierStats:
     disk_files_read: int
     disk_bytes_written: int
     disk_bytes_read: int
-    corrupt_files: int  # failed a size or checksum test, or vanished: deleted, a miss
+    corrupt_files: int  # failed a size or MAC test, or vanished: deleted, a miss
     device_copies: int  # device <-> host transfers (one per demotion or promotion batch)
+    failed_disk_writes: int = 0  # demotions the disk refused (full, quota): entries dropped
+    skipped_files: int = 0  # tier-file names that were no regular file: never opened
 
 
 class PrefixTiers:
     def __init__(self, host_bytes: int = 0, disk_dir: str | os.PathLike | None = None,
-                 disk_bytes: int = 0, *, namespace: str = "") -> None:  # fmt: skip
+                 disk_bytes: int = 0, *, namespace: str = "",
+                 key: bytes | None = None) -> None:  # fmt: skip
         """``host_bytes``: the host-RAM tier's limit (0: none). ``disk_dir`` and
-        ``disk_bytes``: the disk tier's directory (created if missing; files a previous
-        cache of the same layout and ``namespace`` left there are used) and limit.
+        ``disk_bytes``: the disk tier's directory (created 0700 if missing; files a previous
+        cache of the same layout, ``namespace`` and key left there are used) and limit.
         ``namespace`` names the model weights: give one whenever two models could share a
-        directory."""
+        directory. ``key`` (at least 16 bytes): the secret that authenticates tier files and
+        keys page digests; without one the directory keeps its own (``.key``, 0600), and must
+        then belong to this user alone."""
         if check_int("host_bytes", host_bytes) < 0 or check_int("disk_bytes", disk_bytes) < 0:
             raise ValueError("tier byte limits must be >= 0")
         if (disk_dir is None) != (disk_bytes == 0):
@@ -60,6 +73,12 @@ class PrefixTiers:
             raise ValueError("no tier: give host_bytes > 0, or disk_dir and disk_bytes")
         if not isinstance(namespace, str):
             raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
+        if key is not None:
+            if not isinstance(key, bytes):
+                raise TypeError(f"key must be bytes, got {type(key).__name__}")
+            if not 16 <= len(key) <= 64:
+                raise ValueError(f"key must be 16 to 64 bytes, got {len(key)}")
+        self._key = key
         self.host = HostTier(host_bytes)
         self.disk: DiskTier | None = None
         self._disk_args = (disk_dir, disk_bytes)
@@ -73,12 +92,25 @@ class PrefixTiers:
         digest chain's root. Opens the disk tier (indexing files already there)."""
         if self.root is not None:
             raise ValueError("these PrefixTiers already serve a cache (one cache each)")
-        self.root = root_digest({**layout, "namespace": self.namespace})
-        self.entry_bytes = entry_bytes
         disk_dir, disk_bytes = self._disk_args
+        key = self._key
+        if key is None and disk_dir is not None:
+            private_dir(Path(disk_dir), shared_ok=False)
+            key = dir_key(Path(disk_dir))
+        elif key is None:  # RAM only: nothing outlives the process, any secret will do
+            key = os.urandom(KEY_BYTES)
+        root = root_digest({**layout, "namespace": self.namespace}, key)
         if disk_dir is not None:
-            self.disk = DiskTier(disk_dir, disk_bytes, self.root, entry_bytes)
+            self.disk = DiskTier(disk_dir, disk_bytes, root, entry_bytes, key,
+                                 shared_ok=self._key is not None)  # fmt: skip
+        self.root, self.entry_bytes = root, entry_bytes
         return self.root
+
+    def close(self) -> None:
+        """Give the disk tier's directory up (its files stay for the next cache); the cache's
+        ``close()`` calls this."""
+        if self.disk is not None:
+            self.disk.close()
 
     def __contains__(self, digest: bytes) -> bool:
         return digest in self.host or (self.disk is not None and digest in self.disk)
@@ -142,11 +174,14 @@ class PrefixTiers:
             promoted_disk_pages=self._from_disk * tables,
             host_bytes=self.host.bytes,
             disk_bytes=self.disk.bytes if self.disk is not None else 0,
-            dropped_pages=(self._dropped + (c.entries_dropped if c else 0)) * tables,
+            dropped_pages=(self._dropped + (c.entries_dropped + c.entries_lost if c else 0))
+            * tables,
             disk_files_written=c.files_written if c else 0,
             disk_files_read=c.files_read if c else 0,
             disk_bytes_written=c.bytes_written if c else 0,
             disk_bytes_read=c.bytes_read if c else 0,
             corrupt_files=c.corrupt_files if c else 0,
             device_copies=self._copies,
+            failed_disk_writes=c.failed_writes if c else 0,
+            skipped_files=c.skipped_files if c else 0,
         )
