@@ -54,7 +54,7 @@ def shared(rank: int, path: str) -> dict:
         dist.barrier()  # (1)
         seqs = fill(c)
         snap = budget.snapshot()
-        out["after_fill"] = {k: p["held"] for k, p in snap["procs"].items()}
+        out["after_fill"] = {k: p["held"] for k, p in snap["holders"].items()}
         out["held_1"] = budget.held
         dist.barrier()  # (2)
     if rank == 0:
@@ -66,11 +66,11 @@ def shared(rank: int, path: str) -> dict:
         out["held_0"] = budget.held
     # rank 2 is dead now: its pages come back at the next ledger update
     deadline = time.monotonic() + 30
-    while len(budget.snapshot()["procs"]) > 2 and time.monotonic() < deadline:
+    while len(budget.snapshot()["holders"]) > 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     snap = budget.snapshot()
-    out["procs_after_death"] = len(snap["procs"])
-    out["total_held_after_death"] = sum(p["held"] for p in snap["procs"].values())
+    out["procs_after_death"] = len(snap["holders"])
+    out["total_held_after_death"] = sum(p["held"] for p in snap["holders"].values())
     dist.barrier(group=pair)
     if rank == 1:  # what rank 2 held is there to take: rank 1 grows into it
         more = fill(c)

@@ -4,6 +4,8 @@ freed and trimmed pages go to whoever asks next (tests/ledger_scenarios.py runs 
 
 import json
 import os
+import sqlite3
+import time
 
 import pytest
 from ledger_scenarios import MIN0, TOTAL, shared
@@ -14,7 +16,7 @@ from vmcache.ledger import SharedBudget, _start_time
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ledger") / "budget.json"
+    path = tmp_path_factory.mktemp("ledger") / "budget.db"
     return run_ranks(shared, 3, str(path))
 
 
@@ -39,13 +41,22 @@ def test_trimmed_pages_go_back_to_the_budget(results):
     assert r0["room_0_after_trim"] == TOTAL - MIN0
 
 
+def _row(path, pid, held, lo, hi):
+    """A holder row written as another process's SharedBudget would (pid ``pid``)."""
+    with sqlite3.connect(path) as db:
+        db.execute(
+            "INSERT INTO holders VALUES (?, ?, ?, ?, ?, ?, 0, ?, NULL)",
+            (f"row-{pid}", pid, _start_time(pid), held, lo, hi, time.monotonic()),
+        )
+
+
 def test_bad_ledger_arguments_and_dead_entries(tmp_path):
-    path = tmp_path / "b.json"
+    path = tmp_path / "b.db"
     with pytest.raises(ValueError, match="total_pages"):
         SharedBudget(path)  # no ledger yet and no total
+    SharedBudget(path, 10).close()  # the file, empty of holders
     parent = os.getppid()  # a live process with a promise of 6 of the 10 pages
-    entry = {"start": _start_time(parent), "held": 2, "min": 6, "max": 10}
-    path.write_text(json.dumps({"total_pages": 10, "procs": {str(parent): entry}}))
+    _row(path, parent, 2, 6, 10)
     with pytest.raises(ValueError, match="not promised"):
         SharedBudget(path, min_pages=5)  # 6 + 5 > 10
     with pytest.raises(ValueError, match="exceeds"):
@@ -56,9 +67,8 @@ def test_bad_ledger_arguments_and_dead_entries(tmp_path):
     assert b.available() == 4  # 10 - 2 held - 4 still promised to the parent
     assert not b.acquire(5) and b.acquire(4) and b.available() == 0
     b.release(4)
-    doc = json.loads(path.read_text())
-    doc["procs"]["999999999"] = {"start": "1", "held": 3, "min": 0, "max": 10}  # no such pid
-    path.write_text(json.dumps(doc))
-    assert b.available() == 4 and "999999999" not in b.snapshot()["procs"]  # reaped
+    _row(path, 999999999, 3, 0, 10)  # no such pid
+    snap = b.snapshot()["holders"]
+    assert b.available() == 4 and "row-999999999" not in snap and "row-%d" % parent in snap
     b.close()
-    assert str(os.getpid()) not in json.loads(path.read_text())["procs"]
+    assert b.id not in json.dumps(SharedBudget(path).snapshot())

@@ -1,37 +1,64 @@
-"""One device's KV memory shared by several processes: a ledger file that each process's
-:class:`SharedBudget` reads and updates under an exclusive ``fcntl`` lock. No server process:
-the lock serialises the few updates (one per chunk of pages created or released, not per
-token), and each update first reaps processes that died holding pages.
+"""One device's KV memory shared by several processes: a ledger that each :class:`SharedBudget`
+reads and updates in a SQLite transaction. No server process: SQLite's file lock serialises
+the few updates (one per chunk of pages created or released, not per token), and each update
+first reaps holders that died or whose lease ran out.
 
-    ledger (JSON, one file):  {"total_pages": T,
-                               "procs": {"<pid>": {"start": ..., "held": h, "min": m, "max": M}}}
-    a process may take n more pages when
+    ledger (SQLite, one file):  meta     total_pages T, schema version
+                                holders  one row per SharedBudget instance (not per pid):
+                                         id, pid, start, held h, min m, max M, want_until,
+                                         beat (last sign of life), lease_s
+    a holder may take n more pages when
         held + n <= max   and   Σ held + n + Σ_{others} max(0, min − held) <= T
-    (every process's guaranteed minimum stays available to it), and, while another process
+    (every holder's guaranteed minimum stays available to it), and, while another holder
     was refused pages in the last WANT_S seconds, only up to its fair share
-        held + n <= max(min, T / active processes)
+        held + n <= max(min, T / active holders)
     so a busy process cannot take what another needs: when both are overloaded each keeps its
     share (no page ping-pong, no preemption storms), and one alone may use the whole budget.
 
-A process is dead when ``kill(pid, 0)`` finds no such process or the pid now belongs to a
-process started at another time (``/proc/<pid>/stat``): its pages go back to the budget the
-next time anyone updates the ledger (the device frees a dead process's memory itself). A
-heartbeat would also catch a hung process; a hung process still holds its memory, so it
-should keep its pages in the budget too.
+Why SQLite, not a JSON file under ``flock``: an update is a transaction (a crash or a short
+write mid-update leaves the previous ledger, never a truncated one), a lock wait has a timeout
+(``lock_timeout_s``: a process stopped while holding the lock blocks the others only that
+long, then they get :class:`LedgerError`), damage is detected (SQLite's header and page checks)
+and the standard library has it: no server, one file, nothing to install.
+
+Dead and hung holders: a holder is reaped when its process is gone (``kill(pid, 0)``, or the
+pid now belongs to a process started at another time), or, with ``lease_s``, when it showed no
+sign of life for that long (every call of its budget is one; call :meth:`SharedBudget.beat`
+from an idle process). A reaped holder that turns out alive (a hung process that resumes)
+joins again with what it holds, on its next call. A ledger file deleted or replaced while in
+use is rebuilt the same way: each holder's next call re-registers what it holds in the file
+now at the path (a newcomer that came in between may see room that is not there until then).
+A damaged ledger is refused with :class:`LedgerError` naming the file.
+
+Trust model: the processes that open one ledger trust each other and whoever can write the
+file (any of them can deny the others pages by lying about what it holds). The ledger is
+created 0600: give every process the same user, or a group-writable directory on purpose.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
+import sqlite3
 import time
-from contextlib import contextmanager
+import uuid
 
 from .budget import _pages
 
-WANT_S = 1.0  # how long a refusal marks a process as wanting pages
+WANT_S = 1.0  # how long a refusal marks a holder as wanting pages
 TTL_S = 0.002  # available() answers from a cached read this long (acquire always locks)
+SCHEMA = 1
+_TABLES = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS holders (
+    id TEXT PRIMARY KEY, pid INTEGER NOT NULL, start TEXT,
+    held INTEGER NOT NULL CHECK (held >= 0), min INTEGER NOT NULL, max INTEGER NOT NULL,
+    want_until REAL NOT NULL DEFAULT 0, beat REAL NOT NULL, lease_s REAL);
+"""
+
+
+class LedgerError(RuntimeError):
+    """The ledger file cannot be used: damaged, of another format, or its lock was not
+    obtained in time. Names the file; this budget's state is unchanged."""
 
 
 def _start_time(pid: int) -> str | None:
@@ -54,84 +81,152 @@ def _alive(pid: int, start: str | None) -> bool:
 
 
 class SharedBudget:
-    """This process's share of a ledger at ``path``: at least ``min_pages`` guaranteed (they
+    """This holder's share of the ledger at ``path``: at least ``min_pages`` guaranteed (they
     count against the total whether used or not), at most ``max_pages``. ``total_pages``
-    creates the ledger when it does not exist (the first process); later ones may omit it."""
+    creates the ledger when it does not exist (the first process); later ones may omit it.
+    ``lock_timeout_s``: how long a call waits for another process's transaction before
+    :class:`LedgerError`. ``lease_s``: reap this holder when it shows no sign of life for
+    that long (None: only when its process dies)."""
 
-    def __init__(self, path: str, total_pages: int | None = None, *, min_pages: int = 0,
-                 max_pages: int | None = None) -> None:  # fmt: skip
+    def __init__(self, path: str | os.PathLike, total_pages: int | None = None, *,
+                 min_pages: int = 0, max_pages: int | None = None,
+                 lock_timeout_s: float = 10.0, lease_s: float | None = None) -> None:  # fmt: skip
         self.path = os.fspath(path)
-        self.pid = os.getpid()
         self.min = _pages("min_pages", min_pages)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.lock_timeout_s = _seconds("lock_timeout_s", lock_timeout_s)
+        self.lease_s = None if lease_s is None else _seconds("lease_s", lease_s)
+        if total_pages is not None:
+            total_pages = _pages("total_pages", total_pages)
+        if max_pages is not None:
+            max_pages = _pages("max_pages", max_pages)
+        self.id = uuid.uuid4().hex  # this instance's row (two budgets in one process: two)
+        self.pid = os.getpid()
+        self.held = 0  # mirror of this holder's row (only this instance changes it)
+        self.rejoined = 0  # times this holder found its row gone (reaped, file rebuilt)
+        self._db: sqlite3.Connection | None = None
+        self._inode: tuple[int, int] | None = None
+        self._cached: tuple[float, int] | None = None  # (time, available()) of the last read
+        self._wanted_at = float("-inf")  # when want() last wrote
+        self._beat_at = float("-inf")
+        self._connect(create=total_pages is not None)
         try:
-            with self._locked() as doc:
-                if doc.get("total_pages") is None:
+            with self._tx(join=False) as db:
+                total = self._meta(db, "total_pages")
+                if total is None:
                     if total_pages is None:
                         raise ValueError(f"no ledger at {self.path}: give total_pages")
-                    doc["total_pages"] = _pages("total_pages", total_pages)
-                elif total_pages is not None and total_pages != doc["total_pages"]:
-                    raise ValueError(f"the ledger's total is {doc['total_pages']} pages, "
-                                     f"not {total_pages}")  # fmt: skip
-                total = doc["total_pages"]
-                self.max = total if max_pages is None else _pages("max_pages", max_pages)
+                    db.execute("INSERT INTO meta VALUES ('total_pages', ?), ('schema', ?)",
+                               (total_pages, SCHEMA))  # fmt: skip
+                    total = total_pages
+                elif total_pages is not None and total_pages != total:
+                    raise ValueError(f"the ledger's total is {total} pages, not {total_pages}")
+                self.total = total
+                self.max = total if max_pages is None else max_pages
                 if self.min > self.max:
                     raise ValueError(f"min_pages {self.min} exceeds max_pages {self.max}")
-                promised = sum(p["min"] for k, p in doc["procs"].items() if k != str(self.pid))
+                promised = db.execute("SELECT COALESCE(SUM(min), 0) FROM holders").fetchone()[0]
                 if promised + self.min > total:
                     raise ValueError(f"min_pages {self.min}: only {total - promised} of the "
                                      f"{total} pages are not promised to others")  # fmt: skip
-                doc["procs"][str(self.pid)] = {"start": _start_time(self.pid), "held": 0,
-                                               "min": self.min, "max": self.max}  # fmt: skip
+                self._insert(db)
         except BaseException:
-            os.close(self._fd)
+            self._disconnect()
             raise
-        self.held = 0  # mirror of this process's entry (only this process changes it)
-        self._cached: tuple[float, int] | None = None  # (time, available()) of the last read
-        self._wanted_at = float("-inf")  # when want() last wrote
 
-    @contextmanager
-    def _locked(self):
-        """The ledger under an exclusive lock, dead processes reaped; written back after."""
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+    # --- the file --------------------------------------------------------------------------
+    def _connect(self, create: bool) -> None:
+        if create and not os.path.lexists(self.path):
+            try:  # private from the start (SQLite would create it with the umask's mode)
+                os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            except FileExistsError:
+                pass
+        elif not os.path.exists(self.path):
+            raise ValueError(f"no ledger at {self.path}: give total_pages")
         try:
-            raw = os.pread(self._fd, 1 << 20, 0)
-            doc = json.loads(raw) if raw.strip() else {"total_pages": None, "procs": {}}
-            raw = raw if raw.strip() else b""
-            doc["procs"] = {k: p for k, p in doc["procs"].items()
-                            if _alive(int(k), p["start"])}  # fmt: skip
-            yield doc
-            data = json.dumps(doc).encode()
-            if data != raw:  # reads and reaps that found nothing dead write nothing
-                os.ftruncate(self._fd, 0)
-                os.pwrite(self._fd, data, 0)
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            st = os.stat(self.path)
+            db = sqlite3.connect(self.path, timeout=self.lock_timeout_s, isolation_level=None,
+                                 check_same_thread=False)  # fmt: skip
+            try:
+                db.execute("PRAGMA synchronous=NORMAL")
+                db.executescript(f"BEGIN IMMEDIATE; {_TABLES} COMMIT;")
+                version = self._meta(db, "schema")
+                if version not in (None, SCHEMA):
+                    raise sqlite3.DatabaseError(f"schema {version}, this vmcache reads {SCHEMA}")
+            except BaseException:
+                db.close()
+                raise
+        except sqlite3.Error as exc:
+            raise self._error(exc) from exc
+        self._db, self._inode = db, (st.st_dev, st.st_ino)
+
+    def _disconnect(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    def _error(self, exc: BaseException) -> LedgerError:
+        if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+            return LedgerError(f"ledger {self.path}: its lock was not obtained within "
+                               f"{self.lock_timeout_s} s (another process holds it)")  # fmt: skip
+        return LedgerError(f"ledger {self.path} is damaged or not a vmcache ledger: {exc}")
+
+    def _replaced(self) -> bool:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return True
+        return (st.st_dev, st.st_ino) != self._inode
+
+    def _tx(self, join: bool = True):
+        """A write transaction on the ledger (reaped first); with ``join``, this holder's row
+        is there (re-registered with what it holds if it was reaped or the file rebuilt)."""
+        return _Transaction(self, join)
 
     @staticmethod
-    def _room(doc: dict, me: str, now: float) -> int:
-        procs = doc["procs"]
-        mine = procs[me]
-        held = sum(p["held"] for p in procs.values())
-        promised = sum(max(0, p["min"] - p["held"]) for k, p in procs.items() if k != me)
-        room = min(mine["max"] - mine["held"], doc["total_pages"] - held - promised)
-        if any(p.get("want_until", 0) > now for k, p in procs.items() if k != me):
-            active = sum(1 for p in procs.values() if p["held"] or p.get("want_until", 0) > now)
-            fair = max(mine["min"], doc["total_pages"] // max(active, 1))
-            room = min(room, fair - mine["held"])
+    def _meta(db, key: str) -> int | None:
+        row = db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    def _insert(self, db) -> None:
+        now = time.monotonic()
+        db.execute("INSERT INTO holders VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?)",
+                   (self.id, self.pid, _start_time(self.pid), self.held, self.min, self.max,
+                    now, self.lease_s))  # fmt: skip
+        self._beat_at = now
+
+    def _reap(self, db, now: float) -> None:
+        rows = db.execute("SELECT id, pid, start, beat, lease_s FROM holders").fetchall()
+        gone = [(h,) for h, pid, start, beat, lease in rows if h != self.id and (
+            not _alive(pid, start) or (lease is not None and now - beat > lease))]  # fmt: skip
+        if gone:
+            db.executemany("DELETE FROM holders WHERE id = ?", gone)
+
+    # --- the budget ------------------------------------------------------------------------
+    def _room(self, db, now: float) -> int:
+        total = self._meta(db, "total_pages")
+        rows = db.execute("SELECT id, held, min, max, want_until FROM holders").fetchall()
+        mine = next(r for r in rows if r[0] == self.id)
+        held = sum(r[1] for r in rows)
+        promised = sum(max(0, r[2] - r[1]) for r in rows if r[0] != self.id)
+        room = min(mine[3] - mine[1], total - held - promised)
+        if any(r[4] > now for r in rows if r[0] != self.id):
+            active = sum(1 for r in rows if r[1] or r[4] > now)
+            fair = max(mine[2], total // max(active, 1))
+            room = min(room, fair - mine[1])
         return max(0, room)
 
     def acquire(self, n: int) -> bool:
+        n = _pages("pages", n)
         self._cached = None
         now = time.monotonic()
-        with self._locked() as doc:
-            mine = doc["procs"][str(self.pid)]
-            if n > self._room(doc, str(self.pid), now):
-                mine["want_until"] = now + WANT_S  # others keep to their share meanwhile
+        with self._tx() as db:
+            if n > self._room(db, now):
+                db.execute("UPDATE holders SET want_until = ? WHERE id = ?",
+                           (now + WANT_S, self.id))  # fmt: skip
                 self._wanted_at = now
                 return False
-            mine["held"] += n
-            mine.pop("want_until", None)
+            db.execute("UPDATE holders SET held = held + ?, want_until = 0 WHERE id = ?",
+                       (n, self.id))  # fmt: skip
         self.held += n
         return True
 
@@ -144,15 +239,16 @@ class SharedBudget:
             return
         self._wanted_at = now
         self._cached = None
-        with self._locked() as doc:
-            doc["procs"][str(self.pid)]["want_until"] = now + WANT_S
+        with self._tx() as db:
+            db.execute("UPDATE holders SET want_until = ? WHERE id = ?", (now + WANT_S, self.id))
 
     def release(self, n: int) -> None:
+        n = _pages("pages", n)
         if n > self.held:
             raise ValueError(f"release of {n} pages, {self.held} held")
         self._cached = None
-        with self._locked() as doc:
-            doc["procs"][str(self.pid)]["held"] -= n
+        with self._tx() as db:
+            db.execute("UPDATE holders SET held = held - ? WHERE id = ?", (n, self.id))
         self.held -= n
 
     def excess(self) -> int:
@@ -165,21 +261,94 @@ class SharedBudget:
         now = time.monotonic()
         if self._cached is not None and now - self._cached[0] < TTL_S:
             return self._cached[1]
-        with self._locked() as doc:
-            room = self._room(doc, str(self.pid), now)
+        with self._tx() as db:
+            room = self._room(db, now)
         self._cached = (now, room)
         return room
 
+    def beat(self) -> None:
+        """A sign of life (with ``lease_s``): an idle process calls this more often than its
+        lease, or others may reap its pages."""
+        with self._tx():
+            pass
+
     def snapshot(self) -> dict:
-        """The ledger now (dead processes reaped): total and per-pid held / min / max."""
-        with self._locked() as doc:
-            return json.loads(json.dumps(doc))
+        """The ledger now (dead holders reaped): the total and, per holder id, its pid and
+        held / min / max pages."""
+        with self._tx() as db:
+            rows = db.execute("SELECT id, pid, held, min, max FROM holders").fetchall()
+            total = self._meta(db, "total_pages")
+        return {"total_pages": total,
+                "holders": {h: {"pid": pid, "held": held, "min": lo, "max": hi}
+                            for h, pid, held, lo, hi in rows}}  # fmt: skip
 
     def close(self) -> None:
         """Leave the ledger (what is held goes back); the cache must have released it."""
-        if self._fd < 0:
+        if self._db is None:
             return
-        with self._locked() as doc:
-            doc["procs"].pop(str(self.pid), None)
-        os.close(self._fd)
-        self._fd = -1
+        try:
+            if not self._replaced():
+                with self._tx(join=False) as db:
+                    db.execute("DELETE FROM holders WHERE id = ?", (self.id,))
+        finally:
+            self._disconnect()
+
+
+class _Transaction:
+    """``BEGIN IMMEDIATE`` .. ``COMMIT`` (``ROLLBACK`` on an error) on the budget's ledger,
+    after reconnecting to a replaced file; SQLite errors become :class:`LedgerError`."""
+
+    def __init__(self, budget: SharedBudget, join: bool) -> None:
+        self.b, self.join = budget, join
+
+    def __enter__(self):
+        b = self.b
+        if b._db is None:
+            raise LedgerError(f"ledger {b.path}: this SharedBudget is closed")
+        if self.join and b._replaced():  # deleted or swapped: rebuild from what we hold
+            b._disconnect()
+            b._connect(create=True)
+        try:
+            b._db.execute("BEGIN IMMEDIATE")
+            now = time.monotonic()
+            b._reap(b._db, now)
+            if self.join:
+                if b._meta(b._db, "total_pages") is None:
+                    b._db.execute("INSERT INTO meta VALUES ('total_pages', ?), ('schema', ?)",
+                                  (b.total, SCHEMA))  # fmt: skip
+                found = b._db.execute("UPDATE holders SET beat = ? WHERE id = ?",
+                                      (now, b.id)).rowcount  # fmt: skip
+                if not found:
+                    b._insert(b._db)
+                    b.rejoined += 1
+        except sqlite3.Error as exc:
+            self._rollback()
+            raise b._error(exc) from exc
+        except BaseException:
+            self._rollback()
+            raise
+        return b._db
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if kind is not None:
+            self._rollback()
+            if isinstance(exc, sqlite3.Error):
+                raise self.b._error(exc) from exc
+            return
+        try:
+            self.b._db.execute("COMMIT")
+        except sqlite3.Error as err:
+            self._rollback()
+            raise self.b._error(err) from err
+
+    def _rollback(self) -> None:
+        try:
+            self.b._db.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+
+
+def _seconds(name: str, x) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {x!r}")
+    return float(x)

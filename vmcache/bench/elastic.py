@@ -115,7 +115,7 @@ def run_pair(mode: str, per_burst: int, period: float, bursts: int) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
-        init, ledger = f"file://{os.path.join(d, 'rv')}", os.path.join(d, "ledger.json")
+        init, ledger = f"file://{os.path.join(d, 'rv')}", os.path.join(d, "ledger.db")
         args = (init, ledger, mode, per_burst, period, bursts, queue)
         procs = [ctx.Process(target=_engine_rank, args=(r, *args)) for r in range(2)]
         for p in procs:
