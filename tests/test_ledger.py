@@ -69,6 +69,6 @@ def test_bad_ledger_arguments_and_dead_entries(tmp_path):
     b.release(4)
     _row(path, 999999999, 3, 0, 10)  # no such pid
     snap = b.snapshot()["holders"]
-    assert b.available() == 4 and "row-999999999" not in snap and "row-%d" % parent in snap
+    assert b.available() == 4 and "row-999999999" not in snap and f"row-{parent}" in snap
     b.close()
     assert b.id not in json.dumps(SharedBudget(path).snapshot())

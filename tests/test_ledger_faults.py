@@ -3,7 +3,6 @@ process, a crash in the middle of an update, a process stopped holding the lock,
 whose lease runs out, a ledger deleted or damaged while in use."""
 
 import os
-import signal
 import stat
 import subprocess
 import sys
