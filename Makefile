@@ -80,7 +80,7 @@ test-oldest: $(OLD_STAMP)
 # the randomized tests with fresh seeds and ten times the examples (CI's are derandomized)
 test-long: $(STAMP)
 	HYPOTHESIS_PROFILE=long $(VENV)/bin/pytest tests/test_interface.py tests/test_prefix.py \
-		tests/test_pool.py tests/test_soak.py tests/test_faults.py
+		tests/test_pool.py tests/test_soak.py tests/test_faults.py tests/test_transfer_fuzz.py
 
 # what the fixed-seed randomized tests reach, into the JSON the README's reliability table
 # is rendered from (scripts/render_reliability.py)

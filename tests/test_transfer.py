@@ -27,7 +27,7 @@ def test_handoff_arrives_byte_identical_and_sender_unchanged(pair_results, key):
     assert len(a["kv"]) == len(b["kv"])
     for x, y in zip(a["kv"], b["kv"]):
         assert x.shape == y.shape and torch.equal(x, y)
-    assert got["extra"] == {"req": key}
+    assert got["extra"] == {"req": list(key)}  # JSON: a tuple arrives as a list
     from handoff_scenarios import _same
 
     assert _same(sent["before"], sent["after"])  # refcounts, tables, K/V: untouched

@@ -21,13 +21,15 @@ The decode worker's pool must hold any one sequence with the headroom its runnin
 
 from __future__ import annotations
 
+import base64
+import binascii
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
-from ..engine.request import Request, Seq, Status
+from ..engine.request import Request, SamplingParams, Seq, Status
 from ..errors import CacheFull
 from .transfer import recv_sequence, send_sequence
 
@@ -132,10 +134,41 @@ def _prefill(engine, requests, dst, group, packed):
 
 
 def _describe(seq: Seq, kids: list[Seq]) -> dict:
-    """What the decode worker needs to continue these sequences of one request."""
-    return {"req": seq.req, "cached": seq.cached,
-            "seqs": [(s.index, s.tokens, s.generated, s.generator.get_state())
+    """What the decode worker needs to continue these sequences of one request, as JSON
+    (the hand-off carries no pickle): the request, and per sequence its index, tokens,
+    generated tokens and sampler state."""
+    r = seq.req
+    return {"req": {"req_id": r.req_id, "prompt": list(r.prompt), "salt": r.salt,
+                    "params": asdict(r.params)},
+            "cached": seq.cached,
+            "seqs": [(s.index, s.tokens, s.generated,
+                      base64.b64encode(s.generator.get_state().numpy().tobytes()).decode())
                      for s in (seq, *kids)]}  # fmt: skip
+
+
+def _described(extra) -> tuple[Request, int, list]:
+    """:func:`_describe`'s JSON back as a request, its cached length and its sequences;
+    ``ValueError`` / ``TypeError`` for anything that is not one (checked before use)."""
+    if not isinstance(extra, dict) or not isinstance(extra.get("req"), dict):
+        raise ValueError("the hand-off's extra is not a request description")
+    r = extra["req"]
+    req = Request(str(r["req_id"]), tuple(_ints(r["prompt"])), SamplingParams(**r["params"]),
+                  None if r["salt"] is None else str(r["salt"]))  # fmt: skip
+    cached = extra["cached"]
+    seqs = []
+    for index, tokens, generated, state in extra["seqs"]:
+        seqs.append((_ints([index])[0], _ints(tokens), _ints(generated),
+                     torch.frombuffer(bytearray(base64.b64decode(state, validate=True)),
+                                      dtype=torch.uint8)))  # fmt: skip
+    if not seqs or not isinstance(cached, int) or len(seqs) > req.params.n:
+        raise ValueError("the hand-off's extra describes no sequence")
+    return req, cached, seqs
+
+
+def _ints(xs) -> list[int]:
+    if not isinstance(xs, list) or not all(type(x) is int and x >= 0 for x in xs):
+        raise ValueError("expected a list of non-negative ints")
+    return xs
 
 
 def _decode(engine, src, group):
@@ -163,10 +196,14 @@ def _decode(engine, src, group):
 
 
 def _admit(engine, arrival) -> None:
-    """The arrived sequence (and its siblings, forked here) join the running batch."""
-    info, kv = arrival.extra, engine.kv
-    req: Request = info["req"]
-    entries = info["seqs"]
+    """The arrived sequence (and its siblings, forked here) join the running batch; a
+    description that does not decode frees it and raises ``ValueError``."""
+    kv = engine.kv
+    try:
+        req, cached, entries = _described(arrival.extra)
+    except (ValueError, TypeError, KeyError, binascii.Error) as exc:
+        kv.free(arrival.slot)
+        raise ValueError(f"the prefill worker's request description is invalid: {exc}") from exc
     forks = min(len(entries) - 1, kv.num_free_slots)
     slots = [arrival.slot] + (kv.fork(arrival.slot, forks) if forks else [])
     rid = req.req_id
@@ -178,7 +215,7 @@ def _admit(engine, arrival) -> None:
         seq.generator.set_state(state)
         seq.generated = list(generated)
         if i < len(slots):
-            seq.cached, seq.slot = info["cached"], slots[i]
+            seq.cached, seq.slot = cached, slots[i]
             seq.status, seq.admitted_at = Status.RUNNING, engine.stats.steps
             engine.scheduler.running.append(seq)
         else:  # no slot to fork into: prefilled here later, as a recompute preemption is

@@ -6,45 +6,64 @@ whatever the length; a PagedKVCache sends one message per block per layer and K/
 descriptors), or, ``packed=True``, one gathered copy per table.
 
     sender (send_sequence)                      receiver (recv_sequence)
-    header  int64[8] -------------------------> length, checks, sizes   (abort: status 1)
-    meta    uint8[n] -------------------------> firsts, token ids, salt, extra (pickled)
-            <------------------------- reply   int64[2]: accepted | full | mismatch
-    data    one message per run  -------------> into freshly mapped pages (adopt_sequence)
+    header  int64[8] -------------------------> magic, version, status, length, runs, bytes,
+                                                meta bytes, layout key: bounded, checked
+    meta    uint8[n] -------------------------> firsts, token ids, salt, extra: a fixed binary
+                                                schema (vmcache.distributed.wire), no pickle
+                                                validated; then the pages mapped
+            <------------------------- reply   int64[2]: accepted | full | mismatch | refused
+    data    one message per run  -------------> into the freshly mapped pages
             <------------------------- commit  int64[1]: 0 = all arrived
 
 Nothing changes on the sender (it may free the sequence once ``send_sequence`` returns). The
-receiver's sequence exists only after every byte arrived: a refusal, a sender abort or a lost
-peer leaves it as it was (pages back in the pool, no slot taken) and raises
-:class:`TransferError` (``CacheFull`` when it had no room). Forked and prefix-shared
-sequences are read through their shared pages (the sender's refcounts are untouched) and
-arrive as private pages of one new sequence.
+receiver's sequence exists only after every byte arrived: a refusal, a sender abort, a hostile
+or lost peer leaves it as it was (pages back in the pool, no slot taken) and raises
+:class:`TransferError` (``CacheFull`` when it had no room). The receiver answers only once the
+pages are mapped, so a failure on its side after the sender's header (no room after all on a
+shared budget, a salt it cannot take, a manifest that breaks its tables) is a reply, never a
+silence the sender waits out. Forked and prefix-shared sequences are read through their
+shared pages (the sender's refcounts are untouched) and arrive as private pages of one new
+sequence.
 
-Pickle carries the metadata, as ``torch.distributed``'s object collectives do: the ranks of a
-process group trust each other.
+Trust: the peer is untrusted input. Header fields are bounded before anything is allocated
+(the meta's size against what a valid one can be; lengths against ``max_seq_len``), every meta
+field is validated (released pages against the receiver's own window rule, byte counts
+against the pages it mapped), and ``extra`` is JSON, never code. Every wait has a deadline
+(``timeout_s``): past it the hand-off is a ``TransferError`` (with gloo the connection to that
+peer is closed then: make a new process group to talk to it again). What this cannot defend:
+the transport itself. gloo ends the receiving *process* (``std::terminate``) when a peer sends
+a message longer than the receive posted, so a rank of the group can always crash another
+(never run code in it, nor write outside the buffers this module posts); a message shorter
+than posted leaves zeros. Serve hand-offs only between ranks of one deployment.
 """
 
 from __future__ import annotations
 
-import pickle
 import time
 import zlib
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ..errors import CacheFull
 from ..swap import Manifest
+from . import wire
 
 MAGIC = 0x564D4B56  # "VMKV"
+VERSION = 2  # 1: pickled metadata (refused)
 OK, ABORT = 0, 1  # header status
-ACCEPTED, FULL, MISMATCH = 0, 1, 2  # reply status
+ACCEPTED, FULL, MISMATCH, REFUSED = 0, 1, 2, 3  # reply status
 CONTROL_MESSAGES = 4  # header, meta, reply, commit
+TIMEOUT_S = 60.0  # default deadline of one hand-off, every wait included
+MAX_EXTRA_BYTES = 1 << 20  # default bound on ``extra`` a receiver accepts
+DRAIN_BYTES = 64 << 20  # a mismatched sender's meta is read (then refused) up to this size
 
 
 class TransferError(RuntimeError):
-    """A hand-off that did not happen: refused, aborted by the sender, or the peer was lost.
-    Both caches are as they were before it."""
+    """A hand-off that did not happen: refused, aborted by the sender, a message that breaks
+    the protocol, a deadline passed, or the peer was lost. Both caches are as they were."""
 
 
 @dataclass(frozen=True)
@@ -97,110 +116,200 @@ def plan_handoff(cache, s: int, packed: bool = False) -> tuple[int, int]:
 
 
 def send_sequence(cache, s: int, dst: int, group=None, *, packed: bool = False,
-                  extra: object = None) -> HandoffStats:  # fmt: skip
-    """Send sequence ``s`` of ``cache`` (its K/V, length, token ids, salt, and ``extra``, any
-    picklable object) to rank ``dst``, which calls :func:`recv_sequence`. Returns once the
+                  extra: object = None, timeout_s: float = TIMEOUT_S) -> HandoffStats:  # fmt: skip
+    """Send sequence ``s`` of ``cache`` (its K/V, length, token ids, salt, and ``extra``:
+    JSON-serializable) to rank ``dst``, which calls :func:`recv_sequence`. Returns once the
     receiver committed; ``s`` is unchanged (free it to complete a move). Raises ``CacheFull``
-    when the receiver has no room, :class:`TransferError` for a mismatched receiver or a lost
-    peer; errors preparing the send (a bad ``s``) are sent as an abort, then raised."""
+    when the receiver has no room, :class:`TransferError` for a refusing or mismatched
+    receiver, a lost peer or ``timeout_s`` passed; errors preparing the send (a bad ``s``, a
+    salt or ``extra`` with no wire encoding) are sent as an abort, then raised."""
     t0 = time.perf_counter()
+    deadline = _deadline(timeout_s)
     dev = _ctrl_device(cache, group)
     header = torch.zeros(8, dtype=torch.int64, device=dev)
     try:
         m = cache.manifest(s)
         wires = cache.wires(s)
         runs = _runs(wires, packed)
-        meta = pickle.dumps((m.firsts, m.token_ids, m.salt, extra))
+        meta = wire.encode_meta(m.firsts, m.token_ids, m.salt, extra)
     except BaseException as exc:
-        note = pickle.dumps(f"{type(exc).__name__}: {exc}")
-        header[:3] = torch.tensor([MAGIC, ABORT, 0])
-        header[5] = len(note)
-        _guarded(dist.send, header, dst, group)
-        _guarded(dist.send, _byte_tensor(note, dev), dst, group)
+        note = wire.encode_note(f"{type(exc).__name__}: {exc}")
+        header.copy_(torch.tensor([MAGIC, VERSION, ABORT, 0, 0, 0, len(note), 0]))
+        _send(header, dst, group, deadline)
+        _send(_byte_tensor(note, dev), dst, group, deadline)
         raise
     nbytes = sum(r.numel() for r in runs)
-    header.copy_(torch.tensor([MAGIC, OK, m.length, len(runs), nbytes, len(meta),
-                               layout_key(cache), int(packed)]))  # fmt: skip
-    _guarded(dist.send, header, dst, group)
-    _guarded(dist.send, _byte_tensor(meta, dev), dst, group)
+    header.copy_(torch.tensor([MAGIC, VERSION, OK, m.length, len(runs), nbytes, len(meta),
+                               layout_key(cache) | int(packed) << 32]))  # fmt: skip
+    _send(header, dst, group, deadline)
+    _send(_byte_tensor(meta, dev), dst, group, deadline)
     reply = torch.zeros(2, dtype=torch.int64, device=dev)
-    _guarded(dist.recv, reply, dst, group)
-    if reply[0] == FULL:
+    _recv(reply, dst, group, deadline)
+    code, value = reply.tolist()
+    if code == FULL:
         raise CacheFull(f"rank {dst} has no room for a sequence of {m.length} tokens",
-                        wanted=int(reply[1]), free=0)  # fmt: skip
-    if reply[0] != ACCEPTED:
-        raise TransferError(f"rank {dst} refused the sequence: its cache's layout differs")
+                        wanted=max(0, value), free=0)  # fmt: skip
+    if code != ACCEPTED:
+        why = {MISMATCH: "its cache's layout or limits differ"}.get(code, "it could not map it")
+        raise TransferError(f"rank {dst} refused the sequence: {why}")
     cache._sync()  # K/V written by kernels still running must be in place
     for r in runs:
-        _guarded(dist.send, r, dst, group)
+        _send(r, dst, group, deadline)
     commit = torch.ones(1, dtype=torch.int64, device=dev)
-    _guarded(dist.recv, commit, dst, group)
+    _recv(commit, dst, group, deadline)
     if commit[0] != 0:
         raise TransferError(f"rank {dst} did not commit the sequence")
     return HandoffStats(m.length, len(runs), nbytes, time.perf_counter() - t0)
 
 
-def recv_sequence(cache, src: int, group=None, *, headroom_pages: int = 0) -> Arrival:
+def recv_sequence(cache, src: int, group=None, *, headroom_pages: int = 0,
+                  timeout_s: float = TIMEOUT_S,
+                  max_extra_bytes: int = MAX_EXTRA_BYTES) -> Arrival:  # fmt: skip
     """Receive a sequence sent by rank ``src`` with :func:`send_sequence` into a new sequence
     of ``cache``; all or nothing (see the module docstring). Refused (``CacheFull`` on both
-    sides) unless ``headroom_pages`` stay free after it (room its running sequences need)."""
+    sides) unless ``headroom_pages`` stay free after it (room its running sequences need).
+    ``timeout_s`` bounds the whole hand-off; ``max_extra_bytes`` the sender's ``extra``."""
     t0 = time.perf_counter()
+    deadline = _deadline(timeout_s)
     dev = _ctrl_device(cache, group)
     header = torch.zeros(8, dtype=torch.int64, device=dev)
-    _guarded(dist.recv, header, src, group)
-    magic, status, length, n_runs, nbytes, n_meta, key, packed = header.tolist()
-    if magic != MAGIC:
-        raise TransferError(f"rank {src} sent no vmcache hand-off header (magic {magic:#x})")
-    meta = torch.empty(n_meta, dtype=torch.uint8, device=dev)
-    _guarded(dist.recv, meta, src, group)
+    _recv(header, src, group, deadline)
+    magic, version, status, length, n_runs, nbytes, n_meta, key = header.tolist()
+    if magic != MAGIC or version != VERSION:
+        raise TransferError(f"rank {src} sent no vmcache hand-off header of version {VERSION} "
+                            f"(magic {magic:#x}, version {version})")  # fmt: skip
     if status == ABORT:
-        raise TransferError(f"rank {src} aborted the hand-off: {_unpickle(meta)}")
-    firsts, ids, salt, extra = _unpickle(meta)
-    m = Manifest(length, tuple(firsts), ids, salt)
-    reply = torch.tensor([ACCEPTED, 0], dtype=torch.int64, device=dev)
-    if key != layout_key(cache) or length > cache.max_seq_len:
-        reply[0] = MISMATCH
-    elif not cache.can_adopt(m, headroom_pages):
-        reply.copy_(torch.tensor([FULL, cache.adopt_pages(length, firsts)]))
-    _guarded(dist.send, reply, src, group)
-    if reply[0] == FULL:
-        raise CacheFull(f"no room for rank {src}'s sequence of {length} tokens",
-                        wanted=int(reply[1]), free=cache.pool.num_available)  # fmt: skip
-    if reply[0] != ACCEPTED:
+        if not 1 <= n_meta <= wire.MAX_NOTE_BYTES:
+            raise TransferError(f"rank {src} aborted with a note of {n_meta} bytes")
+        note = torch.zeros(n_meta, dtype=torch.uint8, device=dev)
+        _recv(note, src, group, deadline)
+        raise TransferError(f"rank {src} aborted the hand-off: {wire.decode_note(_bytes(note))}")
+    groups = len(cache.groups)
+    fits = status == OK and 0 < length <= cache.max_seq_len and key >> 33 == 0
+    bound = wire.meta_bound(groups, max(0, length), max_extra_bytes)
+    if status != OK or not 1 <= n_meta <= min(bound, DRAIN_BYTES) or min(n_runs, nbytes) < 0:
+        raise TransferError(f"rank {src} sent a header out of bounds (status {status}, "
+                            f"{length} tokens, meta of {n_meta} bytes)")  # fmt: skip
+    raw = torch.zeros(n_meta, dtype=torch.uint8, device=dev)  # a shorter message: zeros
+    _recv(raw, src, group, deadline)
+    replied = False
+
+    def reply(code: int, value: int = 0) -> None:
+        nonlocal replied
+        replied = True
+        _send(torch.tensor([code, value], dtype=torch.int64, device=dev), src, group, deadline)
+
+    if not fits or key & 0xFFFFFFFF != layout_key(cache):
+        reply(MISMATCH)
         raise TransferError(f"rank {src}'s sequence is for another cache layout or longer "
                             f"than max_seq_len {cache.max_seq_len}")  # fmt: skip
+    packed = bool(key >> 32)
+    try:
+        m = _manifest(cache, length, _bytes(raw), max_extra_bytes)
+    except wire.WireError as exc:
+        reply(REFUSED)
+        raise TransferError(f"rank {src} sent a manifest this cache refuses: {exc}") from None
+    if not cache.can_adopt(m.manifest, headroom_pages):
+        need = cache.adopt_pages(length, m.manifest.firsts)
+        reply(FULL, need)
+        raise CacheFull(f"no room for rank {src}'s sequence of {length} tokens",
+                        wanted=need, free=cache.pool.num_available)  # fmt: skip
 
     def fill(s: int) -> None:
         wires = cache.wires(s)
         if packed:
-            bufs = [torch.empty(w.nbytes, dtype=torch.uint8, device=cache.device) for w in wires]
+            bufs = [torch.zeros(w.nbytes, dtype=torch.uint8, device=cache.device) for w in wires]
         else:
             bufs = _runs(wires, False)
         if len(bufs) != n_runs or sum(b.numel() for b in bufs) != nbytes:
+            reply(MISMATCH)
             raise TransferError(f"rank {src} sends {n_runs} runs of {nbytes} bytes; this "
                                 f"cache maps {len(bufs)} runs of a different size")  # fmt: skip
+        reply(ACCEPTED)
         for b in bufs:
-            _guarded(dist.recv, b, src, group)
+            _recv(b, src, group, deadline)
         if packed:
             for w, b in zip(wires, bufs):
                 w.unpack(b)
 
-    s = cache.adopt_sequence(m, fill)
-    _guarded(dist.send, torch.zeros(1, dtype=torch.int64, device=dev), src, group)
-    return Arrival(s, extra, HandoffStats(length, n_runs, nbytes, time.perf_counter() - t0))
-
-
-def _guarded(op, tensor: torch.Tensor, peer: int, group) -> None:
-    """A point-to-point op whose failure (a lost peer) is a :class:`TransferError`."""
     try:
-        op(tensor, peer, group)
+        s = cache.adopt_sequence(m.manifest, fill)
+    except CacheFull as exc:  # a shared budget gave the pages to another process meanwhile
+        if not replied:
+            reply(FULL, exc.wanted)
+        raise
+    except TransferError:
+        raise
+    except Exception as exc:  # anything else while mapping: the sender hears of it
+        if not replied:
+            reply(REFUSED)
+        raise TransferError(f"rank {src}'s sequence could not be mapped: "
+                            f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
+    try:
+        _send(torch.zeros(1, dtype=torch.int64, device=dev), src, group, deadline)
+    except BaseException:
+        cache.free(s)  # the sender will not count it as moved: neither side keeps a half
+        raise
+    return Arrival(s, m.extra, HandoffStats(length, n_runs, nbytes, time.perf_counter() - t0))
+
+
+@dataclass(frozen=True)
+class _Received:
+    manifest: Manifest
+    extra: object
+
+
+def _manifest(cache, length: int, raw: bytes, max_extra_bytes: int) -> _Received:
+    """The sender's manifest, checked against this cache: released pages within what its own
+    window rule may release (never one a next step reads, never past the sequence)."""
+    firsts, ids, salt, extra = wire.decode_meta(raw, groups=len(cache.groups), length=length,
+                                                max_extra_bytes=max_extra_bytes)  # fmt: skip
+    for g, f in zip(cache.groups, firsts):
+        if f > g.keep_page(length, 0):
+            raise wire.WireError(f"{f} released pages in a group whose window keeps pages "
+                                 f"from {g.keep_page(length, 0)} at {length} tokens")  # fmt: skip
+    return _Received(Manifest(length, tuple(firsts), ids, salt), extra)
+
+
+def _deadline(timeout_s) -> float:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+    return time.monotonic() + timeout_s
+
+
+def _wait(work, peer: int, deadline: float, what: str) -> None:
+    """Wait for a point-to-point op until ``deadline``: a lost peer or the deadline is a
+    :class:`TransferError`."""
+    left = deadline - time.monotonic()
+    try:
+        if left <= 0 or work.wait(timeout=timedelta(seconds=left)) is False:
+            raise RuntimeError("timed out")
     except RuntimeError as exc:
-        raise TransferError(f"hand-off with rank {peer} failed: {exc}") from exc
+        why = "its deadline passed" if time.monotonic() >= deadline - 1e-3 else "peer lost"
+        raise TransferError(f"hand-off with rank {peer} failed ({what}, {why}): {exc}") from exc
+
+
+def _send(tensor: torch.Tensor, peer: int, group, deadline: float) -> None:
+    try:
+        work = dist.isend(tensor, peer, group)
+    except RuntimeError as exc:
+        raise TransferError(f"hand-off with rank {peer} failed (send): {exc}") from exc
+    _wait(work, peer, deadline, "send")
+
+
+def _recv(tensor: torch.Tensor, peer: int, group, deadline: float) -> None:
+    try:
+        work = dist.irecv(tensor, peer, group)
+    except RuntimeError as exc:
+        raise TransferError(f"hand-off with rank {peer} failed (recv): {exc}") from exc
+    _wait(work, peer, deadline, "recv")
 
 
 def _byte_tensor(data: bytes, device) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    return torch.frombuffer(bytearray(data) or bytearray(1), dtype=torch.uint8)[: len(data)].to(
+        device
+    )
 
 
-def _unpickle(t: torch.Tensor):
-    return pickle.loads(t.cpu().numpy().tobytes())
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.cpu().numpy().tobytes()
