@@ -159,6 +159,27 @@ def test_out_of_memory_at_page_creation_is_cache_full_and_changes_nothing():
     be.close()
 
 
+def test_out_of_memory_while_waking_is_cache_full_and_the_cache_stays_asleep():
+    """wake() recreates every live page at once: the driver's out-of-memory answer there is
+    CacheFull (as the docstring promises), not a DriverError; the cache stays asleep and a
+    later wake restores it whole."""
+    be = FaultyBackend()
+    be.code = "ENOMEM"
+    be.only = "ftruncate(memfd)"
+    c, s, child = setup(be)
+    before = snapshot(c)
+    c.sleep()
+    be.fail_at = be.calls + 1
+    with pytest.raises(CacheFull, match="waking"):
+        c.wake()
+    assert c.asleep and c.resident_bytes == 0
+    c.wake()
+    assert same(before, snapshot(c))
+    c.check_invariants()
+    c.close()
+    be.close()
+
+
 def test_running_out_of_mappings_is_a_clear_error():
     from vmcache.backends.host import max_map_count
 

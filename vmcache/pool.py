@@ -245,14 +245,7 @@ class PagePool:
         except BaseException as exc:
             self._uncreated.extend(reversed(pages))
             self.budget.release(count)
-            if isinstance(exc, DriverError) and (
-                "OUT_OF_MEMORY" in exc.code or exc.code in ("ENOMEM", "ENOSPC")
-            ):
-                raise CacheFull(
-                    f"device memory exhausted creating {count} pages ({exc})",
-                    wanted=at_least,
-                    free=len(self._free),
-                ) from exc
+            _raise_full_if_oom(exc, f"creating {count} pages", at_least, len(self._free))
             raise
         self._created += count
         self._free[:0] = sorted(pages, reverse=True)  # below the reused pages
@@ -297,8 +290,19 @@ class PagePool:
                             wanted=len(live), free=room)  # fmt: skip
         try:
             self._store.create(sorted(live))
-        except BaseException:
+        except BaseException as exc:
             self.budget.release(len(live))
+            _raise_full_if_oom(exc, f"waking {len(live)} pages", len(live), 0)
             raise
         self._created += len(live)
         self.asleep = False
+
+
+def _raise_full_if_oom(exc: BaseException, what: str, wanted: int, free: int) -> None:
+    """A driver's out-of-memory answer is exhaustion: ``CacheFull`` (the docstrings' promise),
+    not a ``DriverError``."""
+    if isinstance(exc, DriverError) and (
+        "OUT_OF_MEMORY" in exc.code or exc.code in ("ENOMEM", "ENOSPC")
+    ):
+        raise CacheFull(f"device memory exhausted {what} ({exc})", wanted=wanted,
+                        free=free) from exc  # fmt: skip
