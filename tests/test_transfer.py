@@ -128,3 +128,31 @@ def test_the_launcher_serves_disaggregated_and_matches_one_process():
     assert r0["digest"] == r1["digest"]
     assert r0["handoff"]["handoffs"] == r1["handoff"]["handoffs"] == 4
     assert r0["handoff"]["data_messages"] == 4 * 8  # 4 layers x K/V, one message each
+
+
+def test_a_cuda_cache_over_gloo_is_refused_and_control_follows_the_backend():
+    from vmcache.distributed.transfer import control_device
+
+    with pytest.raises(ValueError, match="nccl"):
+        control_device(torch.device("cuda", 1), "gloo")
+    assert control_device(torch.device("cuda", 1), "nccl") == torch.device("cuda", 1)
+    assert control_device(torch.device("cpu"), "gloo") == torch.device("cpu")
+
+
+def test_ranks_without_a_gpu_each_use_gloo_on_the_cpu():
+    from vmcache.serve import rank_device
+
+    if torch.cuda.device_count():
+        pytest.skip("a GPU is visible: test_each_rank_takes_its_own_gpu covers it")
+    assert rank_device(0, 2) == ("gloo", None) and rank_device(1, 2) == ("gloo", None)
+
+
+@pytest.mark.gpu
+def test_each_rank_takes_its_own_gpu():
+    from vmcache.serve import rank_device
+
+    n = torch.cuda.device_count()
+    backend, device = rank_device(n - 1, n)  # the last local rank of a node of n GPUs
+    assert backend == "nccl" and device == torch.device("cuda", n - 1)
+    assert torch.cuda.current_device() == n - 1  # set before the group exists
+    torch.cuda.set_device(0)

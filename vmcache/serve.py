@@ -87,8 +87,8 @@ def worker(args) -> dict:
     from .spec import KVSpec
 
     rank = dist.get_rank()
-    device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")  # fmt: skip
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     if args.mode == "tp":
         from .distributed.tp import load_tp_model, shard_spec, tensor_parallel_engine
 
@@ -127,10 +127,23 @@ def _load(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+def rank_device(local_rank: int, world: int) -> tuple[str, torch.device | None]:
+    """(backend, device) of one rank: NCCL with the rank's own GPU (set as the current device
+    before the group exists: without it every rank of a node lands on cuda:0) when there is a
+    GPU per local rank, else gloo on the CPU."""
+    count = torch.cuda.device_count()
+    if count >= world and local_rank < count:
+        torch.cuda.set_device(local_rank)
+        return "nccl", torch.device("cuda", local_rank)
+    return "gloo", None
+
+
 def _rank_main(rank: int, world: int, init: str, args) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    backend = "nccl" if torch.cuda.device_count() >= world else "gloo"
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun's; our own spawn sets it below
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world))
+    backend, device_id = rank_device(local, world)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
+                            device_id=device_id)  # fmt: skip
     try:
         reports: list = [None] * world
         dist.all_gather_object(reports, worker(args))

@@ -98,7 +98,19 @@ def layout_key(cache) -> int:
 
 
 def _ctrl_device(cache, group) -> torch.device:
-    return cache.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    return control_device(cache.device, dist.get_backend(group))
+
+
+def control_device(device: torch.device, backend: str) -> torch.device:
+    """Where a hand-off's control messages live for a cache on ``device`` over ``backend``;
+    ``ValueError`` for a CUDA cache over a CPU-only backend (gloo's send and recv cannot read
+    device memory: the cache's K/V would have to be copied to the host first)."""
+    if backend == "nccl":
+        return device
+    if device.type == "cuda":
+        raise ValueError(f"a CUDA cache cannot hand off over a {backend!r} process group "
+                         "(point-to-point of CUDA tensors needs NCCL): use 'nccl'")  # fmt: skip
+    return torch.device("cpu")
 
 
 def _runs(wires, packed: bool) -> list[torch.Tensor]:
