@@ -114,8 +114,11 @@ def summarise(out: str) -> dict:
         for line in open(os.path.join(out, "preflight.txt")):
             key, _, val = line.partition(":")
             preflight[key.strip()] = val.strip()
-    return {"gpu": preflight.get("gpu", "unknown"), "preflight": preflight, "steps": steps,
-            "claims": claims}  # fmt: skip
+    stopped = None  # why the run ended before its steps (a failed preflight gate)
+    if os.path.exists(os.path.join(out, "stopped.txt")):
+        stopped = open(os.path.join(out, "stopped.txt")).read().strip() or None
+    return {"gpu": preflight.get("gpu", "unknown"), "stopped": stopped,
+            "preflight": preflight, "steps": steps, "claims": claims}  # fmt: skip
 
 
 def compile_table(doc: dict) -> str:
