@@ -118,8 +118,9 @@ def _every_impl(cache, kind, seqs, written, q_lens, dtype, windows=(None, None))
     """Decode with every impl available here and prefill (``q_lens`` queries each) on layers
     0 and 1 (sliding ``windows[layer]``, None = full) against the reference over what the
     test wrote; returns the decode impls that ran."""
-    q = torch.randn(len(seqs), 32, 128, device="cuda").to(dtype)
-    qp = torch.randn(sum(q_lens), 32, 128, device="cuda").to(dtype)
+    hq, hd = cache.spec.q_heads, cache.spec.head_dim
+    q = torch.randn(len(seqs), hq, hd, device="cuda").to(dtype)
+    qp = torch.randn(sum(q_lens), hq, hd, device="cuda").to(dtype)
     ran = set()
     for layer, w in enumerate(windows):
         ref = torch.stack([dense_attention(q[i : i + 1].cpu().float(),
@@ -164,15 +165,20 @@ def test_soak_on_the_cuda_backend():
         assert r["violations"] == 0 and r["leaked_pages"] == 0, (name, r["first_violations"])
 
 
+@pytest.mark.parametrize("shape", [(8, 128, 700), (32, 96, 2047)], ids=["8x128", "32x96"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["vm", "vm_token_major", "paged"])
-def test_windowed_decode_and_prefill_after_pages_were_unmapped(kind, dtype):
+def test_windowed_decode_and_prefill_after_pages_were_unmapped(kind, dtype, shape):
     """A hybrid spec (layer 0: a 700-token window; layer 1: full): every sequence grows in two
     steps, so the second grow unmaps (cuMemUnmap) the 2 MiB pages wholly before the window;
     every impl (aten FA2 with window_size_left, Triton with its start offset, flash-attn's
     window_size where installed, SDPA with a window mask) must match the reference and read
-    nothing unmapped (an illegal address would be sticky and fail every later test)."""
-    spec = KVSpec(2, 8, 128, dtype, num_q_heads=32, layer_windows=(700, None))
+    nothing unmapped (an illegal address would be sticky and fail every later test). 32 × 96
+    heads put 341.3 tokens in a 2 MiB bf16 page: FA2's first K tile starts before the window,
+    in a page the unaligned rule released (test_window_tiles.py)."""
+    heads, hd, w = shape
+    spec = KVSpec(2, heads, hd, dtype, num_q_heads=heads * 4 if heads == 8 else heads,
+                  layer_windows=(w, None))  # fmt: skip
     lens, q_lens = [1, 700, 1500, 2049, 4097], [1, 5, 64, 1, 200]
     if kind == "paged":
         cache = PagedKVCache(spec, num_blocks=3000, block_size=16, device="cuda",
@@ -189,7 +195,7 @@ def test_windowed_decode_and_prefill_after_pages_were_unmapped(kind, dtype):
                 continue
             cache.grow(s, step)
             for layer in range(2):
-                k, v = (torch.randn(step, 8, 128, device="cuda", generator=g).to(dtype)
+                k, v = (torch.randn(step, heads, hd, device="cuda", generator=g).to(dtype)
                         for _ in range(2))  # fmt: skip
                 cache.write(layer, s, start, k, v)
                 old = written.get((s, layer))
@@ -198,7 +204,7 @@ def test_windowed_decode_and_prefill_after_pages_were_unmapped(kind, dtype):
                     torch.cat([a, b]) for a, b in zip(old, new))  # fmt: skip
         seqs.append(s)
     assert cache.window_start(0, seqs[-1]) > 0 and cache.stats().window_released_pages > 0
-    _every_impl(cache, kind, seqs, written, q_lens, dtype, windows=(700, None))
+    _every_impl(cache, kind, seqs, written, q_lens, dtype, windows=(w, None))
     torch.cuda.synchronize()
     cache.close()
 

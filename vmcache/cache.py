@@ -37,9 +37,16 @@ from .pool import PagePool
 from .seqcache import SequenceCache, _check_int
 from .spec import KVSpec
 from .swap import Wire
-from .tables import PageTables
+from .tables import FA_TILE_TOKENS, PageTables
 
 LAYOUTS = ("layer_major", "token_major")
+
+
+def default_window_align(device: torch.device) -> int:
+    """Tokens a sliding layer's first kept token is rounded down to: on CUDA, FlashAttention
+    (aten FA2, flash-attn) reads a window's K in whole tiles from a tile-aligned start, so the
+    pages under that tile must stay mapped; elsewhere nothing reads before the window."""
+    return FA_TILE_TOKENS if torch.device(device).type == "cuda" else 1
 
 
 class VMKVCache(SequenceCache):
@@ -64,12 +71,16 @@ class VMKVCache(SequenceCache):
         prefix_tiers=None,
         own_backend: bool | None = None,
         budget: Budget | None = None,
+        window_align_tokens: int | None = None,
     ) -> None:
         """``backend``: physical memory (default: the real one for ``device``); the cache
         closes it when it made it, or when ``own_backend`` is True. ``budget``: how many
         pages may exist at once (default: ``pool_bytes`` worth, changeable with
         :meth:`set_memory_limit`; a :class:`~vmcache.ledger.SharedBudget` shares one
-        device's memory between processes)."""
+        device's memory between processes). ``window_align_tokens``: a sliding layer keeps
+        its pages from its first needed token rounded down to this multiple (default
+        :data:`FA_TILE_TOKENS` on CUDA, where FlashAttention reads whole K tiles from a
+        tile-aligned start before the window; 1 elsewhere)."""
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
         for name, value in (("max_seqs", max_seqs), ("max_seq_len", max_seq_len)):
@@ -79,12 +90,18 @@ class VMKVCache(SequenceCache):
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if _check_int("rollback_tokens", rollback_tokens) < 0:
             raise ValueError(f"rollback_tokens must be >= 0, got {rollback_tokens}")
+        if (
+            window_align_tokens is not None
+            and _check_int("window_align_tokens", window_align_tokens) <= 0
+        ):
+            raise ValueError(f"window_align_tokens must be positive, got {window_align_tokens}")
         self._owns_backend = backend is None if own_backend is None else bool(own_backend)
         self.backend = backend if backend is not None else make_backend(device)
         try:
+            align = window_align_tokens or default_window_align(self.backend.device)
             self._setup(spec, max_seqs, max_seq_len, page_size, pool_bytes, layout,
                         scrub_on_reuse, swap_bytes, chunk_pages, prefix_caching,
-                        rollback_tokens, budget, prefix_tiers)  # fmt: skip
+                        rollback_tokens, budget, prefix_tiers, align)  # fmt: skip
         except BaseException:
             if self._owns_backend:
                 self.backend.close()
@@ -92,7 +109,7 @@ class VMKVCache(SequenceCache):
 
     def _setup(
         self, spec, max_seqs, max_seq_len, page_size, pool_bytes, layout, scrub, swap, chunk,
-        prefix, rollback, budget, tiers,
+        prefix, rollback, budget, tiers, align,
     ):  # fmt: skip
         be = self.backend
         P = be.default_page_size if page_size is None else _check_int("page_size", page_size)
@@ -127,7 +144,7 @@ class VMKVCache(SequenceCache):
         self.store = VMPageStore(be, P, num_pages)
         pool = PagePool(num_pages, self.store, scrub_on_reuse=scrub, chunk_pages=chunk,
                         budget=budget)  # fmt: skip
-        tables = [PageTables(t_ids, w, max_seqs, tb[t_ids[0]], P, rollback)
+        tables = [PageTables(t_ids, w, max_seqs, tb[t_ids[0]], P, rollback, align)
                   for (w, _), t_ids in zip(groups, ids)]  # fmt: skip
         super().__init__(
             spec, max_seqs, max_seq_len, pool, groups=tables, page_bytes=P, device=be.device,

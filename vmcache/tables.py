@@ -10,9 +10,13 @@ sequence's length needs, and the pages reserved ahead of them. Page ``j`` covers
 
 A sliding-window group (window W, rollback margin k) drops the pages that lie wholly before
 the first token a later step can read: the next query (position L, the current length)
-reads keys (L − W, L], and a ``truncate`` back by up to k tokens must stay possible:
+reads keys (L − W, L], and a ``truncate`` back by up to k tokens must stay possible. An
+attention kernel may read more than that: FlashAttention loads a window's K in whole tiles of
+kBlockN tokens (64 or 128 on sm_90) from a tile-aligned start, up to kBlockN − 1 tokens before
+the window, so with ``align_tokens`` A (a multiple of every kBlockN: 256 on CUDA) the first
+kept token is rounded down to a multiple of A (at most one more 2 MiB page per table):
 
-    keep from token  f = max(0, L − W + 1 − k)         released: pages j < ⌊f·u / P⌋
+    keep from token  f = ⌊max(0, L − W + 1 − k) / A⌋·A     released: pages j < ⌊f·u / P⌋
     table:  | RELEASED | RELEASED | p2 | p3 | p4 (tail) |
             0          1          ^ first mapped page, the same in every table of the group
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 RELEASED = -1  # a page-list entry whose page went back to the pool (sliding window)
+FA_TILE_TOKENS = 256  # a multiple of every FlashAttention K tile (kBlockN 64 / 128 on sm_90)
 
 
 class PageTables:
@@ -40,9 +45,11 @@ class PageTables:
         units_per_token: int,
         units_per_page: int,
         rollback_tokens: int = 0,
+        align_tokens: int = 1,
     ) -> None:
         self.ids = tuple(ids)  # the cache's table numbers this group owns
         self.window = window  # None: full attention
+        self.align_tokens = align_tokens  # the first kept token is a multiple of this
         self.rollback_tokens = rollback_tokens  # a truncate back by this much stays possible
         self.u, self.P = units_per_token, units_per_page
         self._pos = {t: i for i, t in enumerate(self.ids)}
@@ -105,7 +112,8 @@ class PageTables:
         by ``margin`` tokens must stay possible (0 for full attention)."""
         if self.window is None:
             return 0
-        return max(0, length - self.window + 1 - margin) * self.u // self.P
+        f = max(0, length - self.window + 1 - margin)
+        return (f - f % self.align_tokens) * self.u // self.P
 
     def release_plan(self, s: int, length: int) -> tuple[int, list[int]]:
         """(new first index, the pages that leave) when ``s`` of ``length`` tokens drops what
