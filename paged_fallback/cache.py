@@ -33,6 +33,8 @@ from vmcache.spec import KVSpec
 from vmcache.swap import Wire
 from vmcache.tables import PageTables
 
+STAGE_BYTES = 64 << 20  # the most a device-side gather of blocks (tiers, sleep) allocates
+
 
 def block_address(t: int, block_size: int) -> tuple[int, int]:
     """Token position -> (block-table index, offset in block)."""
@@ -221,16 +223,30 @@ class PagedKVCache(SequenceCache):
 
     # --- prefix tier hooks (vmcache.tiers): a block's bytes across its slots and K/V ----
     def _read_pages(self, pages: list[int], pin: bool = False) -> torch.Tensor:
-        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
-        blocks = self.kv_pool[:, :, idx].movedim(2, 0).contiguous()  # [n, G, 2, B, N_KV, d_h]
-        return blocks.view(-1).view(torch.uint8).view(len(pages), self.page_bytes).cpu()
+        """uint8 ``[len(pages), page_bytes]`` host copy of ``pages`` (blocks across slots and
+        K/V), gathered on the device in bounded chunks (:data:`STAGE_BYTES`), so a sleep of
+        the whole pool needs no second pool's worth of device memory."""
+        out = torch.empty((len(pages), self.page_bytes), dtype=torch.uint8, pin_memory=pin)
+        for i in range(0, len(pages), self._stage_blocks):
+            chunk = pages[i : i + self._stage_blocks]
+            idx = torch.tensor(chunk, dtype=torch.long, device=self.device)
+            blocks = self.kv_pool[:, :, idx].movedim(2, 0)  # [n, G, 2, B, ...]: one temporary
+            dst = out[i : i + len(chunk)].view(self.kv_pool.dtype).view(blocks.shape)
+            dst.copy_(blocks)  # strided source, straight into the host rows
+        return out
 
     def _write_pages(self, pages: list[int], data: torch.Tensor) -> None:
-        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
         pool = self.kv_pool
-        shape = (len(pages),) + pool.shape[:2] + pool.shape[3:]
-        blocks = data.to(self.device).contiguous().view(pool.dtype).view(shape)
-        pool[:, :, idx] = blocks.movedim(0, 2)
+        for i in range(0, len(pages), self._stage_blocks):
+            chunk = pages[i : i + self._stage_blocks]
+            idx = torch.tensor(chunk, dtype=torch.long, device=self.device)
+            shape = (len(chunk),) + pool.shape[:2] + pool.shape[3:]
+            part = data[i : i + len(chunk)].to(self.device).contiguous()
+            pool[:, :, idx] = part.view(pool.dtype).view(shape).movedim(0, 2)
+
+    @property
+    def _stage_blocks(self) -> int:
+        return max(1, STAGE_BYTES // self.page_bytes)
 
     # --- sleep / wake hooks (vmcache.elastic) ------------------------------------------
     def _device_bytes(self) -> int:
@@ -240,6 +256,8 @@ class PagedKVCache(SequenceCache):
         saved = self._read_pages(live) if keep else None
         nbytes = self._device_bytes()
         self.kv_pool.untyped_storage().resize_(0)  # k_pool / v_pool views share it
+        if self.device.type == "cuda":  # back to the device, not to torch's cache of blocks
+            torch.cuda.empty_cache()
         return saved, nbytes
 
     def _restore_all(self, live: list[int], state) -> None:

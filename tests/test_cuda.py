@@ -251,16 +251,40 @@ def test_sleep_releases_device_memory_and_wake_maps_the_same_addresses(keep):
             c.write(layer, s, 0, k, -k)
         view, ptr = c.k_cache(1), c.k_cache(1).data_ptr()
         held = c.resident_bytes
-        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
+        reserved = torch.cuda.memory_reserved()
         assert c.sleep(keep=keep) == held and c.resident_bytes == 0
-        torch.cuda.empty_cache()  # the gather that copied the pages out was torch's memory
-        assert torch.cuda.mem_get_info()[0] >= free_before + held  # cuMemRelease gave it back
+        # no empty_cache(): the copy out allocated nothing on the device (per-run copies into
+        # an exact host tensor), and cuMemRelease gave every page back to the device
+        assert torch.cuda.memory_reserved() == reserved
+        assert torch.cuda.mem_get_info()[0] >= free_before + held
         c.wake()
         assert c.k_cache(1).data_ptr() == ptr  # same virtual addresses
         want = k if keep == "host" else torch.zeros_like(k)
         assert torch.equal(view[s, :3000], want)  # a view from before sleep reads the bytes
         c.check_invariants()
+
+
+def test_a_paged_sleep_returns_its_block_tensor_to_the_device():
+    """PagedKVCache's blocks are torch's memory: sleep frees the storage and hands it back to
+    the device (not only to torch's cache of blocks), gathering in bounded chunks."""
+    spec = KVSpec(2, 8, 128, torch.bfloat16)
+    c = PagedKVCache(spec, num_blocks=4096, block_size=16, device="cuda", max_seqs=2,
+                     max_seq_len=4096)  # fmt: skip
+    s = c.new_sequence()
+    c.grow(s, 3000)
+    k = torch.randn(3000, 8, 128, device="cuda", dtype=torch.bfloat16)
+    for layer in range(2):
+        c.write(layer, s, 0, k, -k)
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    pool_bytes = c.kv_pool.untyped_storage().nbytes()
+    c.sleep(keep="host")
+    assert torch.cuda.mem_get_info()[0] >= free_before + pool_bytes - (64 << 20)
+    c.wake()
+    assert torch.equal(c.kv(1, s)[0], -k)
+    c.close()
 
 
 @pytest.mark.parametrize("kind", ["vm", "paged"])

@@ -245,7 +245,9 @@ class VMKVCache(SequenceCache):
     def _release_all(self, live: list[int], keep: bool):
         """Before the pool releases every page: the live ones' bytes to (pinned) host memory
         when ``keep``, and every sequence's pages unmapped."""
-        saved = self._read_pages(live, pin=self.device.type == "cuda") if keep else None
+        # pageable and exactly sized: torch's pinned-memory cache would round a large copy up
+        # to a power of two and keep it after wake (the driver stages pageable copies itself)
+        saved = self._read_pages(live) if keep else None
         for s in self.sequences:
             for g in self.groups:
                 for t, j0, pages in g.mapped_runs(s):

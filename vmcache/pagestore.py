@@ -60,17 +60,31 @@ class VMPageStore:
                 self._window_view[first * P : (first + n) * P].zero_()
 
     def read(self, pages: list[int], pin: bool = False) -> torch.Tensor:
-        """``[len(pages), page_size]`` uint8 host copy of ``pages`` (one gather, one copy)."""
-        rows = self._window_view.view(self.num_pages, self.page_size)
-        idx = torch.tensor(pages, dtype=torch.long, device=rows.device)
-        out = torch.empty((len(pages), self.page_size), dtype=torch.uint8, pin_memory=pin)
-        return out.copy_(rows[idx])
+        """``[len(pages), page_size]`` uint8 host copy of ``pages``: one copy per run of
+        consecutive ids, straight from each page's own bytes in the window into the host
+        tensor, which is exactly that size (no gather on the device, no second copy: a sleep
+        needs no device memory beyond what it holds). ``pin``: the host tensor is pinned."""
+        P = self.page_size
+        out = torch.empty((len(pages), P), dtype=torch.uint8, pin_memory=pin)
+        flat = out.view(-1)
+        for i, n, first in self._runs(pages):
+            flat[i * P : (i + n) * P].copy_(self._window_view[first * P : (first + n) * P])
+        return out
 
     def write(self, pages: list[int], data: torch.Tensor) -> None:
-        """Inverse of :meth:`read`."""
-        rows = self._window_view.view(self.num_pages, self.page_size)
-        idx = torch.tensor(pages, dtype=torch.long, device=rows.device)
-        rows[idx] = data.to(rows.device)
+        """Inverse of :meth:`read`: one host-to-device copy per run of consecutive ids, into
+        the pages' own bytes (``data`` is never copied to the device whole)."""
+        P = self.page_size
+        flat = data.reshape(-1)
+        if flat.numel() != len(pages) * P:
+            raise ValueError(f"{flat.numel()} bytes for {len(pages)} pages of {P}")
+        for i, n, first in self._runs(pages):
+            self._window_view[first * P : (first + n) * P].copy_(flat[i * P : (i + n) * P])
+
+    @staticmethod
+    def _runs(pages: list[int]):
+        """(index in ``pages``, count, first id) of each run of consecutive ids."""
+        return [(i, n, pages[i]) for i, n in runs(pages, 1)]
 
     def release(self, pages: list[int]) -> None:
         """Unmap ``pages`` from the window and give their memory back (cuMemRelease; on the
