@@ -29,20 +29,21 @@ STEPS = ["header random", "header field", "abort note", "meta flip", "meta resiz
          "meta field", "data short", "data garbage", "data truncated"]  # fmt: skip
 
 
-def _h_send(t, g):
+def _h(op, t, g):
+    """One message of the hostile peer, waited on briefly; False when it did not go through."""
     try:
-        dist.isend(t, 1, g).wait(timeout=timedelta(seconds=HOSTILE_WAIT_S))
+        op(t, 1, g).wait(timeout=timedelta(seconds=HOSTILE_WAIT_S))
         return True
     except RuntimeError:
         return False
+
+
+def _h_send(t, g):
+    return _h(dist.isend, t, g)
 
 
 def _h_recv(t, g):
-    try:
-        dist.irecv(t, 1, g).wait(timeout=timedelta(seconds=HOSTILE_WAIT_S))
-        return True
-    except RuntimeError:
-        return False
+    return _h(dist.irecv, t, g)
 
 
 def _valid(c, s, extra):

@@ -301,20 +301,20 @@ def _wait(work, peer: int, deadline: float, what: str) -> None:
         raise TransferError(f"hand-off with rank {peer} failed ({what}, {why}): {exc}") from exc
 
 
-def _send(tensor: torch.Tensor, peer: int, group, deadline: float) -> None:
+def _p2p(op, what: str, tensor: torch.Tensor, peer: int, group, deadline: float) -> None:
     try:
-        work = dist.isend(tensor, peer, group)
+        work = op(tensor, peer, group)
     except RuntimeError as exc:
-        raise TransferError(f"hand-off with rank {peer} failed (send): {exc}") from exc
-    _wait(work, peer, deadline, "send")
+        raise TransferError(f"hand-off with rank {peer} failed ({what}): {exc}") from exc
+    _wait(work, peer, deadline, what)
+
+
+def _send(tensor: torch.Tensor, peer: int, group, deadline: float) -> None:
+    _p2p(dist.isend, "send", tensor, peer, group, deadline)
 
 
 def _recv(tensor: torch.Tensor, peer: int, group, deadline: float) -> None:
-    try:
-        work = dist.irecv(tensor, peer, group)
-    except RuntimeError as exc:
-        raise TransferError(f"hand-off with rank {peer} failed (recv): {exc}") from exc
-    _wait(work, peer, deadline, "recv")
+    _p2p(dist.irecv, "recv", tensor, peer, group, deadline)
 
 
 def _byte_tensor(data: bytes, device) -> torch.Tensor:
