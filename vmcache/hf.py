@@ -91,9 +91,36 @@ class _Layer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.owner.max_cache_len
 
+    # transformers' layers hold their ``[batch, heads, length, head_dim]`` keys and values
+    # here, and user code and generation utilities read them: ours are what ``update``
+    # returned, made on access (VMCache: views of the cache, no copy; PagedCache: gathered),
+    # so no layer keeps a second copy of its K/V between steps. ``None`` before the first
+    # update, as in transformers; they are not assignable (the cache owns the storage).
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self.owner._layer_kv(self, real=True)[0] if self.length else None
+
+    @keys.setter
+    def keys(self, value) -> None:
+        _read_only(value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self.owner._layer_kv(self, real=True)[1] if self.length else None
+
+    @values.setter
+    def values(self, value) -> None:
+        _read_only(value)
+
     @property
     def batch_size(self) -> int:
         return len(self.owner.rows)
+
+
+def _read_only(value) -> None:
+    if value is not None:  # transformers' own __init__ writes None: nothing to store
+        raise AttributeError("a vmcache layer's keys and values are views of the cache's "
+                             "storage (read them; write through the model's forward)")  # fmt: skip
 
 
 class _HFCache(Cache):
@@ -175,7 +202,16 @@ class _HFCache(Cache):
                 if r not in same:
                     self.kv.write(layer.idx, r, start, k[r], v[r])
         layer.length = end
-        keys, values = self._views(layer.idx, self.kv.window_start(layer.idx, self.rows[0]), end)
+        layer.dtype_in = dtype_in
+        return self._layer_kv(layer)
+
+    def _layer_kv(self, layer: _Layer, real: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``layer.update`` returns: keys and values ``[batch, heads, keys, head_dim]``
+        from the window's first mapped token to the layer's length (``real``: the K/V
+        themselves, never the zero-stride stand-ins the vmcache attention takes)."""
+        lo = self.kv.window_start(layer.idx, self.rows[0])
+        keys, values = self._views(layer.idx, lo, layer.length, real)
+        dtype_in = getattr(layer, "dtype_in", keys.dtype)
         if keys.dtype != dtype_in and keys.stride(-1):  # stored narrower (dtype=): convert;
             # zero-stride stand-ins stay as they are (the vmcache attention casts the query)
             keys, values = keys.to(dtype_in), values.to(dtype_in)
@@ -204,8 +240,9 @@ class _HFCache(Cache):
             self.kv.grow(r, n)
         self._len += n
 
-    def _views(self, layer: int, lo: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[b, N_KV, n − lo, d_h]`` K and V of every row, tokens ``[lo, n)``."""
+    def _views(self, layer: int, lo: int, n: int, real: bool = False):
+        """``[b, N_KV, n − lo, d_h]`` K and V of every row, tokens ``[lo, n)`` (``real``:
+        never stand-ins)."""
         raise NotImplementedError
 
     def _window_offset(self, layer: int) -> int:
@@ -326,7 +363,7 @@ class VMCache(_HFCache):
         return VMKVCache(spec, max_seqs, self.max_cache_len, device, page_size=self._page_size,
                          layout=self._layout, **self._options)  # fmt: skip
 
-    def _views(self, layer, lo, n):
+    def _views(self, layer, lo, n, real=False):
         b = len(self.rows)
         return (self.kv.k_cache(layer)[:b, lo:n].transpose(1, 2),
                 self.kv.v_cache(layer)[:b, lo:n].transpose(1, 2))  # fmt: skip
@@ -349,9 +386,9 @@ class PagedCache(_HFCache):
                             max_seq_len=self.max_cache_len, max_seqs=max_seqs,
                             **self._options)  # fmt: skip
 
-    def _views(self, layer, lo, n):
+    def _views(self, layer, lo, n, real=False):
         b, kv, spec = len(self.rows), self.kv, self.spec
-        if getattr(self.config, "_attn_implementation", None) == ATTN_NAME:
+        if not real and getattr(self.config, "_attn_implementation", None) == ATTN_NAME:
             return stand_ins(spec, kv.device, b, n - lo)  # the attention reads the pool itself
         return self._gather(layer)
 
