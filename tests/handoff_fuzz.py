@@ -20,7 +20,8 @@ import torch.distributed as dist
 from handoff_scenarios import KINDS, _same, build, fill, state
 
 from vmcache import CacheFull
-from vmcache.distributed import TransferError, recv_sequence, wire
+from vmcache.budget import LocalBudget
+from vmcache.distributed import TransferError, recv_sequence, send_sequence, wire
 from vmcache.distributed import transfer as T
 
 DEADLINE_S = 1.0  # the receiver's
@@ -201,6 +202,7 @@ def fuzz(rank: int, trials: int, seed: int) -> list:
                            "seconds": took, "same": _same(before, after)})  # fmt: skip
         dist.barrier()
     report.append(_commit_lost(rank, *caches["vm"]))
+    report.append(_full_after_accept(rank, *caches["vm"]))
     for c, _ in caches.values():
         c.close()
     return report
@@ -239,3 +241,46 @@ def _commit_lost(rank, c, s):
     dist.barrier()
     return {"kind": "vm", "step": "commit lost", "outcome": outcome, "why": "commit",
             "seconds": 0.0, "same": _same(before, state(c))}  # fmt: skip
+
+
+class _Racing(LocalBudget):
+    """A budget that says it has room and then refuses the next acquire: what a shared budget
+    does when another process takes the pages between ``can_adopt`` and the mapping."""
+
+    armed = False
+
+    def acquire(self, n: int) -> bool:
+        if self.armed:
+            self.armed = False
+            return False
+        return super().acquire(n)
+
+
+def _full_after_accept(rank, c, s):
+    """The receiver runs out after its checks said yes: the sender hears CacheFull at once
+    (a reply, not a silence it waits out), and the receiver is as it was."""
+    g = dist.new_group([0, 1])
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            send_sequence(c, s, 1, g, timeout_s=30)
+            outcome = "sent"
+        except (CacheFull, TransferError) as exc:
+            outcome = type(exc).__name__
+        dist.barrier()
+        return {"sender": outcome, "seconds": time.monotonic() - t0}
+    budget = _Racing(1 << 20)
+    r = KINDS["vm"](budget=budget)
+    before = state(r)
+    budget.armed = True
+    try:
+        recv_sequence(r, 0, g, timeout_s=30)
+        outcome = "arrived"
+    except (CacheFull, TransferError) as exc:
+        outcome = type(exc).__name__
+    r.check_invariants()
+    same = _same(before, state(r))
+    r.close()
+    dist.barrier()
+    return {"kind": "vm", "step": "full after accept", "outcome": outcome, "why": "race",
+            "seconds": 0.0, "same": same}  # fmt: skip
