@@ -44,23 +44,23 @@ bench: $(BENCH_STAMP)
 bench-30k: $(BENCH_STAMP)
 	$(BENCH_BIN)/vmcache-bench --mode sizing --traces heavy --scale 15 --rates 12 --tag heavy30k
 
-# KV memory against length on a hybrid sliding-window model (the README's window table)
+# KV memory against length on a hybrid sliding-window model (docs/results.md's window table)
 bench-window: $(STAMP)
 	$(PY) benchmarks/bench_window.py
 
-# messages, bytes and gloo wall time per sequence hand-off (the README's hand-off table)
+# messages, bytes and gloo wall time per sequence hand-off (docs/results.md's hand-off table)
 bench-handoff: $(STAMP)
 	$(PY) benchmarks/bench_handoff.py
 
-# two engines on one shared budget vs static halves, and sleep/wake time (the README's table)
+# two engines on one shared budget vs static halves, and sleep/wake time (docs/results.md's table)
 bench-elastic: $(STAMP)
 	$(PY) -m vmcache.bench --mode elastic
 
-# a multi-turn trace over prefix tiers (RAM, disk) against none (the README's tier table)
+# a multi-turn trace over prefix tiers (RAM, disk) against none (docs/results.md's tier table)
 bench-tiers: $(STAMP)
 	$(PY) -m vmcache.bench --mode tiers
 
-# the README's result tables from the committed JSON (tests/test_readme_results.py checks them)
+# the result tables of README.md and docs/results.md from the committed JSON (tests/test_readme_results.py checks them)
 readme: $(STAMP)
 	$(PY) scripts/render_readme.py
 
@@ -82,7 +82,7 @@ test-long: $(STAMP)
 	HYPOTHESIS_PROFILE=long $(VENV)/bin/pytest tests/test_interface.py tests/test_prefix.py \
 		tests/test_pool.py tests/test_soak.py tests/test_faults.py tests/test_transfer_fuzz.py
 
-# what the fixed-seed randomized tests reach, into the JSON the README's reliability table
+# what the fixed-seed randomized tests reach, into the JSON docs/results.md's reliability table
 # is rendered from (scripts/render_reliability.py)
 coverage: $(STAMP)
 	rm -f benchmarks/results/coverage.json

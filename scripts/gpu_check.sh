@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check, one device call, offline: probe the image, install the project against the
 # machine's own packages, run the GPU tests and quick GPU benchmarks, and write a summary of
-# every GPU claim of the README (measured value, verdict).
+# every GPU claim of docs/results.md (measured value, verdict).
 #
 #   OUT=/some/dir bash scripts/gpu_check.sh
 #

@@ -1,13 +1,13 @@
-"""Summarise one GPU check: every GPU claim of the README with its measured value and a
+"""Summarise one GPU check: every GPU claim of docs/results.md with its measured value and a
 verdict (agrees | DIFFERS | not measured), from the files scripts/gpu_check.sh left in OUT.
 
     python scripts/gpu_summary.py OUT            writes OUT/summary.json, prints a table
-    python scripts/gpu_summary.py --readme FILE  prints the README's GPU section rendered
+    python scripts/gpu_summary.py --readme FILE  prints docs/results.md's GPU section rendered
                                                  from FILE (a summary.json), or from nothing
     python scripts/gpu_summary.py --compile-table benchmarks/results/compile_sm90.json
 
-The summary is the only input of the README's GPU section (tests/test_gpu_check.py checks
-the README against the committed one, or against the "not measured yet" rendering).
+The summary is the only input of docs/results.md's GPU section (tests/test_gpu_check.py checks
+docs/results.md against the committed one, or against the "not measured yet" rendering).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _engine(out):
     return min(ratios) >= 0.9, f"vmcache {min(ratios):.2f}-{max(ratios):.2f}x paged tokens/s"
 
 
-# (id, the claim as the README states it, evaluator)
+# (id, the claim as docs/results.md states it, evaluator)
 CLAIMS = [
     ("gpu_tests", "every GPU test passes, none skipped (CUDA VMM, aten FA2 and compiled Triton "
      "at page-boundary lengths, fp32 and bf16)", _tests),
@@ -141,7 +141,7 @@ def compile_table(doc: dict) -> str:
 
 
 def readme_section(summary: dict | None) -> str:
-    """The README's GPU claims, from a summary (or from none: every claim not measured)."""
+    """docs/results.md's GPU claims, from a summary (or from none: every claim not measured)."""
     lines = ["| claim | measured | verdict |", "|---|---|---|"]
     if summary is None:
         head = ("**No GPU run yet**: no GPU figure is claimed. `scripts/gpu_check.sh` "

@@ -1,4 +1,5 @@
-"""Render the README's result tables from the committed JSON in benchmarks/results.
+"""Render the result tables of the README and docs/results.md from the committed JSON in
+benchmarks/results.
 
 Every generated block sits between two markers, and only this script writes inside them:
 
@@ -6,7 +7,7 @@ Every generated block sits between two markers, and only this script writes insi
     ...tables rendered from JSON...
     <!-- end: NAME -->
 
-    python scripts/render_readme.py          # rewrite the blocks in README.md
+    python scripts/render_readme.py          # rewrite the blocks in README.md, docs/results.md
     python scripts/render_readme.py --check  # exit 1 naming every block that differs
 
 tests/test_readme_results.py runs the check, so a figure edited by hand, or JSON changed
@@ -27,6 +28,7 @@ from readme_format import ROOT, f, md, newest, source  # noqa: E402
 from readme_round2 import elastic, handoff, tiers, window  # noqa: E402
 
 README = os.path.join(ROOT, "README.md")
+DOCS = [README, os.path.join(ROOT, "docs", "results.md")]  # the files with generated blocks
 BLOCK = re.compile(r"(<!-- generated: ([\w-]+) -->\n)(.*?)(<!-- end: \2 -->)", re.S)
 
 
@@ -221,16 +223,19 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args()
-    text = open(README).read()
-    if args.check:
-        bad = differing(text)
-        for name in bad:
-            print(f"README block {name!r} differs from its JSON: run scripts/render_readme.py")
-        return 1 if bad else 0
-    new = render(text)
-    open(README, "w").write(new)
-    print(f"rendered {len(BLOCK.findall(new))} blocks")
-    return 0
+    bad = []
+    for path in DOCS:
+        text = open(path).read()
+        if args.check:
+            for name in differing(text):
+                bad.append(name)
+                print(f"{os.path.relpath(path, ROOT)} block {name!r} differs from its JSON: "
+                      "run scripts/render_readme.py")  # fmt: skip
+            continue
+        new = render(text)
+        open(path, "w").write(new)
+        print(f"{os.path.relpath(path, ROOT)}: rendered {len(BLOCK.findall(new))} blocks")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""Render the README's coverage table from benchmarks/results/coverage.json (``make
+"""Render docs/results.md's coverage table from benchmarks/results/coverage.json (``make
 coverage``): what the fixed-seed randomized tests actually reached. tests/test_gpu_check.py
-fails when the README and the JSON disagree.
+fails when docs/results.md and the JSON disagree.
 
     python scripts/render_reliability.py [benchmarks/results/coverage.json]
 """

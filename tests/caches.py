@@ -53,7 +53,7 @@ FACTORIES = {
 
 def record_coverage(name, counts):
     """With ``VMCACHE_COVERAGE_OUT=FILE`` (``make coverage``), merge what a fixed-seed run of
-    a randomized test reached into FILE (JSON), from which the README's reliability table is
+    a randomized test reached into FILE (JSON), from which docs/results.md's reliability table is
     rendered. Without it, nothing is written."""
     import json
     import os

@@ -1,7 +1,7 @@
 """scripts/gpu_check.sh, dry run on the CPU: a fake nvidia-smi, a slow fake python and a short
 deadline. It must record what the image has, never start a step that no longer fits (and
 record it as skipped), fail when GPU tests are skipped, finish within its deadline and leave
-a summary with every claim and a verdict. And the README's GPU section is rendered from the
+a summary with every claim and a verdict. And docs/results.md's GPU section is rendered from the
 committed summary (or says that nothing was measured)."""
 
 import json
@@ -95,7 +95,7 @@ def test_dry_run_keeps_its_deadline_and_records_every_step(tmp_path):
 
 
 def test_readme_gpu_section_is_rendered_from_the_summary():
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = open(os.path.join(ROOT, "docs", "results.md")).read()
     committed = sorted(
         p for p in os.listdir(os.path.join(ROOT, "benchmarks", "results"))
         if p.startswith("gpu-summary") and p.endswith(".json")
@@ -107,7 +107,7 @@ def test_readme_gpu_section_is_rendered_from_the_summary():
 
 
 def test_readme_compile_table_is_rendered_from_the_committed_json():
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = open(os.path.join(ROOT, "docs", "results.md")).read()
     doc = json.load(open(os.path.join(ROOT, "benchmarks", "results", "compile_sm90.json")))
     table = gpu_summary.compile_table(doc)
     assert table in readme
@@ -118,6 +118,6 @@ def test_readme_compile_table_is_rendered_from_the_committed_json():
 def test_readme_coverage_table_is_rendered_from_the_committed_json():
     import render_reliability
 
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = open(os.path.join(ROOT, "docs", "results.md")).read()
     table = render_reliability.coverage_table(json.load(open(render_reliability.DEFAULT)))
     assert table in readme

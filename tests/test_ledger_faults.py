@@ -141,7 +141,7 @@ def test_a_deleted_ledger_is_rebuilt_from_what_live_holders_hold(path):
     assert a.acquire(10)
     os.unlink(path)
     newcomer = SharedBudget(path, 10)  # a fresh ledger at the same path
-    assert newcomer.acquire(4)  # it cannot know of `a` until `a` says so (README)
+    assert newcomer.acquire(4)  # it cannot know of `a` until `a` says so (docs/security.md)
     assert not a.acquire(1)  # a's next call re-registers its 10 in the new file
     assert a.rejoined == 1 and held(newcomer) == {a.id: 10, newcomer.id: 4}
     assert not newcomer.acquire(1)

@@ -40,7 +40,7 @@ scripts in benchmarks/ take all their options.
 CLAIMS: each row with a claim from the literature gets a verdict that can read DIFFERS (rules
 in vmcache/bench/report.py: verdicts); a row where memory never bound says so instead of
 quoting a capacity. Results: JSON (with commit, CPU, package versions) and PNG under --out;
-scripts/render_readme.py turns committed JSON into the README's tables.
+scripts/render_readme.py turns committed JSON into docs/results.md's tables.
 """
 
 from __future__ import annotations
