@@ -32,7 +32,7 @@ import torch
 
 from .backends import Backend, make_backend, round_up
 from .budget import Budget
-from .pagestore import VMPageStore
+from .pagestore import Stager, VMPageStore
 from .pool import PagePool
 from .seqcache import SequenceCache, _check_int
 from .spec import KVSpec
@@ -236,7 +236,9 @@ class VMKVCache(SequenceCache):
 
     # --- sleep / wake hooks (vmcache.elastic) ------------------------------------------
     def _read_pages(self, pages: list[int], pin: bool = False) -> torch.Tensor:
-        self._sync()
+        """A host copy of ``pages`` (prefix tiers' demotion, sleep). No device-wide wait: the
+        copy is ordered after the K/V writes on the current stream (the cache's writes are),
+        and a sleep synchronizes before it anyway."""
         return self.store.read(pages, pin=pin)
 
     def _write_pages(self, pages: list[int], data: torch.Tensor) -> None:
@@ -254,12 +256,35 @@ class VMKVCache(SequenceCache):
                     self._detach(s, t, j0, len(pages))
         return saved
 
+    def _wake_fill(self, live: list[int], saved):
+        """What the pool calls as each chunk of ``live`` exists again: that chunk's saved
+        bytes written into it (through a pinned stager: on a GPU the copies run while the
+        next chunk's pages are created), so a wake is not create-everything-then-copy."""
+        if saved is None:
+            return None
+        row = {p: i for i, p in enumerate(live)}
+        self._stager = Stager(self.device)
+
+        def fill(pages: list[int]) -> None:
+            lo = row[pages[0]]
+            if [row[p] for p in pages] == list(range(lo, lo + len(pages))):
+                data = saved[lo : lo + len(pages)]
+            else:
+                data = saved.index_select(0, torch.tensor([row[p] for p in pages]))
+            self.store.write(pages, data, self._stager)
+
+        return fill
+
     def _restore_all(self, live: list[int], saved) -> None:
-        """After the pool created ``live`` again at their window slots (zeroed): their bytes
-        back, and every sequence's pages mapped where they were; all or nothing."""
+        """After the pool created ``live`` again at their window slots (their bytes written by
+        :meth:`_wake_fill` as they were created): every sequence's pages mapped where they
+        were; all or nothing."""
         done = []
         try:
-            if saved is not None:
+            stager, self._stager = getattr(self, "_stager", None), None
+            if stager is not None:
+                stager.finish()
+            elif saved is not None:
                 self._write_pages(live, saved)
             for s in self.sequences:
                 for g in self.groups:

@@ -78,13 +78,18 @@ class ElasticOps:
         if not self.pool.asleep:
             raise RuntimeError("the cache is not asleep")
         live, state = self._asleep
-        self.pool.recreate(live)
+        self.pool.recreate(live, self._wake_fill(live, state))  # bytes back chunk by chunk
         try:
             self._restore_all(live, state)  # contents back, every sequence mapped again
         except BaseException:
             self.pool.release_all(live)
             raise
         self._asleep = None
+
+    def _wake_fill(self, live: list[int], state):
+        """A cache that restores pages' bytes as the pool creates them returns the fill
+        (:meth:`VMKVCache._wake_fill`); None: its ``_restore_all`` restores them."""
+        return None
 
     @property
     def asleep(self) -> bool:

@@ -91,30 +91,15 @@ class _Layer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.owner.max_cache_len
 
-    # transformers' layers hold their ``[batch, heads, length, head_dim]`` keys and values
-    # here, and user code and generation utilities read them: ours are what ``update``
-    # returned, made on access (VMCache: views of the cache, no copy; PagedCache: gathered),
-    # so no layer keeps a second copy of its K/V between steps. ``None`` before the first
-    # update, as in transformers; they are not assignable (the cache owns the storage).
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self.owner._layer_kv(self, real=True)[0] if self.length else None
+    # transformers' layers hold ``[batch, heads, length, head_dim]`` keys and values, which
+    # user code and generation utilities read: ours are what ``update`` returned, made on
+    # access (VMCache: views of the cache, no copy; PagedCache: gathered), so no layer keeps a
+    # second copy between steps. None before the first update; not assignable.
+    keys = property(lambda self: self._kv(0), lambda self, value: _read_only(value))
+    values = property(lambda self: self._kv(1), lambda self, value: _read_only(value))
 
-    @keys.setter
-    def keys(self, value) -> None:
-        _read_only(value)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self.owner._layer_kv(self, real=True)[1] if self.length else None
-
-    @values.setter
-    def values(self, value) -> None:
-        _read_only(value)
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.owner.rows)
+    def _kv(self, i: int) -> torch.Tensor | None:
+        return self.owner._layer_kv(self, real=True)[i] if self.length else None
 
 
 def _read_only(value) -> None:

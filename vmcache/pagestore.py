@@ -9,11 +9,55 @@ page, so copy-on-write, scrubbing and swapping are plain tensor copies with no e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .backends.base import Backend, runs
+
+CREATE_CHUNK = 64  # pages a wake creates before it writes their bytes
+STAGE_BYTES = 64 << 20  # one pinned staging buffer (two alternate)
+
+
+class Stager:
+    """Host-to-device copies through two pinned buffers of at most :data:`STAGE_BYTES` each,
+    asynchronous on the current stream: the host fills one buffer while the device reads the
+    other, so a wake's copies overlap its next page creations. On the CPU, plain copies.
+    ``finish()`` waits for the last copy (before the host buffers may change)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._bufs: list[torch.Tensor] = []
+        self._events: list = []
+        self._next = 0
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst`` (uint8, on the device) = ``src`` (uint8, host), in pieces of a buffer."""
+        if self.device.type != "cuda":
+            dst.copy_(src)
+            return
+        if not self._bufs:
+            size = min(STAGE_BYTES, max(src.numel(), 1))
+            self._bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in "ab"]
+            self._events = [None, None]
+        size = self._bufs[0].numel()
+        for lo in range(0, src.numel(), size):
+            n = min(size, src.numel() - lo)
+            k = self._next
+            if self._events[k] is not None:
+                self._events[k].synchronize()  # the device finished reading this buffer
+            buf = self._bufs[k][:n]
+            buf.copy_(src[lo : lo + n])
+            dst[lo : lo + n].copy_(buf, non_blocking=True)
+            self._events[k] = torch.cuda.Event()
+            self._events[k].record()
+            self._next = 1 - k
+
+    def finish(self) -> None:
+        for e in self._events:
+            if e is not None:
+                e.synchronize()
 
 
 class VMPageStore:
@@ -36,28 +80,38 @@ class VMPageStore:
         """The page's bytes: a ``uint8`` tensor of ``page_size`` elements on the device."""
         return self._window_view[page * self.page_size : (page + 1) * self.page_size]
 
-    def create(self, pages: list[int]) -> None:
-        """Create ``pages`` (ascending ids) and map each at its window slot; all or nothing."""
+    def create(self, pages: list[int], fill: Callable[[list[int]], None] | None = None,
+               chunk: int = CREATE_CHUNK) -> None:  # fmt: skip
+        """Create ``pages`` (ascending ids) and map each at its window slot; all or nothing.
+        With ``fill``, pages are created ``chunk`` at a time and ``fill(chunk_pages)`` runs
+        after each chunk is mapped (a wake writes the chunk's bytes while, on a GPU, the
+        copy overlaps the next chunk's ``cuMemCreate`` calls)."""
         made: list[Any] = []  # handles, in the order of ``pages``
         mapped: list[tuple[int, int]] = []  # (first id, count) of runs mapped
         P = self.page_size
+        step = chunk if fill is not None else max(1, len(pages))
         try:
-            for _ in pages:
-                made.append(self.backend.create_page(P))
-            for i, n in runs(pages, 1):
-                self.backend.map(self.window + pages[i] * P, made[i : i + n], P)
-                mapped.append((pages[i], n))
+            for lo in range(0, len(pages), step):
+                part = pages[lo : lo + step]
+                for _ in part:
+                    made.append(self.backend.create_page(P))
+                for i, n in runs(part, 1):
+                    self.backend.map(self.window + part[i] * P, made[lo + i : lo + i + n], P)
+                    mapped.append((part[i], n))
+                for p, h in zip(part, made[lo:]):
+                    self._handles[p] = h
+                if self.backend.device.type != "cpu" and fill is None:  # device memory comes
+                    for i, n in runs(part, 1):  # unzeroed (a fill writes every byte itself)
+                        self._window_view[part[i] * P : (part[i] + n) * P].zero_()
+                if fill is not None:
+                    fill(part)
         except Exception:
             for first, n in mapped:
                 self.backend.unmap(self.window + first * P, n, P)
-            for h in made:
+            for p, h in zip(pages, made):
                 self.backend.release_page(h)
+                self._handles[p] = None
             raise
-        for p, h in zip(pages, made):
-            self._handles[p] = h
-        if self.backend.device.type != "cpu":  # new device memory is not zeroed; memfd is
-            for first, n in mapped:
-                self._window_view[first * P : (first + n) * P].zero_()
 
     def read(self, pages: list[int], pin: bool = False) -> torch.Tensor:
         """``[len(pages), page_size]`` uint8 host copy of ``pages``: one copy per run of
@@ -71,15 +125,20 @@ class VMPageStore:
             flat[i * P : (i + n) * P].copy_(self._window_view[first * P : (first + n) * P])
         return out
 
-    def write(self, pages: list[int], data: torch.Tensor) -> None:
+    def write(self, pages: list[int], data: torch.Tensor, stager: Stager | None = None) -> None:
         """Inverse of :meth:`read`: one host-to-device copy per run of consecutive ids, into
-        the pages' own bytes (``data`` is never copied to the device whole)."""
+        the pages' own bytes (``data`` is never copied to the device whole); through
+        ``stager`` (pinned, asynchronous) when given."""
         P = self.page_size
         flat = data.reshape(-1)
         if flat.numel() != len(pages) * P:
             raise ValueError(f"{flat.numel()} bytes for {len(pages)} pages of {P}")
         for i, n, first in self._runs(pages):
-            self._window_view[first * P : (first + n) * P].copy_(flat[i * P : (i + n) * P])
+            dst = self._window_view[first * P : (first + n) * P]
+            if stager is not None:
+                stager.copy(dst, flat[i * P : (i + n) * P])
+            else:
+                dst.copy_(flat[i * P : (i + n) * P])
 
     @staticmethod
     def _runs(pages: list[int]):

@@ -281,15 +281,19 @@ class PagePool:
             self._created -= len(live)
         self.asleep = True
 
-    def recreate(self, live: list[int]) -> None:
+    def recreate(self, live: list[int], fill=None) -> None:
         """Wake: create ``live`` again (all or nothing; ``CacheFull`` if the budget or the
-        device refuses, and the pool stays asleep)."""
+        device refuses, and the pool stays asleep). ``fill(pages)``: the store calls it as
+        each chunk of pages exists (a wake restores their bytes meanwhile)."""
         if not self.budget.acquire(len(live)):
             room = self.budget.available()
             raise CacheFull(f"memory budget: waking needs {len(live)} pages, {room} allowed",
                             wanted=len(live), free=room)  # fmt: skip
         try:
-            self._store.create(sorted(live))
+            if fill is None:
+                self._store.create(sorted(live))
+            else:
+                self._store.create(sorted(live), fill=fill)
         except BaseException as exc:
             self.budget.release(len(live))
             _raise_full_if_oom(exc, f"waking {len(live)} pages", len(live), 0)

@@ -114,9 +114,12 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps, ElasticOps):
         raise NotImplementedError
 
     # --- queries -----------------------------------------------------------------------
-    def _check_seq(self, s: Any) -> int:
+    def _check_awake(self) -> None:
         if self.pool.asleep:
             raise RuntimeError("the cache is asleep: wake() it first")
+
+    def _check_seq(self, s: Any) -> int:
+        self._check_awake()
         _check_int("sequence id", s)
         if not 0 <= s < self.max_seqs or not self._live[s]:
             raise KeyError(f"sequence {s} is not live (unknown, freed or swapped out)")
@@ -174,8 +177,7 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps, ElasticOps):
         batch row i in slot i, like :mod:`vmcache.hf`). With ``prefix_tokens`` (token ids) and
         prefix caching on, the leading full pages already cached under ``salt`` are mapped in,
         nothing copied: ``seq_len`` is then the number of tokens whose K/V are present."""
-        if self.pool.asleep:
-            raise RuntimeError("the cache is asleep: wake() it first")
+        self._check_awake()
         if slot is not None:
             _check_int("slot", slot)
             if slot not in self._free_slots:
@@ -389,13 +391,6 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps, ElasticOps):
     def stats(self) -> CacheStats:
         return collect_stats(self)
 
-    def _held_bytes(self, s: int) -> int:
-        """K/V bytes of ``s``'s tokens its tables still map (released ones not counted)."""
-        length = self._lens[s]
-        return sum(len(g.ids) * (length - min(g.first_token(s), length)) * self.page_bytes
-                   * g.u // g.P for g in self.groups)  # fmt: skip
-
     def check_invariants(self) -> None:
-        """Invariants 1–2 (refcounts = mappings; free list ⇔ refcount 0) and the bookkeeping
-        around them, or :class:`~vmcache.errors.InvariantError`. For tests and soaks; O(pages)."""
+        """Invariants 1–2 and their bookkeeping, or ``InvariantError`` (tests, soaks; O(pages))."""
         check_invariants(self)

@@ -51,7 +51,7 @@ def collect_stats(cache) -> CacheStats:
         num_tokens=sum(cache._lens[s] for s in live),
         page_bytes=cache.page_bytes,
         mapped_bytes=entries * cache.page_bytes,
-        used_bytes=sum(cache._held_bytes(s) for s in live),
+        used_bytes=sum(_held_bytes(cache, s) for s in live),
         physical_pages=pool.used_pages,
         physical_bytes=pool.used_pages * cache.page_bytes,
         shared_pages=pool.shared_pages,
@@ -61,3 +61,10 @@ def collect_stats(cache) -> CacheStats:
         cow_bytes_copied=cache.cow_bytes_copied,
         window_released_pages=sum(g.released_pages for g in cache.groups),
     )
+
+
+def _held_bytes(cache, s: int) -> int:
+    """K/V bytes of ``s``'s tokens its tables still map (released ones not counted)."""
+    length = cache._lens[s]
+    return sum(len(g.ids) * (length - min(g.first_token(s), length)) * cache.page_bytes
+               * g.u // g.P for g in cache.groups)  # fmt: skip

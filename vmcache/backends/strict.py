@@ -59,6 +59,7 @@ class StrictBackend:
         self._mapped_handles: dict[Any, int] = {}  # handle -> number of live mappings
         self.sync_calls = 0  # synchronize() calls so far
         self.map_calls = self.unmap_calls = 0
+        self.create_calls = self.release_calls = 0  # pages created / released so far
         self.closed = False
 
     # --- rules ---------------------------------------------------------------------------
@@ -111,6 +112,7 @@ class StrictBackend:
         self._aligned("cuMemCreate", "size", page_size)
         h = self.inner.create_page(page_size)
         self._handles[h] = page_size
+        self.create_calls += 1
         return h
 
     def release_page(self, handle: Any) -> None:
@@ -123,6 +125,7 @@ class StrictBackend:
             )  # fmt: skip
         self.inner.release_page(handle)
         del self._handles[handle]
+        self.release_calls += 1
 
     def map(self, va: int, handles: list[Any], page_size: int) -> None:
         self._aligned("cuMemMap", "address", va)
