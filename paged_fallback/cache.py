@@ -30,8 +30,8 @@ import torch
 from vmcache.pool import PagePool
 from vmcache.seqcache import SequenceCache, _check_int
 from vmcache.spec import KVSpec
-from vmcache.swap import Wire
 from vmcache.tables import PageTables
+from vmcache.transfer import Wire
 
 STAGE_BYTES = 64 << 20  # the most a device-side gather of blocks (tiers, sleep) allocates
 
@@ -62,7 +62,7 @@ class _BlockStore:
 
 
 class PagedKVCache(SequenceCache):
-    releases_memory = False  # one preallocated block tensor: trim counts, gives nothing back
+    _releases_memory = False  # one preallocated block tensor: trim counts, gives nothing back
 
     def __init__(
         self,

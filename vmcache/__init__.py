@@ -6,8 +6,8 @@ from .errors import CacheFull, DriverError, InvariantError, MapLimitError
 from .pool import PagePool
 from .spec import KVSpec
 from .stats import CacheStats
-from .swap import SwapHandle
 from .tiers import PrefixTiers
+from .transfer import SwapHandle
 
 __all__ = [
     "KVSpec",

@@ -36,8 +36,8 @@ from .pagestore import Stager, VMPageStore
 from .pool import PagePool
 from .seqcache import SequenceCache, _check_int
 from .spec import KVSpec
-from .swap import Wire
 from .tables import FA_TILE_TOKENS, PageTables
+from .transfer import Wire
 
 LAYOUTS = ("layer_major", "token_major")
 
@@ -50,7 +50,7 @@ def default_window_align(device: torch.device) -> int:
 
 
 class VMKVCache(SequenceCache):
-    releases_memory = True  # trim / sleep give physical pages back to the device
+    _releases_memory = True  # trim / sleep give physical pages back to the device
 
     def __init__(
         self,

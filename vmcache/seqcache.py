@@ -20,29 +20,37 @@ longer needs is a change of its own, made before a grow allocates.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from itertools import islice
 from typing import Any
 
 import torch
 
-from .elastic import ElasticOps
+from . import deprecated, prefix_ops, reserve
 from .errors import CacheFull, check_tokens
 from .errors import check_int as _check_int  # also the name cache.py and paged_fallback import
 from .invariants import check_invariants
+from .memory import Memory
 from .pool import PagePool
 from .prefix import PrefixIndex
-from .prefix_ops import PrefixOps
-from .reserve import ReserveOps
-from .sharing import SharingOps
+from .sharing import Beams, fork
 from .spec import KVSpec, check_kv
 from .stats import CacheStats, collect_stats
-from .swap import SwapOps, SwapTier
+from .swap import Swap
 from .tables import PageTables
 from .tiers.digest import salt_bytes
+from .transactions import Transactions
+from .transfer import Transfer
 
 
-class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps, ElasticOps):
+class SequenceCache(Transactions):
+    """The core: sequences (``new_sequence``, ``grow``, ``write``, ``kv``, ``fork``, ``free``,
+    ``seq_len(s)``, ``can_grow``), ``stats``, ``close``, and named facets for the rest, each
+    an object with its own file and a docstring saying what of the coordinator it touches:
+    ``beams`` (assign, truncate, write_group), ``swap`` (out, restore), ``transfer``
+    (manifest, wires, adopt, export, load), ``memory`` (trim, set_limit, sleep, wake,
+    reserve, headroom). ``prefix`` is the prefix index (None without prefix caching)."""
+
+    _releases_memory = False  # whether trim / sleep give physical pages back (the caches set it)
+
     def __init__(
         self,
         spec: KVSpec,
@@ -66,7 +74,11 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps, ElasticOps):
         self.groups = groups  # one per attention type; each owns its tables' page lists
         self._group_of = {t: g for g in groups for t in g.ids}
         self._T = len(self._group_of)
-        self.swap = SwapTier(swap_bytes)  # owns the host tier's byte count
+        self.swap = Swap(self, swap_bytes)  # facet; owns the host tier's byte count
+        self.beams = Beams(self)  # facet
+        self.transfer = Transfer(self)  # facet
+        self.memory = Memory(self)  # facet
+        self._asleep = None  # (live pages, saved state) while asleep (owned here)
         self._lens = [0] * max_seqs  # owned here
         self._live = [False] * max_seqs  # owned here
         self._free_slots = list(range(max_seqs - 1, -1, -1))  # owned here
@@ -74,7 +86,7 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps, ElasticOps):
         self._salts: list[object] = [None] * max_seqs  # tenant salt for the prefix index
         self.reserved_pages_mapped = 0  # pages mapped ahead by reserve() (owned here)
         self.prefix: PrefixIndex | None = None  # owned here; holds pool references
-        self._setup_prefix(prefix_caching, prefix_tiers)
+        prefix_ops.setup_prefix(self, prefix_caching, prefix_tiers)
         self._lens_tensor: torch.Tensor | None = None
         self.epoch = 0  # bumped whenever a length or a page table changes (owned here)
         self.step_plan = None  # per-step kernel metadata memo; owned by vmcache.kernels.plan
@@ -112,6 +124,11 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps, ElasticOps):
     def _write_pages(self, pages: list[int], data: torch.Tensor) -> None:
         """Inverse of :meth:`_read_pages` (pages no sequence maps)."""
         raise NotImplementedError
+
+    def _wake_fill(self, live: list[int], state):
+        """A fill the pool calls as each chunk of ``live`` exists again on wake (VMKVCache),
+        or None: ``_restore_all`` restores the contents."""
+        return None
 
     # --- queries -----------------------------------------------------------------------
     def _check_awake(self) -> None:
@@ -194,7 +211,7 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps, ElasticOps):
         self._open(s, [], salt)
         if prefix_tokens and self.prefix is not None:
             try:
-                self._attach_prefix(s, prefix_tokens)
+                prefix_ops.attach_prefix(self, s, prefix_tokens)
             except BaseException:
                 self.free(s)
                 raise
@@ -321,71 +338,45 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps, ElasticOps):
                              f"before {first} left its sliding window (released)")  # fmt: skip
         return layer, s, n
 
-    # --- the transactional core --------------------------------------------------------
-    def _split_pages(self, splits: list[tuple[int, int, int]], s_ext: int | None = None,
-                     ext: list[tuple[PageTables, int, int]] = ()) -> None:  # fmt: skip
-        """Copy-on-write ``splits`` (sequence, table, page index), possibly of several
-        sequences, and map pages ``[j_from, j_to)`` into every table of each ``(group,
-        j_from, j_to)`` of ``ext`` for ``s_ext``. Every page is allocated first (``CacheFull``
-        here changes nothing), then the fallible steps run with an undo log, then bookkeeping
-        that cannot fail commits."""
-        n_ext = sum(len(g.ids) * (j_to - j_from) for g, j_from, j_to in ext)
-        fresh = self.pool.allocate(len(splits) + n_ext)
-        undo: list[Callable[[], None]] = []
-        replaced: list[tuple[int, int, int, int, int]] = []  # (seq, table, index, old, new)
-        extension: list[tuple[PageTables, list[list[int]]]] = []
-        if splits:
-            self._sync()  # the old pages are unmapped below: no kernel may still read them
-        try:
-            it = iter(fresh)
-            for s, t, j in splits:
-                g = self._group_of[t]
-                old, new = g.row(s, t)[j], next(it)
-                self._copy_page(old, new, g.used_units(j, self._lens[s]))
-                self._detach(s, t, j, 1)
-                undo.append(lambda s=s, t=t, j=j, old=old: self._attach(s, t, j, [old]))
-                self._attach(s, t, j, [new])
-                undo.append(lambda s=s, t=t, j=j: self._detach(s, t, j, 1))
-                replaced.append((s, t, j, old, new))
-            for g, j_from, j_to in ext:
-                n = j_to - j_from
-                rows = [list(islice(it, n)) for _ in g.ids]
-                if n:
-                    self._attach_row(s_ext, g.ids, j_from, rows)  # all tables or none
-                    undo.append(lambda g=g, j=j_from, n=n: [self._detach(s_ext, t, j, n)
-                                                            for t in g.ids])  # fmt: skip
-                extension.append((g, rows))
-        except BaseException:
-            for f in reversed(undo):
-                f()
-            self.pool.decref(fresh)
-            raise
-        for s, t, j, _, new in replaced:
-            g = self._group_of[t]
-            g.replace(s, t, j, new)
-            self.cow_bytes_copied += g.used_units(j, self._lens[s]) * self.page_bytes // g.P
-        self.cow_copies += len(replaced)
-        self.epoch += 1
-        self.pool.decref([old for *_, old, _ in replaced])
-        for g, rows in extension:
-            g.extend(s_ext, rows)
-
-    def _attach_row(self, s: int, tables, j0: int, pages: list[list[int]]) -> None:
-        """Map ``pages[i]`` at index ``j0`` of table ``tables[i]`` of ``s``: all or nothing."""
-        done = 0
-        try:
-            for t, row in zip(tables, pages):
-                self._attach(s, t, j0, row)
-                done += 1
-        except BaseException:
-            for t, row in reversed(list(zip(tables, pages))[:done]):
-                self._detach(s, t, j0, len(row))
-            raise
-
     def _set_len(self, s: int, length: int) -> None:
         self._lens[s] = length
         self._lens_tensor = None
         self.epoch += 1
+
+    def fork(self, s: int, n: int = 1) -> list[int]:
+        """``n`` children sharing every page of ``s`` (refcounts += n, no K/V copied)."""
+        return fork(self, s, n)
+
+    def can_grow(self, s: int, n: int) -> bool:
+        """Whether ``grow(s, n)`` would succeed now (for schedulers; raises nothing for n)."""
+        return reserve.can_grow(self, s, n)
+
+    def mapped_pages(self, s: int) -> int:
+        """Pages ``s`` maps, every table (shared ones per sequence, reserved ones too)."""
+        return reserve.mapped_pages(self, s)
+
+    def _grow_need(self, s: int, plans) -> int:
+        return reserve.grow_need(self, s, plans)
+
+    def _drop_reserved(self, s: int) -> None:
+        reserve.drop_reserved(self, s)
+
+    # --- prefix caching (the index is ``self.prefix``) ------------------------------------
+    def cache_prefix(self, s: int) -> int:
+        """Index ``s``'s full pages of known tokens now (``free`` does it too); returns the
+        pages newly indexed (0 without prefix caching or known token ids)."""
+        return prefix_ops.cache_prefix(self, s)
+
+    def cached_prefix_tokens(self, tokens, salt=None) -> int:
+        """Leading tokens of ``tokens`` a new sequence would find cached under ``salt`` now."""
+        return prefix_ops.cached_prefix_tokens(self, tokens, salt)
+
+    def tier_stats(self):
+        """The prefix tiers' :class:`~vmcache.tiers.TierStats` (None without tiers)."""
+        return prefix_ops.tier_stats(self)
+
+    def _close_tiers(self) -> None:
+        prefix_ops.close_tiers(self)
 
     # --- stats -------------------------------------------------------------------------
     def stats(self) -> CacheStats:
@@ -394,3 +385,6 @@ class SequenceCache(SharingOps, ReserveOps, SwapOps, PrefixOps, ElasticOps):
     def check_invariants(self) -> None:
         """Invariants 1–2 and their bookkeeping, or ``InvariantError`` (tests, soaks; O(pages))."""
         check_invariants(self)
+
+
+deprecated.install(SequenceCache)  # the old names, one release (vmcache/deprecated.py)

@@ -1,8 +1,12 @@
-"""Page-table rewiring without copying K/V: fork, assign (beam reorder), truncate (crop),
-and write_group (one write for rows that hold the same tokens). Operations of the sequence
-coordinator (:class:`~vmcache.seqcache.SequenceCache`): they read its lengths, token ids and
-salts, ask each :class:`~vmcache.tables.PageTables` group what changes, map through the
-cache's hooks, change refcounts through the pool, then commit to the groups.
+"""Page-table rewiring without copying K/V: ``fork`` (a core call of the coordinator), and
+the :class:`Beams` facet (``cache.beams``): assign (beam reorder), truncate (crop, a draft's
+rollback) and write_group (one write for rows that hold the same tokens).
+
+Touches, on the coordinator: its slots, lengths, token ids and salts (read; ``assign`` and
+``truncate`` set lengths, ids and salts of the sequences they change), its page-table groups
+(plans, ``open``, ``cut``), the pool's refcounts (``incref``/``decref``), the physical hooks
+(``_attach``, ``_detach``, ``_sync``, ``_store``) and the transactional core
+(``_split_pages``). Nothing else.
 
 assign remaps only the entries that differ, so beams sharing a history keep their pages:
 
@@ -20,94 +24,103 @@ import torch
 from .errors import CacheFull, check_int
 
 
-class SharingOps:
-    def fork(self, s: int, n: int = 1) -> list[int]:
-        """``n`` children sharing every page of ``s`` (refcounts += n, no K/V copied)."""
-        s = self._check_seq(s)
-        check_int("n", n)
-        if n < 1:
-            raise ValueError(f"fork needs n >= 1, got {n}")
-        if n > len(self._free_slots):
-            raise CacheFull(
-                f"fork of {n} needs {n} free sequence slots, {len(self._free_slots)} free",
-                wanted=n,
-                free=len(self._free_slots),
-            )
-        children = [self._free_slots.pop() for _ in range(n)]
-        runs = [r for g in self.groups for r in g.mapped_runs(s)]
-        undo: list[Callable[[], None]] = []
-        try:
-            for c in children:
-                for t, j0, pages in runs:
-                    self._attach(c, t, j0, pages)
-                    undo.append(lambda c=c, t=t, j0=j0, k=len(pages): self._detach(c, t, j0, k))
-        except BaseException:
-            for f in reversed(undo):
-                f()
-            self._free_slots.extend(reversed(children))
-            raise
-        self.pool.incref([p for _, _, pages in runs for p in pages], n)
-        known = self._tokens[s]
-        for c in children:
-            self._open(c, None if known is None else list(known), self._salts[s], self._lens[s])
-            for g in self.groups:
-                g.open(c, g.rows(s), g.first(s))
-        return children
+def fork(c, s: int, n: int = 1) -> list[int]:
+    """``n`` children of coordinator ``c``'s sequence ``s`` sharing every page (refcounts
+    += n, no K/V copied)."""
+    s = c._check_seq(s)
+    check_int("n", n)
+    if n < 1:
+        raise ValueError(f"fork needs n >= 1, got {n}")
+    if n > len(c._free_slots):
+        raise CacheFull(
+            f"fork of {n} needs {n} free sequence slots, {len(c._free_slots)} free",
+            wanted=n,
+            free=len(c._free_slots),
+        )
+    children = [c._free_slots.pop() for _ in range(n)]
+    runs = [r for g in c.groups for r in g.mapped_runs(s)]
+    undo: list[Callable[[], None]] = []
+    try:
+        for ch in children:
+            for t, j0, pages in runs:
+                c._attach(ch, t, j0, pages)
+                undo.append(lambda ch=ch, t=t, j0=j0, k=len(pages): c._detach(ch, t, j0, k))
+    except BaseException:
+        for f in reversed(undo):
+            f()
+        c._free_slots.extend(reversed(children))
+        raise
+    c.pool.incref([p for _, _, pages in runs for p in pages], n)
+    known = c._tokens[s]
+    for ch in children:
+        c._open(ch, None if known is None else list(known), c._salts[s], c._lens[s])
+        for g in c.groups:
+            g.open(ch, g.rows(s), g.first(s))
+    return children
+
+
+class Beams:
+    """``cache.beams``: rewiring a set of sequences' tables without copying K/V."""
+
+    def __init__(self, coordinator) -> None:
+        self._c = coordinator
 
     def assign(self, dsts: Sequence[int], srcs: Sequence[int]) -> None:
         """Sequence ``dsts[i]`` becomes a copy-on-write copy of ``srcs[i]`` as it was before
         the call (beam search's reorder: a source may appear several times, and a sequence
         may be both a source and a destination). Nothing is copied; all or nothing."""
+        c = self._c
         dsts, srcs = list(dsts), list(srcs)
         if len(dsts) != len(srcs):
             raise ValueError(f"assign needs as many sources as destinations ({len(dsts)} vs "
                              f"{len(srcs)})")  # fmt: skip
-        dsts = [self._check_seq(d) for d in dsts]
-        srcs = [self._check_seq(s) for s in srcs]
+        dsts = [c._check_seq(d) for d in dsts]
+        srcs = [c._check_seq(s) for s in srcs]
         if len(set(dsts)) != len(dsts):
             raise ValueError(f"assign destinations must be distinct, got {dsts}")
         for d in dsts:
-            self._drop_reserved(d)  # the rows are about to be remapped
+            c._drop_reserved(d)  # the rows are about to be remapped
         new = {(d, gi): (g.rows(s), g.first(s)) for d, s in zip(dsts, srcs)
-               for gi, g in enumerate(self.groups)}  # fmt: skip
-        new_len = {d: self._lens[s] for d, s in zip(dsts, srcs)}
-        new_ids = {d: (None if self._tokens[s] is None else list(self._tokens[s]),
-                       self._salts[s]) for d, s in zip(dsts, srcs)}  # fmt: skip
+               for gi, g in enumerate(c.groups)}  # fmt: skip
+        new_len = {d: c._lens[s] for d, s in zip(dsts, srcs)}
+        new_ids = {d: (None if c._tokens[s] is None else list(c._tokens[s]),
+                       c._salts[s]) for d, s in zip(dsts, srcs)}  # fmt: skip
         # (dst, table, detach from, old pages, attach from, new pages)
         plan = [(d, *step) for (d, gi), (rows, first) in new.items()
-                for step in self.groups[gi].assign_plan(d, rows, first)]  # fmt: skip
-        self._sync()
+                for step in c.groups[gi].assign_plan(d, rows, first)]  # fmt: skip
+        c._sync()
         undo: list[Callable[[], None]] = []
         try:
             for d, t, ja, old, _, _ in plan:
                 if old:
-                    self._detach(d, t, ja, len(old))
-                    undo.append(lambda d=d, t=t, ja=ja, old=old: self._attach(d, t, ja, old))
+                    c._detach(d, t, ja, len(old))
+                    undo.append(lambda d=d, t=t, ja=ja, old=old: c._attach(d, t, ja, old))
             for d, t, _, _, jb, nw in plan:
                 if nw:
-                    self._attach(d, t, jb, nw)
-                    undo.append(lambda d=d, t=t, jb=jb, n=len(nw): self._detach(d, t, jb, n))
+                    c._attach(d, t, jb, nw)
+                    undo.append(lambda d=d, t=t, jb=jb, n=len(nw): c._detach(d, t, jb, n))
         except BaseException:
             for f in reversed(undo):
                 f()
             raise
-        self.pool.incref([p for *_, nw in plan for p in nw])
-        self.pool.decref([p for _, _, _, old, _, _ in plan for p in old])
+        c.pool.incref([p for *_, nw in plan for p in nw])
+        c.pool.decref([p for _, _, _, old, _, _ in plan for p in old])
         for (d, gi), (rows, first) in new.items():
-            self.groups[gi].open(d, rows, first)
+            c.groups[gi].open(d, rows, first)
         for d in dsts:
-            self._set_len(d, new_len[d])
-            self._tokens[d], self._salts[d] = new_ids[d]
+            c._set_len(d, new_len[d])
+            c._tokens[d], c._salts[d] = new_ids[d]
 
     def truncate(self, s: int, length: int) -> None:
         """Shorten sequence ``s`` to ``length`` tokens (``crop``): pages past it are unmapped
         and released; the kept tail page stays (copied on the next write if shared). A
         sliding-window group can go back only as far as its rollback margin kept pages."""
-        s = self._check_seq(s)
+        c = self._c
+        s = c._check_seq(s)
         check_int("length", length)
-        if not 0 <= length <= self._lens[s]:
-            raise ValueError(f"truncate length must be in [0, {self._lens[s]}], got {length}")
-        for g in self.groups:
+        if not 0 <= length <= c._lens[s]:
+            raise ValueError(f"truncate length must be in [0, {c._lens[s]}], got {length}")
+        for g in c.groups:
             if g.keep_page(length, 0) < g.first(s):
                 raise ValueError(
                     f"truncate({s}, {length}): the sliding window of {g.window} tokens already "
@@ -115,20 +128,20 @@ class SharingOps:
                     f"sequence still reads; raise rollback_tokens (now {g.rollback_tokens}) "
                     "to keep more"
                 )
-        self._drop_reserved(s)
-        self._sync()
+        c._drop_reserved(s)
+        c._sync()
         dropped = []
-        for g in self.groups:
+        for g in c.groups:
             keep = g.pages_for(length)
             for t, j0, pages in g.mapped_runs(s):
                 lo = max(keep, j0)
                 if lo < j0 + len(pages):
-                    self._detach(s, t, lo, j0 + len(pages) - lo)
+                    c._detach(s, t, lo, j0 + len(pages) - lo)
             dropped += g.cut(s, keep)
-        self.pool.decref(dropped)
-        self._set_len(s, length)
-        if self._tokens[s] is not None:
-            del self._tokens[s][length:]
+        c.pool.decref(dropped)
+        c._set_len(s, length)
+        if c._tokens[s] is not None:
+            del c._tokens[s][length:]
 
     def write_group(
         self, layer: int, seqs: Sequence[int], start: int, k: torch.Tensor, v: torch.Tensor
@@ -136,16 +149,17 @@ class SharingOps:
         """:meth:`write` the same ``k``, ``v`` into every sequence of ``seqs`` (e.g. a prompt
         repeated for beams and forked from one row). A page shared only within the group is
         written once, in place; a page also held outside the group is copied first."""
+        c = self._c
         seqs = list(seqs)
         if not seqs or len(set(seqs)) != len(seqs):
             raise ValueError(f"write_group needs distinct sequence ids, got {seqs}")
-        layer, _, n = self._check_write(layer, seqs[0], start, k, v)
+        layer, _, n = c._check_write(layer, seqs[0], start, k, v)
         for s in seqs[1:]:
-            self._check_write(layer, s, start, k, v)
+            c._check_write(layer, s, start, k, v)
         if n == 0:
             return
-        tables = self._tables_of_layer(layer)
-        g = self._group_of[tables[0]]
+        tables = c._tables_of_layer(layer)
+        g = c._group_of[tables[0]]
         j_lo, j_hi = start * g.u // g.P, g.pages_for(start + n)
 
         def entries(s: int) -> list[tuple[int, int, int]]:
@@ -153,13 +167,13 @@ class SharingOps:
 
         uses = Counter(p for s in seqs for _, _, p in entries(s))
         # decided for every member before any split changes a refcount
-        plan = {s: [(t, j) for t, j, p in entries(s) if self.pool.refcount(p) > uses[p]]
+        plan = {s: [(t, j) for t, j, p in entries(s) if c.pool.refcount(p) > uses[p]]
                 for s in seqs}  # fmt: skip
         # every member's copies in one transaction: CacheFull or a driver error changes nothing
-        self._split_pages([(s, t, j) for s, splits in plan.items() for t, j in splits])
+        c._split_pages([(s, t, j) for s, splits in plan.items() for t, j in splits])
         written: set[tuple[int, ...]] = set()
         for s in seqs:
             key = tuple(p for _, _, p in entries(s))
             if key not in written:
                 written.add(key)
-                self._store(layer, s, start, k, v)
+                c._store(layer, s, start, k, v)

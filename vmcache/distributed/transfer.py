@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CacheFull
-from ..swap import Manifest
+from ..transfer import Manifest
 from . import wire
 
 MAGIC = 0x564D4B56  # "VMKV"

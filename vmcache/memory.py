@@ -1,0 +1,185 @@
+"""Physical memory of a cache (``cache.memory``): how much it holds, changed at run time without
+moving anything a kernel reads, and pages mapped ahead of the grows that need them.
+
+    trim(keep_free_bytes)     free pages' memory back to the device, down to a low-water mark
+    set_limit(bytes)          the most it may hold: lower (free pages go now, mapped ones as
+                              their sequences end) or higher (pages created as needed)
+    resident_bytes            what it holds now: mapped pages + free pages not yet released
+    sleep(keep) / wake()      every page back to the device and again, sequences kept
+    reserve(s, n)             map now the pages a later grow of ``s`` by up to n would map
+    headroom(s)               tokens ``s`` can grow without a new page
+    peak_pages(n, step)       the most pages one sequence maps while growing to n tokens
+
+A cache over a :class:`~vmcache.ledger.SharedBudget` draws pages from a budget several
+processes share; ``set_limit`` then does not apply (the ledger's limits do). Reserved pages sit
+in a sequence's row right after its last page, mapped and holding a pool reference, but
+outside the page table (vAttention maps the next step's pages while the current one computes;
+the engine reserves after launching a step); ``grow`` takes them first.
+
+Touches, on the coordinator: the pool (budget, trim, release_all / recreate, allocate,
+decref), its groups' reserved pages and window rules, lengths (read), ``_sync``, the
+transactional core (``_attach_row``) and the cache's sleep hooks (``_release_all``,
+``_restore_all``, ``_wake_fill``, ``_device_bytes``); the prefix index only to ``forget`` it
+on a sleep that keeps nothing.
+"""
+
+from __future__ import annotations
+
+from .budget import LocalBudget
+from .errors import CacheFull, check_int
+
+
+class Memory:
+    """``cache.memory``: trims, limits, sleep and wake, pages mapped ahead."""
+
+    def __init__(self, coordinator) -> None:
+        self._c = coordinator
+
+    @property
+    def asleep(self) -> bool:
+        return self._c.pool.asleep
+
+    @property
+    def resident_bytes(self) -> int:
+        """Physical memory the cache holds now (0 while asleep)."""
+        c = self._c
+        return c.pool.num_created * c.page_bytes
+
+    @property
+    def releases(self) -> bool:
+        """Whether trim and sleep give memory back to the device (VMKVCache: pages are
+        released; PagedKVCache: its one block tensor stays, except across a sleep)."""
+        return self._c._releases_memory
+
+    def trim(self, keep_free_bytes: int = 0) -> int:
+        """Release the memory of free pages until at most ``keep_free_bytes`` of them stay
+        (mapped pages, the prefix index's and reserved ones are not touched; on PagedKVCache
+        the blocks are one preallocated tensor and nothing goes back). Returns the bytes
+        released (0 for PagedKVCache)."""
+        c = self._c
+        if check_int("keep_free_bytes", keep_free_bytes) < 0:
+            raise ValueError(f"keep_free_bytes must be >= 0, got {keep_free_bytes}")
+        n = c.pool.trim(keep_free_bytes // c.page_bytes)
+        return n * c.page_bytes if c._releases_memory else 0
+
+    def set_limit(self, limit_bytes: int) -> None:
+        """The most physical memory the cache may hold (whole pages). Lowering it releases
+        free pages at once; pages its sequences map stay until they are freed, and no page is
+        created while it holds more than the limit (a grow then raises ``CacheFull``, so an
+        engine preempts by its policy)."""
+        c = self._c
+        if not isinstance(c.pool.budget, LocalBudget):
+            raise TypeError("this cache draws from a shared budget: its ledger sets the limits")
+        if check_int("limit_bytes", limit_bytes) < 0:
+            raise ValueError(f"limit_bytes must be >= 0, got {limit_bytes}")
+        pages = min(limit_bytes // c.page_bytes, c.pool.num_pages)
+        c.pool.budget.set_limit(pages)
+        c.pool.trim(max(0, pages - c.pool.num_used))
+
+    def sleep(self, keep: str = "host") -> int:
+        """Give every physical page back, keeping sequences, page tables, the prefix index
+        and (VMKVCache) the reservation: ``keep="host"`` first copies the live pages' bytes to
+        (pinned) host memory; ``"none"`` drops them (and the prefix index, whose K/V would be
+        lost; with prefix tiers its entries are demoted to them first): after :meth:`wake`
+        they read as zeros. Until then no call may touch a sequence
+        (``RuntimeError``) and no view may be read. Returns the bytes given back.
+
+        VMKVCache: pages are released (``cuMemRelease`` / a punched hole) and :meth:`wake`
+        maps new ones at the same virtual addresses, so every view and tensor taken before
+        (and a CUDA graph captured on them) reads the same bytes after. PagedKVCache: its
+        block tensor's storage is freed and allocated again (same tensor objects, new
+        address)."""
+        c = self._c
+        if keep not in ("host", "none"):
+            raise ValueError(f"keep must be 'host' or 'none', got {keep!r}")
+        if c.pool.asleep:
+            raise RuntimeError("the cache is already asleep")
+        for s in c.sequences:
+            c._drop_reserved(s)  # pages mapped ahead: nothing to keep
+        if keep == "none" and c.prefix is not None:
+            c.prefix.forget()  # cached K/V would read zeros: never serve them (tiers keep them)
+        c._sync()
+        live = c.pool.used_pages()
+        held = self.resident_bytes if c._releases_memory else c._device_bytes()
+        state = c._release_all(live, keep == "host")  # contents saved, nothing mapped
+        c.pool.release_all(live)
+        c._asleep = (live, state)
+        return held
+
+    def wake(self) -> None:
+        """Back from :meth:`sleep`: pages created again, contents restored (``keep="host"``),
+        every sequence mapped where it was. ``CacheFull`` when the budget or the device
+        cannot give the pages back; the cache then stays asleep (call again later)."""
+        c = self._c
+        if not c.pool.asleep:
+            raise RuntimeError("the cache is not asleep")
+        live, state = c._asleep
+        c.pool.recreate(live, c._wake_fill(live, state))  # bytes back chunk by chunk
+        try:
+            c._restore_all(live, state)  # contents back, every sequence mapped again
+        except BaseException:
+            c.pool.release_all(live)
+            raise
+        c._asleep = None
+
+    def reserve(self, s: int, n: int) -> int:
+        """Map now the pages a later ``grow(s, k ≤ n)`` would map; returns pages mapped."""
+        c = self._c
+        s = c._check_seq(s)
+        check_int("n", n)
+        if n < 0:
+            raise ValueError(f"reserve needs n >= 0, got {n}")
+        n = min(n, c.max_seq_len - c._lens[s])
+        plan = []  # (group, first index not yet mapped, pages per table)
+        for g in c.groups:
+            first = g.num_pages(s) + len(g.reserved(s)[0])
+            extra = g.pages_for(c._lens[s] + n) - first
+            if extra > 0:
+                plan.append((g, first, extra))
+        total = sum(len(g.ids) * extra for g, _, extra in plan)
+        if not plan or not c.pool.can_allocate(total):
+            return 0
+        try:
+            fresh = iter(c.pool.allocate(total))
+        except CacheFull:  # a shared budget's pages went to another process first
+            return 0
+        rows = [[[next(fresh) for _ in range(extra)] for _ in g.ids] for g, _, extra in plan]
+        done = []
+        try:
+            for (g, first, _), r in zip(plan, rows):
+                c._attach_row(s, g.ids, first, r)
+                done.append((g, first, r))
+        except BaseException:
+            for g, first, r in done:
+                for t, pages in zip(g.ids, r):
+                    c._detach(s, t, first, len(pages))
+            c.pool.decref([p for r in rows for row in r for p in row])
+            raise
+        for (g, _, _), r in zip(plan, rows):
+            g.add_reserved(s, r)
+        c.reserved_pages_mapped += total
+        return total
+
+    def headroom(self, s: int) -> int:
+        """Tokens ``grow(s, n)`` can add without taking a page from the pool: what the
+        mapped tail pages still hold, 0 when one is shared (the next grow copies it)."""
+        c = self._c
+        s = c._check_seq(s)
+        length = c._lens[s]
+        room = min(g.num_pages(s) * g.P // g.u for g in c.groups) - length
+        splits = any(sp for _, sp, _, _ in c._grow_plan(s, 1)) if room else False
+        return 0 if splits else room
+
+    def peak_pages(self, n: int, step: int) -> int:
+        """The most pages (every table) one sequence maps at once while it grows to ``n``
+        tokens by at most ``step`` at a time (admission: what must fit in the pool). A
+        sliding group holds at most the pages of W − 1 + rollback + step tokens, plus one
+        for the page the window starts inside."""
+        c = self._c
+        total = 0
+        for g in c.groups:
+            p = g.pages_for(n)
+            if g.sliding:
+                p = min(p, g.pages_for(g.window - 1 + g.rollback_tokens + step) + 1)
+            total += len(g.ids) * p
+        return total
