@@ -109,7 +109,7 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
         x = torch.full((n, H, D), value)
         for layer in layers:
             if grouped:
-                c.write_group(layer, group, start, x.to(dev), (-x).to(dev))
+                c.beams.write_group(layer, group, start, x.to(dev), (-x).to(dev))
             else:
                 c.write(layer, group[0], start, x.to(dev), (-x).to(dev))
             for s in group:
@@ -143,7 +143,7 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
                     try:
                         put([s], range(spec.num_layers), shadow[s].shape[2] - n, n)
                     except CacheFull:
-                        c.truncate(s, shadow[s].shape[2] - n)  # undo the grow
+                        c.beams.truncate(s, shadow[s].shape[2] - n)  # undo the grow
                         shadow[s] = shadow[s][:, :, :-n].clone()
                         raise
                 check(s, op)
@@ -169,18 +169,18 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
                 dirty.discard(s)
             elif op == "swap_out" and seqs:
                 s = rng.choice(seqs)
-                swapped.append((c.swap_out(s), shadow.pop(s)))
+                swapped.append((c.swap.out(s), shadow.pop(s)))
                 dirty.discard(s)
             elif op == "swap_in" and swapped:
                 h, content = swapped[0]
-                s = c.swap_in(h)
+                s = c.swap.restore(h)
                 swapped.pop(0)
                 shadow[s] = content
                 check(s, op)
             elif op == "assign" and seqs:
                 dsts = rng.sample(seqs, rng.randint(1, min(3, len(seqs))))
                 srcs = [rng.choice(seqs) for _ in dsts]
-                c.assign(dsts, srcs)
+                c.beams.assign(dsts, srcs)
                 before = {x: (shadow[x].clone(), x in dirty) for x in srcs}
                 for d, x in zip(dsts, srcs):
                     shadow[d] = before[x][0].clone()
@@ -190,13 +190,13 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
             elif op == "truncate" and seqs:
                 s = rng.choice(seqs)
                 length = rng.randint(0, shadow[s].shape[2])
-                c.truncate(s, length)
+                c.beams.truncate(s, length)
                 shadow[s] = shadow[s][:, :, :length].clone()
                 dirty.add(s)
                 check(s, op)
             elif op == "reserve" and seqs:
                 s = rng.choice(seqs)
-                c.reserve(s, rng.randint(1, 100))  # best effort, changes no content
+                c.memory.reserve(s, rng.randint(1, 100))  # best effort, changes no content
                 check(s, op)
             elif op == "write_group" and seqs:
                 live = [x for x in seqs if shadow[x].shape[2]]

@@ -77,7 +77,7 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 200) -> dict:
             for layer in range(SPEC.num_layers):
                 c.write(layer, s, start, k, -k)
         except CacheFull:
-            c.truncate(s, start)  # the grow succeeded, a copy-on-write did not: undo it
+            c.beams.truncate(s, start)  # the grow succeeded, a copy-on-write did not: undo it
             raise
         tokens[s] = tokens[s] + ids
 
@@ -124,14 +124,14 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 200) -> dict:
                 dsts = rng.sample(seqs, rng.randint(1, min(2, len(seqs))))
                 srcs = [rng.choice(seqs) for _ in dsts]
                 before = {x: list(tokens[x]) for x in srcs}
-                c.assign(dsts, srcs)
+                c.beams.assign(dsts, srcs)
                 for d, x in zip(dsts, srcs):
                     tokens[d] = list(before[x])
                     check(d, op)
             elif op == "truncate" and seqs:
                 s = rng.choice(seqs)
                 n = rng.randint(0, len(tokens[s]))
-                c.truncate(s, n)
+                c.beams.truncate(s, n)
                 tokens[s] = tokens[s][:n]
                 check(s, op)
             elif op == "free" and seqs:
@@ -142,10 +142,10 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 200) -> dict:
                 c.cache_prefix(rng.choice(seqs))
             elif op == "swap_out" and seqs:
                 s = rng.choice(seqs)
-                swapped.append((c.swap_out(s), tokens.pop(s)))
+                swapped.append((c.swap.out(s), tokens.pop(s)))
             elif op == "swap_in" and swapped:
                 h, ids = swapped[0]
-                s = c.swap_in(h)
+                s = c.swap.restore(h)
                 swapped.pop(0)
                 tokens[s] = ids
                 check(s, op)

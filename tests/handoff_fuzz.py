@@ -48,8 +48,8 @@ def _h_recv(t, g):
 
 
 def _valid(c, s, extra):
-    m = c.manifest(s)
-    runs = T._runs(c.wires(s), False)
+    m = c.transfer.manifest(s)
+    runs = T._runs(c.transfer.wires(s), False)
     meta = wire.encode_meta(m.firsts, m.token_ids, m.salt, extra)
     header = [T.MAGIC, T.VERSION, T.OK, m.length, len(runs), sum(r.numel() for r in runs),
               len(meta), T.layout_key(c)]  # fmt: skip
@@ -58,7 +58,7 @@ def _valid(c, s, extra):
 
 def _meta_field(rng, c, s):
     """A meta with one field made hostile (the header's byte count kept consistent)."""
-    m = c.manifest(s)
+    m = c.transfer.manifest(s)
     firsts, ids, salt = list(m.firsts), m.token_ids, m.salt
     what = rng.choice(["first", "ids", "salt tag", "salt len", "extra json", "extra deep",
                        "extra nan", "extra long", "groups"])  # fmt: skip

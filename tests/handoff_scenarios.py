@@ -29,14 +29,14 @@ def state(c) -> dict:
     return {
         "stats": c.stats(),
         "refcounts": [c.pool.refcount(p) for p in range(c.pool.num_pages)],
-        "seqs": {s: (c.manifest(s), c.page_table(s)) for s in c.sequences},
+        "seqs": {s: (c.transfer.manifest(s), c.page_table(s)) for s in c.sequences},
         "kv": {s: [torch.cat(c.kv(layer, s)).clone() for layer in layers] for s in c.sequences},
     }
 
 
 def content(c, s) -> dict:
     layers = range(c.spec.num_layers)
-    m = c.manifest(s)
+    m = c.transfer.manifest(s)
     return {"manifest": (m.length, m.firsts, m.token_ids, m.salt),
             "window_starts": [c.window_start(layer, s) for layer in layers],
             "kv": [torch.cat(c.kv(layer, s)).clone() for layer in layers]}  # fmt: skip
@@ -67,7 +67,7 @@ def build(kind, case, gen):
         a = c.new_sequence(salt="tenant-a")
         fill(c, a, 70, gen)
         c.cache_prefix(a)
-        b = c.new_sequence(prefix_tokens=c.manifest(a).token_ids[:66], salt="tenant-a")
+        b = c.new_sequence(prefix_tokens=c.transfer.manifest(a).token_ids[:66], salt="tenant-a")
         fill(c, b, 9, gen)  # b maps a's full pages (shared), then its own
         return c, b
     c = KINDS[kind]()

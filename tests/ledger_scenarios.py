@@ -77,7 +77,7 @@ def shared(rank: int, path: str) -> dict:
         out["held_1_after"] = budget.held
         for s in seqs + more:
             c.free(s)
-        out["trimmed"] = c.trim()
+        out["trimmed"] = c.memory.trim()
         out["held_1_trimmed"] = budget.held
     dist.barrier(group=pair)
     if rank == 0:

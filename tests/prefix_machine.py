@@ -141,7 +141,9 @@ class PrefixMachine(RuleBasedStateMachine):
         try:
             append(self.c, s, ids)
         except CacheFull:
-            self.c.truncate(s, len(self.tokens[s]))  # a grow that succeeded, a write that did not
+            self.c.beams.truncate(
+                s, len(self.tokens[s])
+            )  # a grow that succeeded, a write that did not
             return
         self.tokens[s] += ids
 
@@ -205,7 +207,7 @@ class PrefixMachine(RuleBasedStateMachine):
     def truncate(self, data):
         s = data.draw(st.sampled_from(self.seqs))
         n = data.draw(st.integers(0, len(self.tokens[s])))
-        self.c.truncate(s, n)
+        self.c.beams.truncate(s, n)
         self.tokens[s] = self.tokens[s][:n]
 
     @precondition(lambda self: self.tokens)
@@ -214,7 +216,7 @@ class PrefixMachine(RuleBasedStateMachine):
         dsts = data.draw(st.lists(st.sampled_from(self.seqs), min_size=1, unique=True))
         srcs = [data.draw(st.sampled_from(self.seqs)) for _ in dsts]
         before = {s: list(self.tokens[s]) for s in srcs}
-        self.c.assign(dsts, srcs)
+        self.c.beams.assign(dsts, srcs)
         for d, s in zip(dsts, srcs):
             self.tokens[d] = list(before[s])
 
@@ -222,14 +224,14 @@ class PrefixMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def swap_out(self, data):
         s = data.draw(st.sampled_from(self.seqs))
-        self.swapped.append((self.c.swap_out(s), self.tokens.pop(s)))
+        self.swapped.append((self.c.swap.out(s), self.tokens.pop(s)))
 
     @precondition(lambda self: self.swapped)
     @rule()
     def swap_in(self):
         h, ids = self.swapped[0]
         try:
-            s = self.c.swap_in(h)
+            s = self.c.swap.restore(h)
         except CacheFull:
             return
         self.swapped.pop(0)

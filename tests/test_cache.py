@@ -126,16 +126,16 @@ def test_swap_round_trip_is_byte_identical(make_cache, dtype):
     s = c.new_sequence()
     written = fill(c, s, 77)
     other = c.new_sequence()
-    h = c.swap_out(s)
+    h = c.swap.out(s)
     assert h.nbytes == spec.kv_bytes(77)
     assert c.stats().num_sequences == 1
     fill(c, other, 50, seed=3)  # the freed pages are reused meanwhile
-    s2 = c.swap_in(h)
+    s2 = c.swap.restore(h)
     for layer, (k, v) in enumerate(written):
         k2, v2 = c.kv(layer, s2)
         assert k2.view(torch.uint8).equal(k.view(torch.uint8)) and torch.equal(v2, v)
     with pytest.raises(ValueError, match="already"):
-        c.swap_in(h)
+        c.swap.restore(h)
     c.check_invariants()
 
 
@@ -145,7 +145,7 @@ def test_swap_tier_limit_is_cachefull(make_cache, small_spec):
     fill(c, s, 11)
     before = snapshot(c)
     with pytest.raises(CacheFull, match="swap tier"):
-        c.swap_out(s)
+        c.swap.out(s)
     assert_same(before, snapshot(c))
 
 

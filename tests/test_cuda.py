@@ -78,11 +78,11 @@ def test_cache_fork_cow_swap_on_gpu(layout):
         for i, ch in enumerate(kids):
             assert torch.equal(c.kv(0, ch)[0][:1000], k)
             assert (c.kv(0, ch)[0][1000] == i + 1).all()
-        h = c.swap_out(kids[0])
-        back = c.swap_in(h)
+        h = c.swap.out(kids[0])
+        back = c.swap.restore(h)
         assert torch.equal(c.kv(0, back)[0][:1000], k) and torch.equal(c.kv(1, back)[1][:1000], -k)
-        c.truncate(back, 10)
-        c.assign([kids[1]], [back])
+        c.beams.truncate(back, 10)
+        c.beams.assign([kids[1]], [back])
         c.check_invariants()
         assert "CacheView" in repr(c.k_cache(0))  # printing reads no unmapped memory
 
@@ -230,10 +230,10 @@ def test_handoff_wires_read_and_fill_gpu_pages_in_place(layout):
     assert msgs == (2 * 4 * 157 if layout == "paged" else 8 if layout == "layer_major" else 2)
 
     def fill(t):
-        for src, dst in zip(a.wires(s), b.wires(t)):
+        for src, dst in zip(a.transfer.wires(s), b.transfer.wires(t)):
             dst.unpack(src.packed().clone())
 
-    t = b.adopt_sequence(a.manifest(s), fill)
+    t = b.transfer.adopt(a.transfer.manifest(s), fill)
     for layer in range(4):
         for x, y in zip(a.kv(layer, s), b.kv(layer, t)):
             assert torch.equal(x, y)
@@ -250,16 +250,16 @@ def test_sleep_releases_device_memory_and_wake_maps_the_same_addresses(keep):
         for layer in range(2):
             c.write(layer, s, 0, k, -k)
         view, ptr = c.k_cache(1), c.k_cache(1).data_ptr()
-        held = c.resident_bytes
+        held = c.memory.resident_bytes
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         reserved = torch.cuda.memory_reserved()
-        assert c.sleep(keep=keep) == held and c.resident_bytes == 0
+        assert c.memory.sleep(keep=keep) == held and c.memory.resident_bytes == 0
         # no empty_cache(): the copy out allocated nothing on the device (per-run copies into
         # an exact host tensor), and cuMemRelease gave every page back to the device
         assert torch.cuda.memory_reserved() == reserved
         assert torch.cuda.mem_get_info()[0] >= free_before + held
-        c.wake()
+        c.memory.wake()
         assert c.k_cache(1).data_ptr() == ptr  # same virtual addresses
         want = k if keep == "host" else torch.zeros_like(k)
         assert torch.equal(view[s, :3000], want)  # a view from before sleep reads the bytes
@@ -280,9 +280,9 @@ def test_a_paged_sleep_returns_its_block_tensor_to_the_device():
     torch.cuda.synchronize()
     free_before = torch.cuda.mem_get_info()[0]
     pool_bytes = c.kv_pool.untyped_storage().nbytes()
-    c.sleep(keep="host")
+    c.memory.sleep(keep="host")
     assert torch.cuda.mem_get_info()[0] >= free_before + pool_bytes - (64 << 20)
-    c.wake()
+    c.memory.wake()
     assert torch.equal(c.kv(1, s)[0], -k)
     c.close()
 

@@ -36,13 +36,13 @@ def test_trim_gives_free_pages_back_and_they_come_back_on_demand():
     a, b = c.new_sequence(), c.new_sequence()
     fill(c, a, 100, 1)
     fill(c, b, 100, 2)
-    held = c.resident_bytes
+    held = c.memory.resident_bytes
     c.free(b)
     want = contents(c)
     free_pages = c.pool.num_free
-    released = c.trim()
-    assert released > 0 and c.resident_bytes == held - released
-    assert c.resident_bytes == c.stats().physical_pages * c.page_bytes  # only mapped pages
+    released = c.memory.trim()
+    assert released > 0 and c.memory.resident_bytes == held - released
+    assert c.memory.resident_bytes == c.stats().physical_pages * c.page_bytes  # only mapped pages
     assert c.pool.num_free == free_pages  # what a grow can get is unchanged
     assert same(want, contents(c))  # mapped pages untouched
     b = c.new_sequence()
@@ -56,24 +56,24 @@ def test_a_lower_limit_refuses_growth_and_a_higher_one_allows_it():
     c = vm(pages=64)
     s = c.new_sequence()
     fill(c, s, 64, 1)  # 2 pages per table, 8 in all
-    c.set_memory_limit(8 * c.page_bytes)
-    assert c.resident_bytes == 8 * c.page_bytes  # the free chunk went back at once
+    c.memory.set_limit(8 * c.page_bytes)
+    assert c.memory.resident_bytes == 8 * c.page_bytes  # the free chunk went back at once
     assert not c.can_grow(s, 32)
     with pytest.raises(CacheFull, match="budget"):
         c.grow(s, 32)
     assert c.seq_len(s) == 64
-    c.set_memory_limit(12 * c.page_bytes)
+    c.memory.set_limit(12 * c.page_bytes)
     assert c.can_grow(s, 32)
     fill(c, s, 32, 2)
-    c.set_memory_limit(0)  # below what is mapped: nothing mapped is touched
-    assert c.seq_len(s) == 96 and c.resident_bytes == 12 * c.page_bytes
+    c.memory.set_limit(0)  # below what is mapped: nothing mapped is touched
+    assert c.seq_len(s) == 96 and c.memory.resident_bytes == 12 * c.page_bytes
     assert not c.can_grow(s, 32) and c.can_grow(s, 0)
     c.free(s)
-    c.trim()
-    assert c.resident_bytes == 0
+    c.memory.trim()
+    assert c.memory.resident_bytes == 0
     c.check_invariants()
     with pytest.raises(ValueError):
-        c.set_memory_limit(-1)
+        c.memory.set_limit(-1)
     c.close()
 
 
@@ -87,7 +87,7 @@ def test_a_lowered_limit_holds_once_the_sequences_over_it_end(kind):
     fill(c, b, 64, 2)
     used = c.pool.num_used
     limit = used // 2
-    c.set_memory_limit(limit * c.page_bytes)
+    c.memory.set_limit(limit * c.page_bytes)
     assert c.pool.num_created == used  # mapped pages stay until their sequences end
     c.free(b)
     assert c.pool.num_created == max(limit, c.pool.num_used)  # b's pages went back
@@ -109,14 +109,14 @@ def test_nothing_starts_while_asleep(kind):
     c = FACTORIES[kind]()
     s = c.new_sequence()
     fill(c, s, 8, 1)
-    c.sleep()
+    c.memory.sleep()
     free_slots = c.num_free_slots
     with pytest.raises(RuntimeError, match="asleep"):
         c.new_sequence()
     with pytest.raises(RuntimeError, match="asleep"):
         c.new_sequence(prefix_tokens=[1, 2, 3])
     assert c.num_free_slots == free_slots and c.sequences == [s]
-    c.wake()
+    c.memory.wake()
     assert c.new_sequence() != s
     c.close()
 
@@ -132,29 +132,29 @@ def test_sleep_and_wake_keep_every_sequence_at_the_same_addresses(kind):
     (b,) = c.fork(a)
     fill(c, b, 5, 9)  # copy-on-write of the shared tail
     c.cache_prefix(a)
-    handle = c.swap_out(c.fork(a)[0])
+    handle = c.swap.out(c.fork(a)[0])
     want, tables = contents(c), {s: c.page_table(s) for s in c.sequences}
     views = [c.kv(layer, a) for layer in range(2)]  # taken before sleep
     ptrs = [t.data_ptr() for v in views for t in v]
-    released = c.sleep()
-    assert released > 0 and c.asleep
-    if c.releases_memory:
-        assert c.resident_bytes == 0
+    released = c.memory.sleep()
+    assert released > 0 and c.memory.asleep
+    if c.memory.releases:
+        assert c.memory.resident_bytes == 0
         assert c.backend.live_handles() == 0  # every page released (the strict backend counts)
     else:
         assert c.kv_pool.untyped_storage().nbytes() == 0
     with pytest.raises(RuntimeError, match="asleep"):
         c.grow(a, 1)
     with pytest.raises(RuntimeError, match="asleep"):
-        c.sleep()
-    c.wake()
-    assert not c.asleep
+        c.memory.sleep()
+    c.memory.wake()
+    assert not c.memory.asleep
     assert same(want, contents(c)) and tables == {s: c.page_table(s) for s in c.sequences}
-    if c.releases_memory:  # the same virtual addresses: views taken before read the bytes
+    if c.memory.releases:  # the same virtual addresses: views taken before read the bytes
         assert [t.data_ptr() for v in views for t in v] == ptrs
         assert torch.equal(views[0][0], k) and torch.equal(views[1][1], -k)
     assert c.cached_prefix_tokens(list(range(40))) > 0  # the prefix index survived
-    s = c.swap_in(handle)
+    s = c.swap.restore(handle)
     assert torch.equal(c.kv(0, s)[0], k)
     c.check_invariants()
     for s in c.sequences:
@@ -173,8 +173,8 @@ def test_sleep_without_keeping_drops_contents_and_the_prefix_index(kind):
     k = torch.ones(40, 2, 16)
     c.write(0, s, 0, k, k)
     c.cache_prefix(s)
-    c.sleep(keep="none")
-    c.wake()
+    c.memory.sleep(keep="none")
+    c.memory.wake()
     assert c.seq_len(s) == 40 and not c.kv(0, s)[0].any()  # zeros: nothing was kept
     assert c.cached_prefix_tokens(list(range(40))) == 0
     c.check_invariants()
@@ -185,13 +185,13 @@ def test_wake_over_budget_is_cache_full_and_the_cache_stays_asleep():
     c = vm(pages=64)
     s = c.new_sequence()
     fill(c, s, 64, 5)
-    c.sleep()
-    c.set_memory_limit(4 * c.page_bytes)  # less than its 8 live pages
+    c.memory.sleep()
+    c.memory.set_limit(4 * c.page_bytes)  # less than its 8 live pages
     with pytest.raises(CacheFull, match="waking"):
-        c.wake()
-    assert c.asleep and c.resident_bytes == 0
-    c.set_memory_limit(64 * c.page_bytes)
-    c.wake()
+        c.memory.wake()
+    assert c.memory.asleep and c.memory.resident_bytes == 0
+    c.memory.set_limit(64 * c.page_bytes)
+    c.memory.wake()
     assert torch.equal(c.kv(1, s)[0], torch.full((64, 2, 16), 5.0))
     c.check_invariants()
     c.close()
@@ -200,10 +200,10 @@ def test_wake_over_budget_is_cache_full_and_the_cache_stays_asleep():
 def test_bad_sleep_arguments_change_nothing():
     c = paged()
     with pytest.raises(ValueError, match="keep"):
-        c.sleep(keep="disk")
+        c.memory.sleep(keep="disk")
     with pytest.raises(RuntimeError, match="not asleep"):
-        c.wake()
-    assert not c.asleep
+        c.memory.wake()
+    assert not c.memory.asleep
 
 
 class ElasticMachine(CacheMachine):
@@ -222,13 +222,13 @@ class ElasticMachine(CacheMachine):
         use + ``k`` pages, or lifted."""
         c, pool = self.c, self.c.pool
         if what == "trim":
-            free, held = pool.num_free, c.resident_bytes
-            released = c.trim(k * c.page_bytes)
+            free, held = pool.num_free, c.memory.resident_bytes
+            released = c.memory.trim(k * c.page_bytes)
             assert pool.num_free == free  # released pages can be created again
-            assert not c.releases_memory or c.resident_bytes == held - released
+            assert not c.memory.releases or c.memory.resident_bytes == held - released
         elif what in ("lower", "lift"):
             pages = pool.num_used + k if what == "lower" else pool.num_pages
-            c.set_memory_limit(pages * c.page_bytes)
+            c.memory.set_limit(pages * c.page_bytes)
             assert pool.num_free <= max(0, pages - pool.num_used) + len(pool._free)
         self.seen[what] += 1
 
@@ -238,18 +238,18 @@ class ElasticMachine(CacheMachine):
         contents read zeros after (the shadow follows)."""
         c = self.c
         views = {s: [c.kv(layer, s) for layer in range(2)] for s in self.shadow}
-        c.sleep(keep)
-        assert c.asleep and (c.resident_bytes == 0 or not c.releases_memory)
+        c.memory.sleep(keep)
+        assert c.memory.asleep and (c.memory.resident_bytes == 0 or not c.memory.releases)
         try:
-            c.wake()
+            c.memory.wake()
         except CacheFull:  # a lowered limit below what is live: lift it, then wake
-            c.set_memory_limit(c.pool.num_pages * c.page_bytes)
-            c.wake()
+            c.memory.set_limit(c.pool.num_pages * c.page_bytes)
+            c.memory.wake()
         for s, layers in self.shadow.items():
             if keep == "none":
                 for x in layers:
                     x.zero_()
-            elif c.releases_memory:  # views taken before sleep read the same bytes
+            elif c.memory.releases:  # views taken before sleep read the same bytes
                 for layer, (k, v) in enumerate(views[s]):
                     want = layers[layer][c.window_start(layer, s) :]
                     known = ~torch.isnan(want)

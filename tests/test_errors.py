@@ -56,7 +56,7 @@ BAD_CALLS = [
     ("fork n<1", lambda c, s: c.fork(s, 0), ValueError),
     ("fork too many", lambda c, s: c.fork(s, 50), CacheFull),
     ("free unknown", lambda c, s: c.free(7), KeyError),
-    ("swap_in not a handle", lambda c, s: c.swap_in("h"), TypeError),
+    ("swap_in not a handle", lambda c, s: c.swap.restore("h"), TypeError),
     ("pool exhausted", lambda c, s: [c.grow(c.new_sequence(), 250) for _ in range(8)], CacheFull),
 ]
 
@@ -86,7 +86,7 @@ def test_freed_sequence_and_double_free(cache):
     cache.grow(s, 3)
     cache.free(s)
     for call in (lambda: cache.free(s), lambda: cache.grow(s, 1), lambda: cache.kv(0, s),
-                 lambda: cache.fork(s, 1), lambda: cache.swap_out(s)):  # fmt: skip
+                 lambda: cache.fork(s, 1), lambda: cache.swap.out(s)):  # fmt: skip
         with pytest.raises(KeyError, match="not live"):
             call()
 
@@ -95,6 +95,6 @@ def test_swap_handle_from_another_cache_rejected(cache):
     other = caches.paged()
     s = other.new_sequence()
     other.grow(s, 2)
-    h = other.swap_out(s)
+    h = other.swap.out(s)
     with pytest.raises(ValueError, match="another cache"):
-        cache.swap_in(h)
+        cache.swap.restore(h)

@@ -85,15 +85,17 @@ OPS = {
     "write splitting shared pages": lambda c, s, child: c.write(
         1, child, 0, torch.ones(40, 2, 16), torch.ones(40, 2, 16)
     ),
-    "swap_in": lambda c, s, child: c.swap_in(c.swap_out(child)),
-    "assign (beam reorder) of diverged rows": lambda c, s, child: c.assign([s, child], [child, s]),
-    "reserve ahead": lambda c, s, child: c.reserve(s, 300),
+    "swap_in": lambda c, s, child: c.swap.restore(c.swap.out(child)),
+    "assign (beam reorder) of diverged rows": lambda c, s, child: c.beams.assign(
+        [s, child], [child, s]
+    ),
+    "reserve ahead": lambda c, s, child: c.memory.reserve(s, 300),
     "grow taking reserved pages and more": lambda c, s, child: c.grow(s, 400),
 }
 # state an op needs first (done before the snapshot, never failed)
 PREPARE = {
     "assign (beam reorder) of diverged rows": lambda c, s, child: c.grow(child, 100),
-    "grow taking reserved pages and more": lambda c, s, child: c.reserve(s, 100),
+    "grow taking reserved pages and more": lambda c, s, child: c.memory.reserve(s, 100),
 }
 
 
@@ -105,8 +107,8 @@ def _run_with_fault_at(op, k, code="EINJECTED"):
     c, s, child = setup(be)
     try:
         if op == "swap_in":  # fail inside swap_in, not swap_out: count from after swap_out
-            h = c.swap_out(child)
-            run = lambda: c.swap_in(h)  # noqa: E731
+            h = c.swap.out(child)
+            run = lambda: c.swap.restore(h)  # noqa: E731
         else:
             PREPARE.get(op, lambda *a: None)(c, s, child)
             run = lambda: OPS[op](c, s, child)  # noqa: E731
@@ -119,7 +121,7 @@ def _run_with_fault_at(op, k, code="EINJECTED"):
             assert same(before, snapshot(c)), f"{op}: call #{k} failed and changed state"
             if op == "swap_in":
                 assert not h.consumed
-                c.swap_in(h)  # the handle still works after the failure
+                c.swap.restore(h)  # the handle still works after the failure
             return False
         assert be.calls < be.fail_at  # no more calls to fail: the op completed
         return True
@@ -168,12 +170,12 @@ def test_out_of_memory_while_waking_is_cache_full_and_the_cache_stays_asleep():
     be.only = "ftruncate(memfd)"
     c, s, child = setup(be)
     before = snapshot(c)
-    c.sleep()
+    c.memory.sleep()
     be.fail_at = be.calls + 1
     with pytest.raises(CacheFull, match="waking"):
-        c.wake()
-    assert c.asleep and c.resident_bytes == 0
-    c.wake()
+        c.memory.wake()
+    assert c.memory.asleep and c.memory.resident_bytes == 0
+    c.memory.wake()
     assert same(before, snapshot(c))
     c.check_invariants()
     c.close()

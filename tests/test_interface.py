@@ -48,7 +48,7 @@ class CacheMachine(RuleBasedStateMachine):
     def teardown(self):
         for s in list(self.shadow):
             self.c.free(s)
-        self.c.set_memory_limit(self.c.pool.num_pages * self.c.page_bytes)
+        self.c.memory.set_limit(self.c.pool.num_pages * self.c.page_bytes)
         st_ = self.c.stats()
         assert st_.physical_pages == 0 and st_.free_pages == st_.total_pages
         self.c.check_invariants()
@@ -180,7 +180,7 @@ class CacheMachine(RuleBasedStateMachine):
     def assign(self, data):
         dsts = data.draw(st.lists(st.sampled_from(self.seqs), min_size=1, unique=True))
         srcs = [data.draw(st.sampled_from(self.seqs)) for _ in dsts]
-        self.c.assign(dsts, srcs)
+        self.c.beams.assign(dsts, srcs)
         before = {s: [t.clone() for t in self.shadow[s]] for s in srcs}
         dirty = {s for s in srcs if s in self.dirty}
         top = {s: self.top.get(s, 0) for s in srcs}
@@ -193,7 +193,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data(), n=st.integers(0, 70))
     def reserve(self, data, n):
         s = data.draw(st.sampled_from(self.seqs))
-        self.c.reserve(s, n)  # best effort; contents and lengths do not change
+        self.c.memory.reserve(s, n)  # best effort; contents and lengths do not change
 
     @precondition(lambda self: self.shadow)
     @rule(data=st.data())
@@ -215,10 +215,10 @@ class CacheMachine(RuleBasedStateMachine):
             # a rollback within the margin of the last grow must always be possible
             assert length < self.top.get(s, 0) - self.rollback, (s, length, self.top.get(s))
             with pytest.raises(ValueError, match="rollback_tokens"):  # past the margin
-                self.c.truncate(s, length)
+                self.c.beams.truncate(s, length)
             self.seen["truncate refused"] += 1
             return
-        self.c.truncate(s, length)
+        self.c.beams.truncate(s, length)
         self.shadow[s] = [t[:length] for t in self.shadow[s]]
         self.dirty.add(s)
 
@@ -235,7 +235,8 @@ class CacheMachine(RuleBasedStateMachine):
         if start < max(self.c.window_start(layer, s) for s in group):
             return
         if not self.attempt(
-            "write_group", lambda: self.c.write_group(layer, group, start, val[:, 0], val[:, 1])
+            "write_group",
+            lambda: self.c.beams.write_group(layer, group, start, val[:, 0], val[:, 1]),
         ):
             return
         for s in group:
@@ -254,7 +255,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def swap_out(self, data):
         s = data.draw(st.sampled_from(self.seqs))
-        self.swapped.append((self.c.swap_out(s), self.shadow.pop(s), self.top.pop(s, 0)))
+        self.swapped.append((self.c.swap.out(s), self.shadow.pop(s), self.top.pop(s, 0)))
         self.dirty.discard(s)  # swap_in restores exactly the written length
 
     @precondition(lambda self: self.swapped)
@@ -262,7 +263,7 @@ class CacheMachine(RuleBasedStateMachine):
     def swap_in(self):
         h, content, top = self.swapped[0]
         got = []
-        if not self.attempt("swap_in", lambda: got.append(self.c.swap_in(h))):
+        if not self.attempt("swap_in", lambda: got.append(self.c.swap.restore(h))):
             return
         self.swapped.pop(0)
         self.shadow[got[0]] = content

@@ -165,8 +165,8 @@ def test_decode_after_fork_and_swap(kind):
     kids = cache.fork(s, 2)
     cache.grow(kids[0], 1)
     cache.write(0, kids[0], 70, torch.ones(1, 2, 64), torch.ones(1, 2, 64))
-    h = cache.swap_out(kids[1])
-    back = cache.swap_in(h)
+    h = cache.swap.out(kids[1])
+    back = cache.swap.restore(h)
     seqs = [s, kids[0], back]
     k, v = WRITTEN[id(cache), s, 0]
     WRITTEN[id(cache), back, 0] = (k, v)

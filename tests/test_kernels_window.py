@@ -87,14 +87,14 @@ def test_a_window_larger_than_the_page_and_rollback_margin_keep_what_a_rollback_
     cache = make(kind, spec, rollback=6)
     (s,), written = fill(cache, [90], last=1)
     assert cache.window_start(0, s) > 0
-    cache.truncate(s, 84)
+    cache.beams.truncate(s, 84)
     k, v = (x[:84] for x in written[s, 0])
     q = torch.randn(1, 4, 64)
     want = dense_attention(q, k, v, window=12)
     for impl in ("triton", "torch" if kind == "paged" else "sdpa"):
         torch.testing.assert_close(kernels.decode(cache, 0, q, [s], impl=impl), want, **TOL)
     with pytest.raises(ValueError, match="rollback_tokens"):
-        cache.truncate(s, 60)
+        cache.beams.truncate(s, 60)
     cache.close()
 
 

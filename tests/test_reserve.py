@@ -17,7 +17,7 @@ def test_grow_takes_reserved_pages_without_allocating(name):
     c.grow(s, 10)
     x = torch.ones(10, 2, 16)
     c.write(0, s, 0, x, x)
-    mapped = c.reserve(s, 200)
+    mapped = c.memory.reserve(s, 200)
     assert mapped > 0 and c.reserved_pages_mapped == mapped
     # the table still covers only the length: reserved pages are mapped outside it
     assert all(len(t) == c.groups[0].pages_for(10) for t in c.page_table(s)) and c.seq_len(s) == 10
@@ -38,16 +38,16 @@ def test_moves_of_a_row_give_reserved_pages_back(name):
     a, b = c.new_sequence(), c.new_sequence()
     for s in (a, b):
         c.grow(s, 20)
-        c.reserve(s, 100)
+        c.memory.reserve(s, 100)
     used = c.stats().physical_pages
-    c.truncate(a, 5)
-    c.assign([b], [a])
+    c.beams.truncate(a, 5)
+    c.beams.assign([b], [a])
     c.check_invariants()
     assert c.stats().physical_pages < used
-    c.reserve(a, 50)
-    h = c.swap_out(a)
+    c.memory.reserve(a, 50)
+    h = c.swap.out(a)
     c.check_invariants()
-    c.swap_in(h)
+    c.swap.restore(h)
     for s in c.sequences:
         c.free(s)
     assert c.stats().physical_pages == 0
@@ -57,9 +57,9 @@ def test_reserve_is_best_effort_and_validates():
     c = FACTORIES["paged"](blocks=3)
     s = c.new_sequence()
     c.grow(s, 40)  # 3 blocks of 16: the pool is full
-    assert c.reserve(s, 16) == 0
+    assert c.memory.reserve(s, 16) == 0
     with pytest.raises(ValueError, match="n >= 0"):
-        c.reserve(s, -1)
+        c.memory.reserve(s, -1)
     with pytest.raises(KeyError):
-        c.reserve(7, 1)
+        c.memory.reserve(7, 1)
     c.check_invariants()

@@ -31,7 +31,7 @@ def test_assign_remaps_only_differing_entries_and_copies_nothing(name):
     shared_before = set(_pages(c, a)) & set(_pages(c, b))
     copies_before = c.stats().cow_copies  # b's tail split, one page per table
     assert copies_before == len(c.page_table(b))
-    c.assign([d, a], [b, b])  # both become copies of b
+    c.beams.assign([d, a], [b, b])  # both become copies of b
     for s in (d, a):
         assert c.seq_len(s) == 100
         assert _pages(c, s) == _pages(c, b)
@@ -52,11 +52,11 @@ def test_assign_validates_before_changing_anything(name):
     _fill(c, a, 5, 1)
     before = c.page_table(a)
     with pytest.raises(ValueError, match="distinct"):
-        c.assign([a, a], [a, a])
+        c.beams.assign([a, a], [a, a])
     with pytest.raises(ValueError, match="as many"):
-        c.assign([a], [a, a])
+        c.beams.assign([a], [a, a])
     with pytest.raises(KeyError):
-        c.assign([a], [7])
+        c.beams.assign([a], [7])
     assert c.page_table(a) == before
 
 
@@ -67,16 +67,16 @@ def test_truncate_releases_pages_and_regrowth_of_a_private_tail_copies_nothing(n
     _fill(c, a, 100, 3)
     b = c.fork(a)[0]
     full = c.stats().physical_pages
-    c.truncate(b, 20)
+    c.beams.truncate(b, 20)
     assert c.seq_len(b) == 20 and c.stats().physical_pages == full  # a still holds them all
-    c.truncate(a, 0)
+    c.beams.truncate(a, 0)
     assert c.stats().physical_pages == len(_pages(c, b)) > 0
     _fill(c, b, 5, 4)  # b's tail page is private now: no copy
     assert c.stats().cow_copies == 0
     k, _ = c.kv(0, b)
     assert (k[:20] == 3).all() and (k[20:] == 4).all()
     with pytest.raises(ValueError, match="truncate length"):
-        c.truncate(b, 26)
+        c.beams.truncate(b, 26)
     c.free(a)
     c.free(b)
     c.check_invariants()
@@ -91,7 +91,7 @@ def test_write_group_writes_shared_pages_once_in_place(name):
     group = [a] + c.fork(a, 3)
     x = torch.arange(30 * 32, dtype=torch.float32).reshape(30, 2, 16)
     for layer in range(2):
-        c.write_group(layer, group, 0, x, -x)
+        c.beams.write_group(layer, group, 0, x, -x)
     st = c.stats()
     assert st.cow_copies == 0 and st.physical_pages == len(_pages(c, a))
     for s in group:
@@ -99,7 +99,7 @@ def test_write_group_writes_shared_pages_once_in_place(name):
         assert torch.equal(k, x) and torch.equal(v, -x)
     # an outsider holding the same pages keeps its bytes: the group copies first
     outsider = c.fork(a)[0]
-    c.write_group(0, group[:2], 0, x + 1, x + 1)
+    c.beams.write_group(0, group[:2], 0, x + 1, x + 1)
     assert torch.equal(c.kv(0, outsider)[0], x) and torch.equal(c.kv(0, group[2])[0], x)
     assert torch.equal(c.kv(0, group[0])[0], x + 1) and torch.equal(c.kv(0, group[1])[0], x + 1)
     assert c.stats().cow_copies > 0
@@ -151,7 +151,7 @@ def test_write_group_is_all_or_nothing_when_the_pool_runs_out(name):
     before = _state(c)
     x = torch.full((40, 2, 16), 9.0)
     with pytest.raises(CacheFull):
-        c.write_group(0, [b, d], 0, x, x)
+        c.beams.write_group(0, [b, d], 0, x, x)
     after = _state(c)
     assert before[0] == after[0] and before[1] == after[1]
     assert all(torch.equal(p, q) for s in before[2] for p, q in zip(before[2][s], after[2][s]))
@@ -166,11 +166,11 @@ def test_assign_from_an_empty_sequence_gives_each_its_own_token_list(name):
     c = FACTORIES[name]()
     a, b = c.new_sequence(), c.new_sequence()
     c.grow(b, 2, token_ids=[5, 6])
-    c.assign([b], [a])
+    c.beams.assign([b], [a])
     c.grow(a, 3, token_ids=[1, 2, 3])
     assert c.seq_len(b) == 0
     c.check_invariants()  # token ids known => as many as the sequence's length
-    back = c.swap_in(c.swap_out(b))
+    back = c.swap.restore(c.swap.out(b))
     assert c.seq_len(back) == 0
     c.grow(back, 1, token_ids=[7])
     c.check_invariants()

@@ -318,9 +318,9 @@ def test_a_sleep_that_keeps_nothing_leaves_the_prefixes_in_the_tiers(kind, tmp):
     live = c.new_sequence(prefix_tokens=B)
     append(c, live, B)
     c.cache_prefix(live)  # B cached and mapped by a live sequence
-    c.sleep(keep="none")
+    c.memory.sleep(keep="none")
     assert c.prefix.stats().cached_pages == 0
-    c.wake()
+    c.memory.wake()
     assert c.seq_len(live) == len(B) and c.kv(1, live)[0].abs().sum() == 0  # zeros, as said
     assert hit(c, A) == 2 * P and hit(c, B) == P  # both served from the tiers, checked
     c.free(live)

@@ -80,11 +80,11 @@ def test_wires_pack_and_unpack_into_an_adopted_sequence(kind):
     b = KINDS[kind]()
 
     def fill(t):
-        for src, dst in zip(a.wires(s), b.wires(t)):
+        for src, dst in zip(a.transfer.wires(s), b.transfer.wires(t)):
             assert src.nbytes == dst.nbytes
             dst.unpack(src.packed().clone())
 
-    t = b.adopt_sequence(a.manifest(s), fill)
+    t = b.transfer.adopt(a.transfer.manifest(s), fill)
     want, got = content(a, s), content(b, t)
     assert want["manifest"] == got["manifest"]
     assert all(torch.equal(x, y) for x, y in zip(want["kv"], got["kv"]))
@@ -95,7 +95,7 @@ def test_wires_pack_and_unpack_into_an_adopted_sequence(kind):
 
     free = b.pool.num_available
     with pytest.raises(RuntimeError, match="lost"):
-        b.adopt_sequence(a.manifest(s), broken)
+        b.transfer.adopt(a.transfer.manifest(s), broken)
     assert b.pool.num_available == free and b.sequences == [t]  # all or nothing
     b.check_invariants()
 

@@ -37,10 +37,10 @@ def test_wake_writes_each_chunk_as_it_is_created():
             k = torch.full((960, 2, 16), float(i + 1))
             c.write(layer, s, 0, k, -k)
     live = c.pool.num_used
-    c.sleep()
+    c.memory.sleep()
     assert be.release_calls >= live and be.live_handles() == 0
     created, maps = be.create_calls, be.map_calls
-    c.wake()
+    c.memory.wake()
     assert be.create_calls - created == live  # each live page once, none more
     chunks = -(-live // CREATE_CHUNK)
     assert [n for n, _ in c.fills] == [CREATE_CHUNK] * (chunks - 1) + [

@@ -76,7 +76,7 @@ class VMKVCache(SequenceCache):
         """``backend``: physical memory (default: the real one for ``device``); the cache
         closes it when it made it, or when ``own_backend`` is True. ``budget``: how many
         pages may exist at once (default: ``pool_bytes`` worth, changeable with
-        :meth:`set_memory_limit`; a :class:`~vmcache.ledger.SharedBudget` shares one
+        ``cache.memory.set_limit``; a :class:`~vmcache.ledger.SharedBudget` shares one
         device's memory between processes). ``window_align_tokens``: a sliding layer keeps
         its pages from its first needed token rounded down to this multiple (default
         :data:`FA_TILE_TOKENS` on CUDA, where FlashAttention reads whole K tiles from a

@@ -180,7 +180,7 @@ class _HFCache(Cache):
         for lead, rest in groups.items():
             same = [r for r in rest if torch.equal(k[r], k[lead]) and torch.equal(v[r], v[lead])]
             if same:
-                self.kv.write_group(layer.idx, [lead, *same], start, k[lead], v[lead])
+                self.kv.beams.write_group(layer.idx, [lead, *same], start, k[lead], v[lead])
             else:
                 self.kv.write(layer.idx, lead, start, k[lead], v[lead])
             for r in rest:
@@ -217,7 +217,7 @@ class _HFCache(Cache):
                 for lead, rest in groups.items():
                     self.kv.grow(lead, n)
                     if rest:
-                        self.kv.assign(rest, [lead] * len(rest))
+                        self.kv.beams.assign(rest, [lead] * len(rest))
                 self._groups = groups
                 self._len += n
                 return
@@ -253,7 +253,7 @@ class _HFCache(Cache):
         """Row i takes row ``beam_idx[i]``'s history: pages remapped, nothing gathered."""
         srcs = [int(i) for i in beam_idx.tolist()]
         if self.rows and srcs != self.rows:
-            self.kv.assign(self.rows, srcs)
+            self.kv.beams.assign(self.rows, srcs)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens (5.x passes a negative count; 5.17's
@@ -267,7 +267,7 @@ class _HFCache(Cache):
                              f"{tokens_to_remove}")  # fmt: skip
         new_len = max(0, self._len + tokens_to_remove)
         for r in self.rows:
-            self.kv.truncate(r, new_len)
+            self.kv.beams.truncate(r, new_len)
         for layer in self.layers:
             layer.length = min(layer.length, new_len)
         self._len, self._groups = new_len, None
@@ -292,7 +292,7 @@ class _HFCache(Cache):
             raise ValueError(f"{n} rows would exceed this cache's {self.kv.max_seqs} rows")
         added = [self.kv.new_sequence(slot=i) for i in range(b, n)]
         try:
-            self.kv.assign(list(range(n)), [i // repeats for i in range(n)])
+            self.kv.beams.assign(list(range(n)), [i // repeats for i in range(n)])
         except BaseException:
             for r in added:
                 self.kv.free(r)
@@ -307,7 +307,7 @@ class _HFCache(Cache):
         if not keep:
             raise ValueError("batch_select_indices needs at least one index")
         n = len(keep)
-        self.kv.assign(list(range(n)), keep)
+        self.kv.beams.assign(list(range(n)), keep)
         for r in self.rows[n:]:
             self.kv.free(r)
         self.rows, self._groups = list(range(n)), None
@@ -326,7 +326,7 @@ class _HFCache(Cache):
         if self.kv is not None:
             new.kv = new._make(self.spec, self.kv.max_seqs, self.kv.device)
             for r in self.rows:
-                new.kv.import_sequence(self.kv.export_sequence(r), slot=r)
+                new.kv.transfer.load(self.kv.transfer.export(r), slot=r)
         return new
 
     def stats(self) -> CacheStats | None:

@@ -31,7 +31,7 @@ class Swap:
 
     def _check_handle(self, cache, handle) -> None:
         if not isinstance(handle, SwapHandle):
-            raise TypeError(f"swap_in needs a SwapHandle, got {type(handle).__name__}")
+            raise TypeError(f"swap.restore needs a SwapHandle, got {type(handle).__name__}")
         if handle.owner != id(cache):
             raise ValueError("this SwapHandle was made by another cache")
         if handle.consumed:
@@ -44,7 +44,7 @@ class Swap:
 
     def out(self, s: int) -> SwapHandle:
         """Copy the sequence's mapped K/V to host memory and free its pages; returns a
-        :class:`SwapHandle` for :meth:`swap_in`."""
+        :class:`SwapHandle` for :meth:`restore`."""
         c = self._c
         s = c._check_seq(s)
         self._check(sum(w.nbytes for w in c.transfer.wires(s)))
@@ -62,6 +62,6 @@ class Swap:
         return s
 
     def restore_pages(self, handle: SwapHandle) -> int:
-        """Pages :meth:`swap_in` maps for ``handle`` (a window's released pages excluded)."""
+        """Pages :meth:`restore` maps for ``handle`` (a window's released pages excluded)."""
         c = self._c
         return c.transfer.adopt_pages(handle.length, handle.manifest.firsts)

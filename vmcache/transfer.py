@@ -33,7 +33,7 @@ class Manifest:
 
 @dataclass(eq=False)
 class SwapHandle:
-    """K/V of a swapped-out sequence, held in host memory until :meth:`swap_in`."""
+    """K/V of a swapped-out sequence, held in host memory until ``cache.swap.restore``."""
 
     manifest: Manifest = field(repr=False)  # length, released pages, token ids, salt
     nbytes: int
@@ -104,7 +104,7 @@ class Transfer:
                         c._salts[s])  # fmt: skip
 
     def can_adopt(self, m: Manifest, headroom_pages: int = 0) -> bool:
-        """Whether :meth:`adopt_sequence` of ``m`` would find a slot and its pages now, with
+        """Whether :meth:`adopt` of ``m`` would find a slot and its pages now, with
         ``headroom_pages`` still free after."""
         c = self._c
         need = self.adopt_pages(m.length, m.firsts) + headroom_pages

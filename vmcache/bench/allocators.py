@@ -249,7 +249,7 @@ class CacheAlloc:
         hit = kv.seq_len(s)
         if self.uses_ids and hit >= len(ids):
             hit = len(ids) - 1
-            kv.truncate(s, hit)
+            kv.beams.truncate(s, hit)
         try:
             kv.grow(s, tokens, token_ids=ids[hit : hit + tokens] if self.uses_ids else None)
         except CacheFull:
@@ -280,7 +280,7 @@ class CacheAlloc:
 
     def assign(self, dsts: list[int], srcs: list[int]) -> None:
         if self.share:
-            self.kv.assign(dsts, srcs)
+            self.kv.beams.assign(dsts, srcs)
         else:  # a gather copy of each history that changes hands
             self._copied += sum(self.kv.seq_len(s) for d, s in zip(dsts, srcs) if d != s) * self.bpt
 
@@ -291,7 +291,7 @@ class CacheAlloc:
         return self.kv.mapped_pages(h) * self.kv.page_bytes
 
     def headroom(self, h: int) -> int:
-        return self.kv.headroom(h)
+        return self.kv.memory.headroom(h)
 
     def held_bytes(self) -> int:
         """Pages in use, less those only the prefix index holds (a cache, evicted on demand)."""

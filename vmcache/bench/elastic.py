@@ -165,9 +165,9 @@ def sleep_rows(repeats: int, sizes_mib) -> list[dict]:
             sleeps, wakes = [], []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                c.sleep()
+                c.memory.sleep()
                 t1 = time.perf_counter()
-                c.wake()
+                c.memory.wake()
                 t2 = time.perf_counter()
                 sleeps.append(t1 - t0)
                 wakes.append(t2 - t1)

@@ -122,7 +122,7 @@ def _runs(wires, packed: bool) -> list[torch.Tensor]:
 
 def plan_handoff(cache, s: int, packed: bool = False) -> tuple[int, int]:
     """(data messages, data bytes) sending sequence ``s`` takes; changes nothing."""
-    wires = cache.wires(s)
+    wires = cache.transfer.wires(s)
     n = len(wires) if packed else sum(len(w.views) for w in wires)
     return n, sum(w.nbytes for w in wires)
 
@@ -140,8 +140,8 @@ def send_sequence(cache, s: int, dst: int, group=None, *, packed: bool = False,
     dev = _ctrl_device(cache, group)
     header = torch.zeros(8, dtype=torch.int64, device=dev)
     try:
-        m = cache.manifest(s)
-        wires = cache.wires(s)
+        m = cache.transfer.manifest(s)
+        wires = cache.transfer.wires(s)
         runs = _runs(wires, packed)
         meta = wire.encode_meta(m.firsts, m.token_ids, m.salt, extra)
     except BaseException as exc:
@@ -221,14 +221,14 @@ def recv_sequence(cache, src: int, group=None, *, headroom_pages: int = 0,
     except wire.WireError as exc:
         reply(REFUSED)
         raise TransferError(f"rank {src} sent a manifest this cache refuses: {exc}") from None
-    if not cache.can_adopt(m.manifest, headroom_pages):
-        need = cache.adopt_pages(length, m.manifest.firsts)
+    if not cache.transfer.can_adopt(m.manifest, headroom_pages):
+        need = cache.transfer.adopt_pages(length, m.manifest.firsts)
         reply(FULL, need)
         raise CacheFull(f"no room for rank {src}'s sequence of {length} tokens",
                         wanted=need, free=cache.pool.num_available)  # fmt: skip
 
     def fill(s: int) -> None:
-        wires = cache.wires(s)
+        wires = cache.transfer.wires(s)
         if packed:
             bufs = [torch.zeros(w.nbytes, dtype=torch.uint8, device=cache.device) for w in wires]
         else:
@@ -245,7 +245,7 @@ def recv_sequence(cache, src: int, group=None, *, headroom_pages: int = 0,
                 w.unpack(b)
 
     try:
-        s = cache.adopt_sequence(m.manifest, fill)
+        s = cache.transfer.adopt(m.manifest, fill)
     except CacheFull as exc:  # a shared budget gave the pages to another process meanwhile
         if not replied:
             reply(FULL, exc.wanted)

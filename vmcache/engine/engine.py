@@ -94,7 +94,7 @@ class Engine:
                              f"max_seq_len {self.kv.max_seq_len}")  # fmt: skip
         # a sliding window holds only its last pages: the peak of a grow by one step (a whole
         # prefill or re-prefill chunk) is what must fit
-        peak = self.kv.peak_pages(total, min(total, self.scheduler.max_batch_tokens))
+        peak = self.kv.memory.peak_pages(total, min(total, self.scheduler.max_batch_tokens))
         if peak > self.kv.pool.num_pages:
             raise ValueError(f"request {req.req_id!r}: {total} tokens need {peak} pages at "
                              f"once, the pool has {self.kv.pool.num_pages}")  # fmt: skip
@@ -180,7 +180,7 @@ class Engine:
             for seq in batch:
                 p = seq.req.params
                 if p.stop_token_id is None and len(seq.generated) + 1 < p.max_new_tokens:
-                    st.premapped_pages += self.kv.reserve(seq.slot, 1)
+                    st.premapped_pages += self.kv.memory.reserve(seq.slot, 1)
             premap = time.perf_counter() - tp
         now = time.perf_counter()
         for seq, row, decode in zip(batch, logits, decodes):

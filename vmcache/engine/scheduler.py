@@ -6,7 +6,7 @@ they feed this step, oldest first: decodes (one token each) before prompts still
 prefilled, which take what is left of the budget (chunked prefill: a prompt longer than the
 budget is fed over several steps, its K/V written chunk by chunk). When the pool cannot cover
 a sequence, a victim (``victim="last"``: the most recently admitted, or ``"first"``) is
-preempted by ``swap`` (K/V to the host tier, ``swap_in`` later) or ``recompute`` (pages freed,
+preempted by ``swap`` (K/V to the host tier, ``swap.restore`` later) or ``recompute`` (pages freed,
 tokens kept, re-prefilled later). (2) Only if nobody was preempted, swapped sequences come back
 and waiting ones are admitted, FIFO, with their first chunk, while the pool keeps room for the
 running sequences whose next token needs a new page (headroom in tokens, not pages per
@@ -62,10 +62,10 @@ class Scheduler:
         self.running.remove(seq)
         if seq in batch:  # already grown for this step: give that back first
             batch.remove(seq)
-            self.kv.truncate(seq.slot, seq.cached)
+            self.kv.beams.truncate(seq.slot, seq.cached)
         if self.preemption == "swap":
             try:
-                seq.swap = self.kv.swap_out(seq.slot)
+                seq.swap = self.kv.swap.out(seq.slot)
             except CacheFull:  # host tier full: recompute instead, nothing is lost
                 pass
             else:
@@ -96,7 +96,7 @@ class Scheduler:
         if not self._grow(seq, chunk, batch):
             return False
         batch.append(seq)
-        if self.kv.headroom(seq.slot) == 0:
+        if self.kv.memory.headroom(seq.slot) == 0:
             self._growing += 1
         return True
 
@@ -123,7 +123,7 @@ class Scheduler:
         slot = kv.new_sequence(prefix_tokens=seq.tokens if kv.prefix else None, salt=seq.req.salt)
         hit = kv.seq_len(slot)
         if hit >= n:
-            kv.truncate(slot, n - 1)
+            kv.beams.truncate(slot, n - 1)
             hit = n - 1
         chunk = min(n - hit, budget)
         if not self._room(kv.pages_for_tokens(hit + chunk) - kv.pages_for_tokens(hit)):
@@ -164,12 +164,12 @@ class Scheduler:
             budget -= n
         if preempted:
             return batch
-        self._growing = sum(1 for s in self.running if self.kv.headroom(s.slot) == 0)
+        self._growing = sum(1 for s in self.running if self.kv.memory.headroom(s.slot) == 0)
         while self.swapped and self.kv.num_free_slots:
             seq = self.swapped[0]
-            if not self._room(self.kv.swap_in_pages(seq.swap) + self.kv.pages_for_tokens(1)):
+            if not self._room(self.kv.swap.restore_pages(seq.swap) + self.kv.pages_for_tokens(1)):
                 break
-            seq.slot = self.kv.swap_in(seq.swap)
+            seq.slot = self.kv.swap.restore(seq.swap)
             seq.swap = None
             self.swapped.popleft()
             if not self._start(seq, step, batch, min(len(seq.pending), max(budget, 1))):
