@@ -7,8 +7,8 @@ last ``q_lens[i]`` positions of sequence i are the queries' own; causal → same
 """
 
 if __name__ == "vmcache.kernels":
-    from .api import attend, decode, prefill
-    from .reference import dense_attention, paged_decode_reference
+    from vmcache.kernels.api import attend, decode, prefill
+    from vmcache.kernels.reference import dense_attention, paged_decode_reference
 
     __all__ = ["attend", "decode", "prefill", "dense_attention", "paged_decode_reference"]
 else:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-
-from . import contiguous, paged
-from .common import attend_cache_views, check_inputs
+from vmcache.kernels import contiguous, paged
+from vmcache.kernels.common import attend_cache_views, check_inputs
 
 
 def _module(cache):

@@ -26,10 +26,9 @@ import functools
 import math
 
 import torch
-
-from . import triton_decode
-from .common import attend_cache_views, layer_window
-from .plan import plan
+from vmcache.kernels import triton_decode
+from vmcache.kernels.common import attend_cache_views, layer_window
+from vmcache.kernels.plan import plan
 
 IMPLS = ("flash_attn", "aten_fa2", "triton", "sdpa")
 PREFILL_IMPLS = ("aten_fa2", "sdpa")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from . import triton_decode
-from .common import attend_cache_views, layer_window
-from .plan import plan
+from vmcache.kernels import triton_decode
+from vmcache.kernels.common import attend_cache_views, layer_window
+from vmcache.kernels.plan import plan
 
 
 def decode(cache, layer: int, q, seq_ids: list[int], scale=None, impl=None):

@@ -1,13 +1,13 @@
 """vmcache: a virtual-memory KV cache for LLM inference (vAttention-style), with a
 block-table paged cache beside it for A/B measurements."""
 
-from .cache import VMKVCache
-from .errors import CacheFull, DriverError, InvariantError, MapLimitError
-from .pool import PagePool
-from .spec import KVSpec
-from .stats import CacheStats
-from .tiers import PrefixTiers
-from .transfer import SwapHandle
+from vmcache.cache import VMKVCache
+from vmcache.errors import CacheFull, DriverError, InvariantError, MapLimitError
+from vmcache.pool import PagePool
+from vmcache.spec import KVSpec
+from vmcache.stats import CacheStats
+from vmcache.tiers import PrefixTiers
+from vmcache.transfer import SwapHandle
 
 __all__ = [
     "KVSpec",

@@ -30,14 +30,14 @@ import math
 
 import torch
 
-from .backends import Backend, make_backend, round_up
-from .budget import Budget
-from .pagestore import Stager, VMPageStore
-from .pool import PagePool
-from .seqcache import SequenceCache, _check_int
-from .spec import KVSpec
-from .tables import FA_TILE_TOKENS, PageTables
-from .transfer import Wire
+from vmcache.backends import Backend, make_backend, round_up
+from vmcache.budget import Budget
+from vmcache.pagestore import Stager, VMPageStore
+from vmcache.pool import PagePool
+from vmcache.seqcache import SequenceCache, _check_int
+from vmcache.spec import KVSpec
+from vmcache.tables import FA_TILE_TOKENS, PageTables
+from vmcache.transfer import Wire
 
 LAYOUTS = ("layer_major", "token_major")
 

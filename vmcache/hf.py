@@ -30,13 +30,13 @@ import inspect
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import kernels
-from .cache import VMKVCache
-from .errors import check_int
-from .hf_attention import ATTN_NAME, register, stand_ins, vmcache_attention
-from .paged_fallback import PagedKVCache
-from .spec import KVSpec
-from .stats import CacheStats
+from vmcache import kernels
+from vmcache.cache import VMKVCache
+from vmcache.errors import check_int
+from vmcache.hf_attention import ATTN_NAME, register, stand_ins, vmcache_attention
+from vmcache.paged_fallback import PagedKVCache
+from vmcache.spec import KVSpec
+from vmcache.stats import CacheStats
 
 
 @functools.cache

@@ -9,8 +9,8 @@ only it holds, slots, and token ids (known ones as many as the length, no list s
 
 from __future__ import annotations
 
-from .errors import require
-from .tables import RELEASED
+from vmcache.errors import require
+from vmcache.tables import RELEASED
 
 
 def check_invariants(cache) -> None:

@@ -25,8 +25,8 @@ on a sleep that keeps nothing.
 
 from __future__ import annotations
 
-from .budget import LocalBudget
-from .errors import CacheFull, check_int
+from vmcache.budget import LocalBudget
+from vmcache.errors import CacheFull, check_int
 
 
 class Memory:

@@ -21,8 +21,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from .budget import Budget, LocalBudget
-from .errors import CacheFull, DriverError, require
+from vmcache.budget import Budget, LocalBudget
+from vmcache.errors import CacheFull, DriverError, require
 
 
 class Reclaimer(Protocol):

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import CacheFull
-from .tiers.digest import page_digest, salt_bytes
+from vmcache.errors import CacheFull
+from vmcache.tiers.digest import page_digest, salt_bytes
 
 
 def whole_pages_shared(a: Iterable[int], b: Iterable[int], page: int) -> int:

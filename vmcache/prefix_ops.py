@@ -7,7 +7,7 @@ its entries, the pool the refcounts. Prefix caching is refused for sliding-windo
 
 from __future__ import annotations
 
-from .prefix import PrefixIndex
+from vmcache.prefix import PrefixIndex
 
 
 def setup_prefix(c, prefix_caching: bool, prefix_tiers) -> None:
@@ -52,7 +52,7 @@ def close_tiers(c) -> None:
 
 
 def bind_tiers(c, tiers) -> None:
-    from .tiers import PrefixTiers
+    from vmcache.tiers import PrefixTiers
 
     if not isinstance(tiers, PrefixTiers):
         raise TypeError(f"prefix_tiers must be a PrefixTiers, got {type(tiers).__name__}")

@@ -24,21 +24,23 @@ from typing import Any
 
 import torch
 
-from . import deprecated, prefix_ops, reserve
-from .errors import CacheFull, check_tokens
-from .errors import check_int as _check_int  # also the name cache.py and paged_fallback import
-from .invariants import check_invariants
-from .memory import Memory
-from .pool import PagePool
-from .prefix import PrefixIndex
-from .sharing import Beams, fork
-from .spec import KVSpec, check_kv
-from .stats import CacheStats, collect_stats
-from .swap import Swap
-from .tables import PageTables
-from .tiers.digest import salt_bytes
-from .transactions import Transactions
-from .transfer import Transfer
+from vmcache import deprecated, prefix_ops, reserve
+from vmcache.errors import CacheFull, check_tokens
+from vmcache.errors import (
+    check_int as _check_int,  # also the name cache.py and paged_fallback import
+)
+from vmcache.invariants import check_invariants
+from vmcache.memory import Memory
+from vmcache.pool import PagePool
+from vmcache.prefix import PrefixIndex
+from vmcache.sharing import Beams, fork
+from vmcache.spec import KVSpec, check_kv
+from vmcache.stats import CacheStats, collect_stats
+from vmcache.swap import Swap
+from vmcache.tables import PageTables
+from vmcache.tiers.digest import salt_bytes
+from vmcache.transactions import Transactions
+from vmcache.transfer import Transfer
 
 
 class SequenceCache(Transactions):

@@ -55,8 +55,8 @@ def tiny_llama(seed: int = 0):
 
 
 def build_cache(kind: str, spec, args, device):
-    from .cache import VMKVCache
-    from .paged_fallback import PagedKVCache
+    from vmcache.cache import VMKVCache
+    from vmcache.paged_fallback import PagedKVCache
 
     pool = int(args.pool_mib * 2**20)
     max_len = args.prompt_len + args.max_new_tokens
@@ -69,7 +69,7 @@ def build_cache(kind: str, spec, args, device):
 
 
 def make_requests(args, vocab: int):
-    from .engine import Request, SamplingParams
+    from vmcache.engine import Request, SamplingParams
 
     g = torch.Generator().manual_seed(args.seed)
     return [Request(f"r{i}", tuple(torch.randint(0, vocab, (args.prompt_len,), generator=g)
@@ -83,14 +83,14 @@ def digest(outputs: dict) -> str:
 
 def worker(args) -> dict:
     """One rank's part (the process group already initialised)."""
-    from .engine import Engine
-    from .spec import KVSpec
+    from vmcache.engine import Engine
+    from vmcache.spec import KVSpec
 
     rank = dist.get_rank()
     nccl = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     if args.mode == "tp":
-        from .distributed.tp import load_tp_model, shard_spec, tensor_parallel_engine
+        from vmcache.distributed.tp import load_tp_model, shard_spec, tensor_parallel_engine
 
         model = load_tp_model(args.model)
         spec = shard_spec(KVSpec.from_hf_config(model.config), dist.get_world_size())
@@ -100,7 +100,7 @@ def worker(args) -> dict:
         outputs = engine.run(reqs)
         log = {}
     else:
-        from .distributed.disagg import serve_disaggregated
+        from vmcache.distributed.disagg import serve_disaggregated
 
         model = (_load(args.model) if args.model else tiny_llama(args.seed)).to(device)
         spec = KVSpec.from_hf_config(model.config)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .errors import CacheFull, check_int
+from vmcache.errors import CacheFull, check_int
 
 
 def fork(c, s: int, n: int = 1) -> list[int]:

@@ -8,8 +8,8 @@ Touches, on the coordinator: ``cache.transfer`` (export, load, wires, adopt_page
 
 from __future__ import annotations
 
-from .errors import CacheFull
-from .transfer import SwapHandle
+from vmcache.errors import CacheFull
+from vmcache.transfer import SwapHandle
 
 
 class Swap:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from itertools import islice
 
-from .tables import PageTables
+from vmcache.tables import PageTables
 
 
 class Transactions:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .tables import RELEASED
+from vmcache.tables import RELEASED
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ..errors import DriverError
-from .base import round_up
+from vmcache.backends.base import round_up
+from vmcache.errors import DriverError
 
 
 def load_driver() -> Any:

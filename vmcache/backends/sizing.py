@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import round_up
+from vmcache.backends.base import round_up
 
 
 class SizingBackend:

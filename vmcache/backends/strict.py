@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from ..errors import DriverError
-from .base import Backend, round_up
+from vmcache.backends.base import Backend, round_up
+from vmcache.errors import DriverError
 
 CUDA_GRANULARITY = 2 << 20  # cuMemGetAllocationGranularity(MINIMUM) on every current GPU
 

@@ -51,9 +51,9 @@ import time
 
 import torch
 
-from . import sizing, traces
-from .common import add_out_arg, save, table
-from .report import plot, unique_prompt_tokens, verdicts
+from vmcache.bench import sizing, traces
+from vmcache.bench.common import add_out_arg, save, table
+from vmcache.bench.report import plot, unique_prompt_tokens, verdicts
 
 COLUMNS = ["allocator", "internal_waste_pct", "reservation_waste_pct", "seq_waste_max_tok",
            "frag_stalls", "max_concurrent_seqs", "cow_saving_pct", "preemptions",
@@ -112,7 +112,7 @@ def run_sizing(args) -> list[dict]:
 
 
 def run_compute(args, dev: torch.device) -> list[dict]:
-    from . import compute  # needs transformers (the bench extra)
+    from vmcache.bench import compute  # needs transformers (the bench extra)
 
     print(f"\n== compute mode: engine + small random Llama on {dev} ==")
     rows = compute.run(dev, args.compute_requests, _floats(args.compute_rates),
@@ -177,7 +177,7 @@ def main(argv=None) -> None:
     ap = parser()
     args = ap.parse_args(argv)
     if args.mode in ("elastic", "tiers"):  # their own workloads, options and results files
-        from . import elastic, tiers
+        from vmcache.bench import elastic, tiers
 
         fwd = ["--repeats", str(args.repeats)] + ["--quick"] * args.quick
         fwd += ["--out", args.out] if args.out else []

@@ -17,7 +17,7 @@ partly filled granule.
 
 from __future__ import annotations
 
-from ..errors import CacheFull
+from vmcache.errors import CacheFull
 
 
 class StaticAlloc:

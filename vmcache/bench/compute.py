@@ -16,12 +16,12 @@ import statistics
 
 import torch
 
-from ..backends import Backend, make_backend
-from ..cache import VMKVCache
-from ..engine import Engine, Request, SamplingParams
-from ..paged_fallback import PagedKVCache
-from ..spec import KVSpec
-from .latency import poisson_arrivals, spread, summarize
+from vmcache.backends import Backend, make_backend
+from vmcache.bench.latency import poisson_arrivals, spread, summarize
+from vmcache.cache import VMKVCache
+from vmcache.engine import Engine, Request, SamplingParams
+from vmcache.paged_fallback import PagedKVCache
+from vmcache.spec import KVSpec
 
 MAX_SEQ_LEN = 512  # the main trace's requests: prompts <= 100, outputs <= 28
 

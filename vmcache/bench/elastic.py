@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..backends.host import HostBackend
-from ..budget import LocalBudget
-from ..cache import VMKVCache
-from ..spec import KVSpec
-from .common import add_out_arg, save_and_plot, table
+from vmcache.backends.host import HostBackend
+from vmcache.bench.common import add_out_arg, save_and_plot, table
+from vmcache.budget import LocalBudget
+from vmcache.cache import VMKVCache
+from vmcache.spec import KVSpec
 
 TOTAL, PAGE, PROMPT, OUT = 512, 4096, 64, 64
 LOADS = {1: 4, 2: 8, 4: 16}  # load factor -> requests per burst
@@ -69,8 +69,8 @@ def _engine_rank(rank, init, ledger, mode, per_burst, period, bursts, queue):
 def _serve(rank, init, ledger, mode, per_burst, period, bursts, queue):
     torch.set_num_threads(1)  # two engines on two cores: more threads each oversubscribe them
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    from ..engine import Engine, Request, SamplingParams
-    from ..ledger import SharedBudget
+    from vmcache.engine import Engine, Request, SamplingParams
+    from vmcache.ledger import SharedBudget
 
     m = model()
     spec = KVSpec.from_hf_config(m.config)

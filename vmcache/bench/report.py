@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..spec import KVSpec
+from vmcache.spec import KVSpec
 
 # (trace, allocator family) -> what the seed claims there; how each is tested: verdicts()
 CLAIMS = {
@@ -39,7 +39,7 @@ def row_tokens_per_page(spec: KVSpec, allocator: str) -> float:
 def unique_prompt_tokens(trace) -> int:
     """Distinct prompt prefixes over the trace (nodes of a trie of the prompts' token ids):
     the prompt tokens an ideal prefix cache computes once each."""
-    from .traces import token_id
+    from vmcache.bench.traces import token_id
 
     nodes: dict[tuple[int, int], int] = {}
     for rid, r in enumerate(trace):

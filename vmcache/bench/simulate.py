@@ -33,10 +33,10 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..errors import CacheFull
-from ..prefix import whole_pages_shared
-from .latency import StepModel, percentile, summarize
-from .traces import TraceRequest, token_id
+from vmcache.bench.latency import StepModel, percentile, summarize
+from vmcache.bench.traces import TraceRequest, token_id
+from vmcache.errors import CacheFull
+from vmcache.prefix import whole_pages_shared
 
 
 class DoesNotFit(RuntimeError):

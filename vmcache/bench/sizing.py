@@ -14,13 +14,13 @@ import random
 import sys
 import time
 
-from ..backends.sizing import SizingBackend
-from ..cache import VMKVCache
-from ..paged_fallback import PagedKVCache
-from ..spec import KVSpec
-from . import traces
-from .allocators import CacheAlloc, OrcaAlloc, StaticAlloc
-from .simulate import DoesNotFit, simulate
+from vmcache.backends.sizing import SizingBackend
+from vmcache.bench import traces
+from vmcache.bench.allocators import CacheAlloc, OrcaAlloc, StaticAlloc
+from vmcache.bench.simulate import DoesNotFit, simulate
+from vmcache.cache import VMKVCache
+from vmcache.paged_fallback import PagedKVCache
+from vmcache.spec import KVSpec
 
 ALLOCATORS = ("static", "orca-256", "paged-8", "paged-16", "paged-32", "vm-layer-2M",
               "vm-layer-64K", "vm-token-2M", "radix-paged-16", "radix-vm-layer-64K")  # fmt: skip

@@ -41,12 +41,12 @@ import time
 
 import torch
 
-from ..backends.host import HostBackend
-from ..cache import VMKVCache
-from ..paged_fallback import PagedKVCache
-from ..spec import KVSpec
-from ..tiers import PrefixTiers
-from .common import add_out_arg, save_and_plot, table
+from vmcache.backends.host import HostBackend
+from vmcache.bench.common import add_out_arg, save_and_plot, table
+from vmcache.cache import VMKVCache
+from vmcache.paged_fallback import PagedKVCache
+from vmcache.spec import KVSpec
+from vmcache.tiers import PrefixTiers
 
 POOL_TOKENS, SYSTEM, USER, ANSWER, VOCAB = 2048, 32, 48, 16, 512
 TIERS = ("none", "host", "disk", "host+disk", "none, 8x pool")  # the last: the reference
@@ -86,7 +86,7 @@ def make_cache(kind: str, spec: KVSpec, tiers, max_len: int, pool_tokens: int):
 
 def run(kind: str, which: str, m, conversations: int, turns: int,
         pool_tokens: int = POOL_TOKENS) -> dict:  # fmt: skip
-    from ..engine import Engine, Request, SamplingParams
+    from vmcache.engine import Engine, Request, SamplingParams
 
     spec = KVSpec.from_hf_config(m.config)
     g = torch.Generator().manual_seed(1)

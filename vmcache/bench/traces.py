@@ -28,7 +28,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from .latency import poisson_arrivals
+from vmcache.bench.latency import poisson_arrivals
 
 L_MAX = 8192
 

@@ -29,9 +29,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from ..engine.request import Request, SamplingParams, Seq, Status
-from ..errors import CacheFull
-from .transfer import recv_sequence, send_sequence
+from vmcache.distributed.transfer import recv_sequence, send_sequence
+from vmcache.engine.request import Request, SamplingParams, Seq, Status
+from vmcache.errors import CacheFull
 
 
 @dataclass

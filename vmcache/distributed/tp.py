@@ -22,9 +22,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from ..engine import Engine
-from ..engine.runner import ModelRunner
-from ..spec import KVSpec
+from vmcache.engine import Engine
+from vmcache.engine.runner import ModelRunner
+from vmcache.spec import KVSpec
 
 
 def shard_spec(spec: KVSpec, world_size: int) -> KVSpec:

@@ -47,9 +47,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..errors import CacheFull
-from ..transfer import Manifest
-from . import wire
+from vmcache.distributed import wire
+from vmcache.errors import CacheFull
+from vmcache.transfer import Manifest
 
 MAGIC = 0x564D4B56  # "VMKV"
 VERSION = 2  # 1: pickled metadata (refused)

@@ -1,9 +1,9 @@
 """A continuous-batching serving engine over VMKVCache or PagedKVCache (see engine.py)."""
 
-from .engine import Engine, EngineStats
-from .request import Request, SamplingParams
-from .runner import ModelRunner, StepCache
-from .scheduler import Scheduler
+from vmcache.engine.engine import Engine, EngineStats
+from vmcache.engine.request import Request, SamplingParams
+from vmcache.engine.runner import ModelRunner, StepCache
+from vmcache.engine.scheduler import Scheduler
 
 __all__ = ["Engine", "EngineStats", "Request", "SamplingParams", "ModelRunner", "StepCache",
            "Scheduler"]  # fmt: skip

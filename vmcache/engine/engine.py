@@ -17,10 +17,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..errors import CacheFull
-from .request import Request, SamplingParams, Seq, Status
-from .runner import ModelRunner
-from .scheduler import Scheduler
+from vmcache.engine.request import Request, SamplingParams, Seq, Status
+from vmcache.engine.runner import ModelRunner
+from vmcache.engine.scheduler import Scheduler
+from vmcache.errors import CacheFull
 
 
 @dataclass

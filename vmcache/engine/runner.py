@@ -18,9 +18,9 @@ import inspect
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .. import kernels
-from ..hf import ATTN_NAME, cache_keyword, stand_ins
-from ..spec import KVSpec
+from vmcache import kernels
+from vmcache.hf import ATTN_NAME, cache_keyword, stand_ins
+from vmcache.spec import KVSpec
 
 
 class _StepLayer(CacheLayerMixin):

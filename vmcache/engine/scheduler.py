@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..errors import CacheFull
-from ..prefix import whole_pages_shared
-from .request import Seq, Status
+from vmcache.engine.request import Seq, Status
+from vmcache.errors import CacheFull
+from vmcache.prefix import whole_pages_shared
 
 POLICIES = ("recompute", "swap")
 VICTIMS = ("last", "first")

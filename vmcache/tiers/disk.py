@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from . import files
-from .digest import DIGEST_BYTES, mac, mac_key, root_tag
+from vmcache.tiers import files
+from vmcache.tiers.digest import DIGEST_BYTES, mac, mac_key, root_tag
 
 MAGIC, VERSION, SUFFIX = b"VMKVTIER", 2, ".kvt"
 _HEAD = struct.Struct(f"<8sIIQ{DIGEST_BYTES}s{DIGEST_BYTES}s")

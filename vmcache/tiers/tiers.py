@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from ..errors import check_int
-from .digest import root_digest
-from .disk import DiskTier
-from .files import KEY_BYTES, dir_key, private_dir
-from .host import HostTier
+from vmcache.errors import check_int
+from vmcache.tiers.digest import root_digest
+from vmcache.tiers.disk import DiskTier
+from vmcache.tiers.files import KEY_BYTES, dir_key, private_dir
+from vmcache.tiers.host import HostTier
 
 
 @dataclass(frozen=True)
