@@ -26,8 +26,8 @@ from common import parse_args, save, table  # noqa: E402
 from vmcache.paged_fallback import PagedKVCache  # noqa: E402
 
 from vmcache import KVSpec, VMKVCache, kernels  # noqa: E402
-from vmcache.backends import make_backend  # noqa: E402
-from vmcache.backends.strict import StrictBackend  # noqa: E402
+from vmcache.memory.backends import make_backend  # noqa: E402
+from vmcache.memory.backends.strict import StrictBackend  # noqa: E402
 
 
 def make(kind: str, spec: KVSpec, dev: torch.device, batch: int, max_len: int):

@@ -11,7 +11,7 @@ import torch
 from common import parse_args, save, table, time_repeats
 
 from vmcache import KVSpec, VMKVCache
-from vmcache.backends import make_backend
+from vmcache.memory.backends import make_backend
 
 
 def map_unmap(device: torch.device, page_sizes: list[int], n: int) -> list[dict]:

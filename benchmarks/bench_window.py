@@ -20,7 +20,7 @@ from common import parse_args, save_and_plot, table
 from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 
 from vmcache.hf import PagedCache, VMCache, cache_keyword
-from vmcache.spec import KVSpec
+from vmcache.sequences.spec import KVSpec
 
 W = 512
 CACHES = ("dynamic", "vmcache", "vmcache_token_major", "paged")

@@ -39,8 +39,8 @@ from vmcache.kernels.plan import plan  # noqa: E402
 from vmcache.paged_fallback import PagedKVCache  # noqa: E402
 
 from vmcache import KVSpec, VMKVCache  # noqa: E402
-from vmcache.backends.host import HostBackend  # noqa: E402
-from vmcache.backends.strict import CUDA_GRANULARITY, StrictBackend  # noqa: E402
+from vmcache.memory.backends.host import HostBackend  # noqa: E402
+from vmcache.memory.backends.strict import CUDA_GRANULARITY, StrictBackend  # noqa: E402
 
 # name: (layers, kv heads, head_dim, q heads)
 SHAPES = {

@@ -21,9 +21,9 @@ from common import add_out_arg, save, table
 from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import CacheFull, KVSpec, VMKVCache
-from vmcache.backends import make_backend
-from vmcache.backends.host import HostBackend
-from vmcache.backends.strict import CUDA_GRANULARITY, StrictBackend
+from vmcache.memory.backends import make_backend
+from vmcache.memory.backends.host import HostBackend
+from vmcache.memory.backends.strict import CUDA_GRANULARITY, StrictBackend
 
 
 def spec_for(page_size: int) -> KVSpec:

@@ -10,7 +10,7 @@ from vmcache.kernels.common import attend_cache_views, check_inputs
 def _module(cache):
     from vmcache.paged_fallback import PagedKVCache
 
-    from vmcache.cache import VMKVCache
+    from vmcache.sequences.cache import VMKVCache
 
     if isinstance(cache, VMKVCache):
         return contiguous

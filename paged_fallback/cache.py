@@ -27,11 +27,11 @@ import math
 
 import torch
 
-from vmcache.pool import PagePool
-from vmcache.seqcache import SequenceCache, _check_int
-from vmcache.spec import KVSpec
-from vmcache.tables import PageTables
-from vmcache.transfer import Wire
+from vmcache.memory.pool import PagePool
+from vmcache.sequences.coordinator import SequenceCache, _check_int
+from vmcache.sequences.spec import KVSpec
+from vmcache.sequences.tables import PageTables
+from vmcache.sequences.transfer import Wire
 
 STAGE_BYTES = 64 << 20  # the most a device-side gather of blocks (tiers, sleep) allocates
 
@@ -221,7 +221,7 @@ class PagedKVCache(SequenceCache):
 
         return Wire(views, gather, scatter)
 
-    # --- prefix tier hooks (vmcache.tiers): a block's bytes across its slots and K/V ----
+    # --- prefix tier hooks (vmcache.prefix.tiers): a block's bytes across its slots and K/V ----
     def _read_pages(self, pages: list[int], pin: bool = False) -> torch.Tensor:
         """uint8 ``[len(pages), page_bytes]`` host copy of ``pages`` (blocks across slots and
         K/V), gathered on the device in bounded chunks (:data:`STAGE_BYTES`), so a sleep of

@@ -10,8 +10,8 @@ import torch
 from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import KVSpec, VMKVCache
-from vmcache.backends.host import HostBackend
-from vmcache.backends.strict import StrictBackend
+from vmcache.memory.backends.host import HostBackend
+from vmcache.memory.backends.strict import StrictBackend
 
 
 def examples(n: int) -> int:

@@ -22,7 +22,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 from caches import strict_host  # noqa: E402
 
 from vmcache import KVSpec, VMKVCache  # noqa: E402
-from vmcache.backends import cuda_vmm_available  # noqa: E402
+from vmcache.memory.backends import cuda_vmm_available  # noqa: E402
 
 HAS_CUDA_VMM = cuda_vmm_available()  # raises where a GPU is visible but the driver is not
 

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from handoff_scenarios import KINDS, _same, build, fill, state
 
 from vmcache import CacheFull
-from vmcache.budget import LocalBudget
 from vmcache.distributed import TransferError, recv_sequence, send_sequence, wire
 from vmcache.distributed import transfer as T
+from vmcache.memory.budget import LocalBudget
 
 DEADLINE_S = 1.0  # the receiver's
 HOSTILE_WAIT_S = 0.3  # how long the hostile peer waits on its own messages

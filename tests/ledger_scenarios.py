@@ -8,7 +8,7 @@ import torch.distributed as dist
 from caches import SPEC, strict_host
 
 from vmcache import CacheFull, VMKVCache
-from vmcache.ledger import SharedBudget
+from vmcache.memory.ledger import SharedBudget
 
 TOTAL = 24  # pages in the shared budget
 MIN0 = 4  # rank 0's guaranteed minimum

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from vmcache.backends.base import runs as _runs
-from vmcache.backends.host import HostBackend, process_map_count
+from vmcache.memory.backends.base import runs as _runs
+from vmcache.memory.backends.host import HostBackend, process_map_count
 
 P = 4096
 
@@ -61,7 +61,7 @@ def test_close_releases_mappings_and_fd():
 
 def test_unmapped_memory_faults():
     code = (
-        "from vmcache.backends.host import HostBackend\n"
+        "from vmcache.memory.backends.host import HostBackend\n"
         "be = HostBackend(); va = be.reserve(8192); h = be.create_page(4096)\n"
         "be.map(va, [h], 4096); be.view(va, 4096)[0] = 1\n"
         "print('mapped ok', flush=True)\n"

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from vmcache import DriverError, KVSpec, VMKVCache
-from vmcache.backends.host import HostBackend
-from vmcache.backends.strict import CUDA_GRANULARITY, PageRuleError, StrictBackend
+from vmcache.memory.backends.host import HostBackend
+from vmcache.memory.backends.strict import CUDA_GRANULARITY, PageRuleError, StrictBackend
 
 G = CUDA_GRANULARITY
 

@@ -4,9 +4,9 @@ its radix rows really hit the prefix cache."""
 
 import torch
 
-from vmcache.backends.host import HostBackend
-from vmcache.backends.strict import CUDA_GRANULARITY, StrictBackend
 from vmcache.bench import compute
+from vmcache.memory.backends.host import HostBackend
+from vmcache.memory.backends.strict import CUDA_GRANULARITY, StrictBackend
 
 CPU = torch.device("cpu")
 

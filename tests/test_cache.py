@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from vmcache import CacheFull, KVSpec, VMKVCache
-from vmcache.backends.host import process_map_count
+from vmcache.memory.backends.host import process_map_count
 
 
 def rand_kv(spec, n, seed=0):

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture
 def backend():
-    from vmcache.backends.cuda import CudaBackend
+    from vmcache.memory.backends.cuda import CudaBackend
 
     be = CudaBackend("cuda")
     yield be
@@ -289,7 +289,7 @@ def test_a_paged_sleep_returns_its_block_tensor_to_the_device():
 
 @pytest.mark.parametrize("kind", ["vm", "paged"])
 def test_prefix_tiers_round_trip_gpu_pages(kind, tmp_path):
-    from vmcache.tiers import PrefixTiers
+    from vmcache.prefix.tiers import PrefixTiers
 
     spec = KVSpec(2, 8, 128, torch.bfloat16)
     tiers = PrefixTiers(1, disk_dir=tmp_path, disk_bytes=1 << 30)  # everything to disk

@@ -8,10 +8,10 @@ import pytest
 import torch
 from caches import FACTORIES
 
-from vmcache.deprecated import METHODS, PROPERTIES
+from vmcache.sequences.deprecated import METHODS, PROPERTIES
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vmcache")
-FACETS = {"beams": "sharing.py", "swap": "swap.py", "transfer": "transfer.py",
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vmcache", "sequences")
+FACETS = {"beams": "beams.py", "swap": "swap.py", "transfer": "transfer.py",
           "memory": "memory.py"}  # fmt: skip
 
 
@@ -30,7 +30,7 @@ def test_each_facet_is_an_object_of_the_cache_with_its_calls(kind):
     c, s, k = filled(kind)
     for facet, (cls_file) in FACETS.items():
         obj = getattr(c, facet)
-        assert type(obj).__module__ == "vmcache." + cls_file[:-3], facet
+        assert type(obj).__module__ == "vmcache.sequences." + cls_file[:-3], facet
     for old, (facet, new) in {**METHODS, **PROPERTIES}.items():
         assert hasattr(getattr(c, facet), new), (old, facet, new)
     (child,) = c.fork(s)

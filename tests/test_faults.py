@@ -11,7 +11,7 @@ import torch
 from caches import record_coverage, strict_host
 
 from vmcache import CacheFull, DriverError, KVSpec, VMKVCache
-from vmcache.backends.host import HostBackend
+from vmcache.memory.backends.host import HostBackend
 
 SPEC = KVSpec(2, 2, 16, torch.float32)  # 128 B per token row: 32 tokens per 4 KiB page
 INJECTED: set[str] = set()  # kinds of call that failed at least once
@@ -183,14 +183,14 @@ def test_out_of_memory_while_waking_is_cache_full_and_the_cache_stays_asleep():
 
 
 def test_running_out_of_mappings_is_a_clear_error():
-    from vmcache.backends.host import max_map_count
+    from vmcache.memory.backends.host import max_map_count
 
     n = max_map_count() // 2 + 5000  # isolated pages take a VMA each: past the host's limit
     if n > 600_000:
         pytest.skip(f"vm.max_map_count is {max_map_count()}: too many mappings to exhaust")
     code = (
         "from vmcache import MapLimitError\n"
-        "from vmcache.backends.host import HostBackend\n"
+        "from vmcache.memory.backends.host import HostBackend\n"
         f"be = HostBackend(); P = 4096; n = {n}\n"
         "va = be.reserve(2 * n * P)\n"
         "try:\n"

@@ -23,7 +23,7 @@ from transformers import (
 )
 
 from vmcache.hf import PagedCache, VMCache, cache_keyword
-from vmcache.spec import KVSpec
+from vmcache.sequences.spec import KVSpec
 
 W = 12
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,

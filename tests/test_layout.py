@@ -6,7 +6,7 @@ import torch
 from vmcache.kernels.contiguous import flat_rows
 
 from vmcache import KVSpec, VMKVCache
-from vmcache.backends.sizing import SizingBackend
+from vmcache.memory.backends.sizing import SizingBackend
 
 P = 2 << 20
 

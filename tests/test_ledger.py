@@ -1,4 +1,4 @@
-"""One budget shared by caches in three processes (vmcache/ledger.py): the total is never
+"""One budget shared by caches in three processes (vmcache/memory/ledger.py): the total is never
 exceeded, a process's guaranteed minimum stays available, a killed process's pages return,
 freed and trimmed pages go to whoever asks next (tests/ledger_scenarios.py runs the ranks)."""
 
@@ -11,7 +11,7 @@ import pytest
 from ledger_scenarios import MIN0, TOTAL, shared
 from ranks import run_ranks
 
-from vmcache.ledger import SharedBudget, _start_time
+from vmcache.memory.ledger import SharedBudget, _start_time
 
 
 @pytest.fixture(scope="module")

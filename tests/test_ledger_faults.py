@@ -1,6 +1,6 @@
-"""The shared-budget ledger (vmcache/ledger.py) under faults: bad requests, two budgets in one
-process, a crash in the middle of an update, a process stopped holding the lock, a hung holder
-whose lease runs out, a ledger deleted or damaged while in use."""
+"""The shared-budget ledger (vmcache/memory/ledger.py) under faults: bad requests, two budgets
+in one process, a crash in the middle of an update, a process stopped holding the lock, a hung
+holder whose lease runs out, a ledger deleted or damaged while in use."""
 
 import os
 import stat
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from vmcache.ledger import LedgerError, SharedBudget
+from vmcache.memory.ledger import LedgerError, SharedBudget
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def _child(path, body: str, kw: str = "") -> subprocess.Popen:
     """A process with its own SharedBudget(path, kw) running ``body`` (prints 'ready')."""
     code = textwrap.dedent(f"""
         import os, signal, sys, time
-        from vmcache.ledger import SharedBudget
+        from vmcache.memory.ledger import SharedBudget
         b = SharedBudget(sys.argv[1], {kw})
         """) + textwrap.dedent(body)  # fmt: skip
     p = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE,

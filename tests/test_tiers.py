@@ -16,9 +16,9 @@ from hypothesis.stateful import precondition, rule, run_state_machine_as_test
 from prefix_machine import PrefixMachine, append, kv_of, make, tpp
 
 from vmcache import CacheFull
-from vmcache.tiers import PrefixTiers
-from vmcache.tiers.digest import page_digest, salt_bytes
-from vmcache.tiers.disk import file_bytes
+from vmcache.prefix.tiers import PrefixTiers
+from vmcache.prefix.tiers.digest import page_digest, salt_bytes
+from vmcache.prefix.tiers.disk import file_bytes
 
 KINDS = ["vm", "vm_token_major", "paged"]
 

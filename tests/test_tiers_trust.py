@@ -17,10 +17,10 @@ from prefix_machine import append, tpp
 from test_tiers import cache, cached, hit, kvt
 
 from vmcache import CacheFull
-from vmcache.tiers import PrefixTiers
-from vmcache.tiers.digest import DIGEST_BYTES, mac, page_digest, root_digest, salt_bytes
-from vmcache.tiers.disk import _HEAD, _ROW
-from vmcache.tiers.files import TierDirectoryError
+from vmcache.prefix.tiers import PrefixTiers
+from vmcache.prefix.tiers.digest import DIGEST_BYTES, mac, page_digest, root_digest, salt_bytes
+from vmcache.prefix.tiers.disk import _HEAD, _ROW
+from vmcache.prefix.tiers.files import TierDirectoryError
 
 
 @pytest.fixture
@@ -202,8 +202,8 @@ def test_one_directory_serves_one_tiers_at_a_time(tmp):
     with pytest.raises(TierDirectoryError, match="in use"):
         cache("paged", PrefixTiers(disk_dir=tmp, disk_bytes=1 << 22))
     code = textwrap.dedent(f"""
-        from vmcache.tiers import PrefixTiers
-        from vmcache.tiers.files import TierDirectoryError
+        from vmcache.prefix.tiers import PrefixTiers
+        from vmcache.prefix.tiers.files import TierDirectoryError
         t = PrefixTiers(disk_dir={str(tmp)!r}, disk_bytes=1 << 20)
         try:
             t.bind({{"cache": "x"}}, 64)

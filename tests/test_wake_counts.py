@@ -8,8 +8,8 @@ import torch
 from caches import SPEC, strict_host
 
 from vmcache import VMKVCache
-from vmcache.pagestore import CREATE_CHUNK
-from vmcache.tiers import PrefixTiers
+from vmcache.memory.pagestore import CREATE_CHUNK
+from vmcache.prefix.tiers import PrefixTiers
 
 
 class Recording(VMKVCache):

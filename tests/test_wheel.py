@@ -3,6 +3,7 @@ built wheel, installed into a fresh virtual environment outside the checkout, im
 module (an editable install, which every other test uses, hides a package left out)."""
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -34,9 +35,15 @@ def test_every_package_folder_is_listed():
 
 
 def test_built_wheel_imports_every_module(tmp_path):
-    dist = tmp_path / "dist"
+    dist, src = tmp_path / "dist", tmp_path / "src"
+    # from a copy of the sources: setuptools reuses a checkout's build/lib without cleaning it,
+    # so modules moved or deleted since an earlier build would ride along in the wheel
+    for part in ("vmcache", "kernels", "paged_fallback"):
+        shutil.copytree(ROOT / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
+    for part in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / part, src / part)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "-w", str(dist), str(ROOT)],
+                    "--no-build-isolation", "-w", str(dist), str(src)],
                    check=True, cwd=tmp_path)  # fmt: skip
     (wheel,) = dist.glob("vmcache-*.whl")
     env_dir = tmp_path / "venv"

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from vmcache import KVSpec, VMKVCache
-from vmcache.backends.sizing import SizingBackend
-from vmcache.cache import default_window_align
-from vmcache.tables import FA_TILE_TOKENS
+from vmcache.memory.backends.sizing import SizingBackend
+from vmcache.sequences.cache import default_window_align
+from vmcache.sequences.tables import FA_TILE_TOKENS
 
 P = 2 << 20
 TILES = (64, 128)  # FA2's kBlockN on sm_90 (forward, by head_dim)

@@ -1,13 +1,22 @@
 """vmcache: a virtual-memory KV cache for LLM inference (vAttention-style), with a
-block-table paged cache beside it for A/B measurements."""
+block-table paged cache beside it for A/B measurements.
 
-from vmcache.cache import VMKVCache
+    vmcache.memory      physical memory: backends, page store, pool, budgets, ledger
+    vmcache.prefix      prefix index and its RAM / disk tiers
+    vmcache.sequences   KVSpec, page tables, the coordinator and its facets, VMKVCache
+    vmcache.kernels     attention over either cache;  vmcache.paged_fallback  PagedKVCache
+    vmcache.hf / .engine / .distributed / .serve   the ways in;  vmcache.bench  the harness
+"""
+
 from vmcache.errors import CacheFull, DriverError, InvariantError, MapLimitError
-from vmcache.pool import PagePool
-from vmcache.spec import KVSpec
-from vmcache.stats import CacheStats
-from vmcache.tiers import PrefixTiers
-from vmcache.transfer import SwapHandle
+from vmcache.memory.budget import LocalBudget
+from vmcache.memory.ledger import SharedBudget
+from vmcache.memory.pool import PagePool
+from vmcache.prefix.tiers import PrefixTiers
+from vmcache.sequences.cache import VMKVCache
+from vmcache.sequences.spec import KVSpec
+from vmcache.sequences.stats import CacheStats
+from vmcache.sequences.transfer import SwapHandle
 
 __all__ = [
     "KVSpec",
@@ -17,6 +26,8 @@ __all__ = [
     "MapLimitError",
     "InvariantError",
     "PagePool",
+    "LocalBudget",
+    "SharedBudget",
     "SwapHandle",
     "PrefixTiers",
     "CacheStats",

@@ -55,8 +55,8 @@ def tiny_llama(seed: int = 0):
 
 
 def build_cache(kind: str, spec, args, device):
-    from vmcache.cache import VMKVCache
     from vmcache.paged_fallback import PagedKVCache
+    from vmcache.sequences.cache import VMKVCache
 
     pool = int(args.pool_mib * 2**20)
     max_len = args.prompt_len + args.max_new_tokens
@@ -84,7 +84,7 @@ def digest(outputs: dict) -> str:
 def worker(args) -> dict:
     """One rank's part (the process group already initialised)."""
     from vmcache.engine import Engine
-    from vmcache.spec import KVSpec
+    from vmcache.sequences.spec import KVSpec
 
     rank = dist.get_rank()
     nccl = dist.get_backend() == "nccl"

@@ -16,12 +16,12 @@ import statistics
 
 import torch
 
-from vmcache.backends import Backend, make_backend
 from vmcache.bench.latency import poisson_arrivals, spread, summarize
-from vmcache.cache import VMKVCache
 from vmcache.engine import Engine, Request, SamplingParams
+from vmcache.memory.backends import Backend, make_backend
 from vmcache.paged_fallback import PagedKVCache
-from vmcache.spec import KVSpec
+from vmcache.sequences.cache import VMKVCache
+from vmcache.sequences.spec import KVSpec
 
 MAX_SEQ_LEN = 512  # the main trace's requests: prompts <= 100, outputs <= 28
 

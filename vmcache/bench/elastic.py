@@ -1,6 +1,6 @@
-"""Elastic memory measured: two engines in two processes with alternating bursts, on one shared
-budget (vmcache.ledger.SharedBudget) against two static halves, at 1x, 2x and 4x the load that
-fits; and the time to sleep and wake a cache holding a given amount of K/V.
+"""Elastic memory measured: two engines in two processes with alternating bursts, on one
+shared budget (vmcache.memory.ledger.SharedBudget) against two static halves, at 1x, 2x and 4x
+the load that fits; and the time to sleep and wake a cache holding a given amount of K/V.
 
     python -m vmcache.bench --mode elastic [--quick] [--repeats 3]   (make bench-elastic)
 
@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vmcache.backends.host import HostBackend
 from vmcache.bench.common import add_out_arg, save_and_plot, table
-from vmcache.budget import LocalBudget
-from vmcache.cache import VMKVCache
-from vmcache.spec import KVSpec
+from vmcache.memory.backends.host import HostBackend
+from vmcache.memory.budget import LocalBudget
+from vmcache.sequences.cache import VMKVCache
+from vmcache.sequences.spec import KVSpec
 
 TOTAL, PAGE, PROMPT, OUT = 512, 4096, 64, 64
 LOADS = {1: 4, 2: 8, 4: 16}  # load factor -> requests per burst
@@ -70,7 +70,7 @@ def _serve(rank, init, ledger, mode, per_burst, period, bursts, queue):
     torch.set_num_threads(1)  # two engines on two cores: more threads each oversubscribe them
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     from vmcache.engine import Engine, Request, SamplingParams
-    from vmcache.ledger import SharedBudget
+    from vmcache.memory.ledger import SharedBudget
 
     m = model()
     spec = KVSpec.from_hf_config(m.config)

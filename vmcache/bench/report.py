@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vmcache.spec import KVSpec
+from vmcache.sequences.spec import KVSpec
 
 # (trace, allocator family) -> what the seed claims there; how each is tested: verdicts()
 CLAIMS = {

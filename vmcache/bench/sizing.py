@@ -14,13 +14,13 @@ import random
 import sys
 import time
 
-from vmcache.backends.sizing import SizingBackend
 from vmcache.bench import traces
 from vmcache.bench.allocators import CacheAlloc, OrcaAlloc, StaticAlloc
 from vmcache.bench.simulate import DoesNotFit, simulate
-from vmcache.cache import VMKVCache
+from vmcache.memory.backends.sizing import SizingBackend
 from vmcache.paged_fallback import PagedKVCache
-from vmcache.spec import KVSpec
+from vmcache.sequences.cache import VMKVCache
+from vmcache.sequences.spec import KVSpec
 
 ALLOCATORS = ("static", "orca-256", "paged-8", "paged-16", "paged-32", "vm-layer-2M",
               "vm-layer-64K", "vm-token-2M", "radix-paged-16", "radix-vm-layer-64K")  # fmt: skip

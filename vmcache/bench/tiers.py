@@ -41,12 +41,12 @@ import time
 
 import torch
 
-from vmcache.backends.host import HostBackend
 from vmcache.bench.common import add_out_arg, save_and_plot, table
-from vmcache.cache import VMKVCache
+from vmcache.memory.backends.host import HostBackend
 from vmcache.paged_fallback import PagedKVCache
-from vmcache.spec import KVSpec
-from vmcache.tiers import PrefixTiers
+from vmcache.prefix.tiers import PrefixTiers
+from vmcache.sequences.cache import VMKVCache
+from vmcache.sequences.spec import KVSpec
 
 POOL_TOKENS, SYSTEM, USER, ANSWER, VOCAB = 2048, 32, 48, 16, 512
 TIERS = ("none", "host", "disk", "host+disk", "none, 8x pool")  # the last: the reference

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from vmcache.engine import Engine
 from vmcache.engine.runner import ModelRunner
-from vmcache.spec import KVSpec
+from vmcache.sequences.spec import KVSpec
 
 
 def shard_spec(spec: KVSpec, world_size: int) -> KVSpec:

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from vmcache.distributed import wire
 from vmcache.errors import CacheFull
-from vmcache.transfer import Manifest
+from vmcache.sequences.transfer import Manifest
 
 MAGIC = 0x564D4B56  # "VMKV"
 VERSION = 2  # 1: pickled metadata (refused)

@@ -20,7 +20,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from vmcache import kernels
 from vmcache.hf import ATTN_NAME, cache_keyword, stand_ins
-from vmcache.spec import KVSpec
+from vmcache.sequences.spec import KVSpec
 
 
 class _StepLayer(CacheLayerMixin):

@@ -21,7 +21,7 @@ from collections import deque
 
 from vmcache.engine.request import Seq, Status
 from vmcache.errors import CacheFull
-from vmcache.prefix import whole_pages_shared
+from vmcache.prefix.index import whole_pages_shared
 
 POLICIES = ("recompute", "swap")
 VICTIMS = ("last", "first")

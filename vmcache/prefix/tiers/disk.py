@@ -9,12 +9,12 @@ name (0600, exclusive create) and renamed, so no reader ever sees half of one:
     table   n x (digest (16), MAC of digest + the entry's bytes (16))
     data    n x entry_bytes
 
-Every MAC is keyed (:mod:`vmcache.tiers.digest`): a file planted or edited by anyone without
+Every MAC is keyed (:mod:`vmcache.prefix.tiers.digest`): a file planted or edited by anyone without
 the key fails its checks. A file whose size, header, table or entry MAC does not match is
 corrupt: it is deleted and every entry in it is a miss (never returned as K/V). Anything that
 is not a regular file is never opened for reading (a FIFO cannot block the cache), skipped and
 counted. Files of other layouts or namespaces (another root) are left alone. Opening a
-directory (see :mod:`~vmcache.tiers.files`: private, one user of it at a time) removes
+directory (see :mod:`~vmcache.prefix.tiers.files`: private, one user of it at a time) removes
 temporary files a crashed writer left and indexes the files a previous cache of the same root
 left there (a warm restart), oldest modification first out. A write that fails (disk full, a
 quota) removes its temporary file, drops its entries (a later miss) and is counted; it never
@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from vmcache.tiers import files
-from vmcache.tiers.digest import DIGEST_BYTES, mac, mac_key, root_tag
+from vmcache.prefix.tiers import files
+from vmcache.prefix.tiers.digest import DIGEST_BYTES, mac, mac_key, root_tag
 
 MAGIC, VERSION, SUFFIX = b"VMKVTIER", 2, ".kvt"
 _HEAD = struct.Struct(f"<8sIIQ{DIGEST_BYTES}s{DIGEST_BYTES}s")

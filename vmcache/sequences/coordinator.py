@@ -1,7 +1,7 @@
 """SequenceCache: the sequence coordinator both caches share. It owns slots, lengths, token
 ids and tenant salts, and orders every change: plan, allocate, map, commit. The page tables
-belong to one :class:`~vmcache.tables.PageTables` per attention type (full, or sliding with
-its window), refcounts to the pool, memory to the cache's physical hooks.
+belong to one :class:`~vmcache.sequences.tables.PageTables` per attention type (full, or
+sliding with its window), refcounts to the pool, memory to the cache's physical hooks.
 
 A sequence owns ``T`` page tables (VMKVCache: one per virtual K/V tensor; PagedKVCache: one
 block table per group of layers). Page ``j`` of a table covers units ``[j·P, (j+1)·P)`` of
@@ -24,23 +24,24 @@ from typing import Any
 
 import torch
 
-from vmcache import deprecated, prefix_ops, reserve
 from vmcache.errors import CacheFull, check_tokens
 from vmcache.errors import (
     check_int as _check_int,  # also the name cache.py and paged_fallback import
 )
-from vmcache.invariants import check_invariants
-from vmcache.memory import Memory
-from vmcache.pool import PagePool
-from vmcache.prefix import PrefixIndex
-from vmcache.sharing import Beams, fork
-from vmcache.spec import KVSpec, check_kv
-from vmcache.stats import CacheStats, collect_stats
-from vmcache.swap import Swap
-from vmcache.tables import PageTables
-from vmcache.tiers.digest import salt_bytes
-from vmcache.transactions import Transactions
-from vmcache.transfer import Transfer
+from vmcache.memory.pool import PagePool
+from vmcache.prefix import ops as prefix_ops
+from vmcache.prefix.index import PrefixIndex
+from vmcache.prefix.tiers.digest import salt_bytes
+from vmcache.sequences import deprecated, reserve
+from vmcache.sequences.beams import Beams, fork
+from vmcache.sequences.invariants import check_invariants
+from vmcache.sequences.memory import Memory
+from vmcache.sequences.spec import KVSpec, check_kv
+from vmcache.sequences.stats import CacheStats, collect_stats
+from vmcache.sequences.swap import Swap
+from vmcache.sequences.tables import PageTables
+from vmcache.sequences.transactions import Transactions
+from vmcache.sequences.transfer import Transfer
 
 
 class SequenceCache(Transactions):
@@ -374,7 +375,7 @@ class SequenceCache(Transactions):
         return prefix_ops.cached_prefix_tokens(self, tokens, salt)
 
     def tier_stats(self):
-        """The prefix tiers' :class:`~vmcache.tiers.TierStats` (None without tiers)."""
+        """The prefix tiers' :class:`~vmcache.prefix.tiers.TierStats` (None without tiers)."""
         return prefix_ops.tier_stats(self)
 
     def _close_tiers(self) -> None:
@@ -389,4 +390,4 @@ class SequenceCache(Transactions):
         check_invariants(self)
 
 
-deprecated.install(SequenceCache)  # the old names, one release (vmcache/deprecated.py)
+deprecated.install(SequenceCache)  # the old names, one release (vmcache/sequences/deprecated.py)

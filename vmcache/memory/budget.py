@@ -1,6 +1,6 @@
 """How many physical pages a pool may hold: a budget the pool asks before it creates pages and
 tells when it releases them. :class:`LocalBudget` is one process's limit (changeable at run
-time: shrink and grow); :class:`vmcache.ledger.SharedBudget` draws from a budget several
+time: shrink and grow); :class:`vmcache.memory.ledger.SharedBudget` draws from a budget several
 processes share.
 
     pool:   created pages = in use + free (physical)   |  not created (no memory)

@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from itertools import islice
 
-from vmcache.tables import PageTables
+from vmcache.sequences.tables import PageTables
 
 
 class Transactions:
-    """Base of :class:`~vmcache.seqcache.SequenceCache` (its own machinery, no state)."""
+    """Base of :class:`~vmcache.sequences.coordinator.SequenceCache` (its own machinery)."""
 
     def _split_pages(self, splits: list[tuple[int, int, int]], s_ext: int | None = None,
                      ext: list[tuple[PageTables, int, int]] = ()) -> None:  # fmt: skip

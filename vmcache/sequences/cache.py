@@ -13,7 +13,7 @@ A model that mixes attention types (sliding-window and full layers) gets one suc
 type (tables 2g, 2g + 1 hold the layers of type g), so a page never holds two types and a
 sliding type's pages can leave its window while the full layers keep theirs.
 
-Sliding-window layers: their tables form their own :class:`~vmcache.tables.PageTables`
+Sliding-window layers: their tables form their own :class:`~vmcache.sequences.tables.PageTables`
 group, which unmaps the pages wholly before the window as the sequence grows; ``kv()`` then
 starts at :meth:`window_start`, and the whole-tensor views stay where they were.
 
@@ -30,14 +30,14 @@ import math
 
 import torch
 
-from vmcache.backends import Backend, make_backend, round_up
-from vmcache.budget import Budget
-from vmcache.pagestore import Stager, VMPageStore
-from vmcache.pool import PagePool
-from vmcache.seqcache import SequenceCache, _check_int
-from vmcache.spec import KVSpec
-from vmcache.tables import FA_TILE_TOKENS, PageTables
-from vmcache.transfer import Wire
+from vmcache.memory.backends import Backend, make_backend, round_up
+from vmcache.memory.budget import Budget
+from vmcache.memory.pagestore import Stager, VMPageStore
+from vmcache.memory.pool import PagePool
+from vmcache.sequences.coordinator import SequenceCache, _check_int
+from vmcache.sequences.spec import KVSpec
+from vmcache.sequences.tables import FA_TILE_TOKENS, PageTables
+from vmcache.sequences.transfer import Wire
 
 LAYOUTS = ("layer_major", "token_major")
 
@@ -76,7 +76,7 @@ class VMKVCache(SequenceCache):
         """``backend``: physical memory (default: the real one for ``device``); the cache
         closes it when it made it, or when ``own_backend`` is True. ``budget``: how many
         pages may exist at once (default: ``pool_bytes`` worth, changeable with
-        ``cache.memory.set_limit``; a :class:`~vmcache.ledger.SharedBudget` shares one
+        ``cache.memory.set_limit``; a :class:`~vmcache.memory.ledger.SharedBudget` shares one
         device's memory between processes). ``window_align_tokens``: a sliding layer keeps
         its pages from its first needed token rounded down to this multiple (default
         :data:`FA_TILE_TOKENS` on CUDA, where FlashAttention reads whole K tiles from a

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vmcache.tables import RELEASED
+from vmcache.sequences.tables import RELEASED
 
 
 @dataclass(frozen=True)

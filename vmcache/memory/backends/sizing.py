@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from vmcache.backends.base import round_up
+from vmcache.memory.backends.base import round_up
 
 
 class SizingBackend:

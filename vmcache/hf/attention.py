@@ -11,7 +11,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from vmcache.spec import KVSpec
+from vmcache.sequences.spec import KVSpec
 
 ATTN_NAME = "vmcache"
 

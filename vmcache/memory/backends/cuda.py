@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from vmcache.backends.base import round_up
 from vmcache.errors import DriverError
+from vmcache.memory.backends.base import round_up
 
 
 def load_driver() -> Any:

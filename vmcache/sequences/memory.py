@@ -10,7 +10,7 @@ moving anything a kernel reads, and pages mapped ahead of the grows that need th
     headroom(s)               tokens ``s`` can grow without a new page
     peak_pages(n, step)       the most pages one sequence maps while growing to n tokens
 
-A cache over a :class:`~vmcache.ledger.SharedBudget` draws pages from a budget several
+A cache over a :class:`~vmcache.memory.ledger.SharedBudget` draws pages from a budget several
 processes share; ``set_limit`` then does not apply (the ledger's limits do). Reserved pages sit
 in a sequence's row right after its last page, mapped and holding a pool reference, but
 outside the page table (vAttention maps the next step's pages while the current one computes;
@@ -25,8 +25,8 @@ on a sleep that keeps nothing.
 
 from __future__ import annotations
 
-from vmcache.budget import LocalBudget
 from vmcache.errors import CacheFull, check_int
+from vmcache.memory.budget import LocalBudget
 
 
 class Memory:

@@ -41,7 +41,7 @@ class CacheStats:
 
 
 def collect_stats(cache) -> CacheStats:
-    """A :class:`CacheStats` of a :class:`~vmcache.seqcache.SequenceCache` (reads its
+    """A :class:`CacheStats` of a :class:`~vmcache.sequences.coordinator.SequenceCache` (reads its
     lengths, groups and pool; changes nothing)."""
     live = cache.sequences
     entries = sum(len(g.ids) * (g.num_pages(s) - g.first(s)) for s in live for g in cache.groups)

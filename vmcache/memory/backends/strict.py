@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from vmcache.backends.base import Backend, round_up
 from vmcache.errors import DriverError
+from vmcache.memory.backends.base import Backend, round_up
 
 CUDA_GRANULARITY = 2 << 20  # cuMemGetAllocationGranularity(MINIMUM) on every current GPU
 

@@ -9,7 +9,7 @@ Touches, on the coordinator: ``cache.transfer`` (export, load, wires, adopt_page
 from __future__ import annotations
 
 from vmcache.errors import CacheFull
-from vmcache.transfer import SwapHandle
+from vmcache.sequences.transfer import SwapHandle
 
 
 class Swap:

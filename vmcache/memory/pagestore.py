@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from vmcache.backends.base import Backend, runs
+from vmcache.memory.backends.base import Backend, runs
 
 CREATE_CHUNK = 64  # pages a wake creates before it writes their bytes
 STAGE_BYTES = 64 << 20  # one pinned staging buffer (two alternate)

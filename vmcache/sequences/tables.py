@@ -1,5 +1,5 @@
 """PageTables: the page tables of one attention type. A cache holds one per type under the
-sequence coordinator (:class:`~vmcache.seqcache.SequenceCache`), as vLLM v1 holds one
+sequence coordinator (:class:`~vmcache.sequences.coordinator.SequenceCache`), as vLLM v1 holds one
 single-type manager per KV-cache group under its coordinator.
 
 A group owns the tables ``ids`` (the cache's table numbers: VMKVCache ``layer_major``, the K

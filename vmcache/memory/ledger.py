@@ -42,7 +42,7 @@ import sqlite3
 import time
 import uuid
 
-from vmcache.budget import _pages
+from vmcache.memory.budget import _pages
 
 WANT_S = 1.0  # how long a refusal marks a holder as wanting pages
 TTL_S = 0.002  # available() answers from a cached read this long (acquire always locks)

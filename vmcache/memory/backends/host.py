@@ -20,8 +20,8 @@ import threading
 
 import torch
 
-from vmcache.backends.base import round_up, runs
 from vmcache.errors import DriverError, MapLimitError
+from vmcache.memory.backends.base import round_up, runs
 
 PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 1, 2, 0x10, 0x20, 0x4000

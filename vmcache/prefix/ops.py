@@ -1,13 +1,13 @@
 """The prefix operations of the coordinator: turning prefix caching (and its tiers) on,
 attaching a new sequence's cached prefix, indexing a sequence's pages. Functions of the
 coordinator ``c``: they read its lengths, token ids and salts and its one full-attention
-group, and map through its transactional core; the :class:`~vmcache.prefix.PrefixIndex` owns
+group, and map through its transactional core; the :class:`~vmcache.prefix.index.PrefixIndex` owns
 its entries, the pool the refcounts. Prefix caching is refused for sliding-window models.
 """
 
 from __future__ import annotations
 
-from vmcache.prefix import PrefixIndex
+from vmcache.prefix.index import PrefixIndex
 
 
 def setup_prefix(c, prefix_caching: bool, prefix_tiers) -> None:
@@ -52,7 +52,7 @@ def close_tiers(c) -> None:
 
 
 def bind_tiers(c, tiers) -> None:
-    from vmcache.tiers import PrefixTiers
+    from vmcache.prefix.tiers import PrefixTiers
 
     if not isinstance(tiers, PrefixTiers):
         raise TypeError(f"prefix_tiers must be a PrefixTiers, got {type(tiers).__name__}")
@@ -65,7 +65,7 @@ def bind_tiers(c, tiers) -> None:
 
 
 def tier_stats(c):
-    """The prefix tiers' :class:`~vmcache.tiers.TierStats` (None without tiers)."""
+    """The prefix tiers' :class:`~vmcache.prefix.tiers.TierStats` (None without tiers)."""
     ix = c.prefix
     return None if ix is None or ix.tiers is None else ix.tiers.stats(c._T)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from vmcache.backends.base import Backend, round_up
-from vmcache.backends.host import HostBackend
+from vmcache.memory.backends.base import Backend, round_up
+from vmcache.memory.backends.host import HostBackend
 
 
 def make_backend(device: torch.device | str) -> Backend:
@@ -14,7 +14,7 @@ def make_backend(device: torch.device | str) -> Backend:
     if dev.type == "cpu":
         return HostBackend()
     if dev.type == "cuda":
-        from vmcache.backends.cuda import CudaBackend
+        from vmcache.memory.backends.cuda import CudaBackend
 
         return CudaBackend(dev)
     raise ValueError(f"no virtual-memory backend for device {dev}; expected 'cpu' or 'cuda'")
@@ -26,7 +26,7 @@ def cuda_vmm_available() -> bool:
     raises :class:`DriverError`: GPU tests must fail there, not skip."""
     if not torch.cuda.is_available():
         return False
-    from vmcache.backends.cuda import load_driver
+    from vmcache.memory.backends.cuda import load_driver
 
     load_driver()
     return True

@@ -5,7 +5,7 @@
           +------ promote on a hit ------+---------------------------------+
 
 An entry is one full page of tokens: one page per table, ``entry_bytes`` in all, named by its
-digest (:mod:`vmcache.tiers.digest`). Eviction demotes (one device-to-host copy for all the
+digest (:mod:`vmcache.prefix.tiers.digest`). Eviction demotes (one device-to-host copy for all the
 entries one reclaim evicts; the host tier's overflow goes to disk as one file); a lookup that
 runs past the device index promotes the longest run of consecutive pages the tiers hold (each
 disk file read once, one host-to-device copy). The host tier gives a promoted entry up (its
@@ -15,10 +15,10 @@ no write. Each tier has its own byte limit and least-recently-used order.
 A tiers object serves one cache (``bind`` once): the cache passes it as ``prefix_tiers=``,
 and ``close()`` of the cache gives the disk tier's directory up. A directory serves one
 PrefixTiers at a time, in any process (a second one is refused with
-:class:`~vmcache.tiers.files.TierDirectoryError`): one byte limit and one LRU order per
+:class:`~vmcache.prefix.tiers.files.TierDirectoryError`): one byte limit and one LRU order per
 directory, and no process deletes files another is serving. Its files are authenticated with a
 secret key (``key=``, else the directory's own private key file): see
-:mod:`vmcache.tiers.files` for what that protects.
+:mod:`vmcache.prefix.tiers.files` for what that protects.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 
 from vmcache.errors import check_int
-from vmcache.tiers.digest import root_digest
-from vmcache.tiers.disk import DiskTier
-from vmcache.tiers.files import KEY_BYTES, dir_key, private_dir
-from vmcache.tiers.host import HostTier
+from vmcache.prefix.tiers.digest import root_digest
+from vmcache.prefix.tiers.disk import DiskTier
+from vmcache.prefix.tiers.files import KEY_BYTES, dir_key, private_dir
+from vmcache.prefix.tiers.host import HostTier
 
 
 @dataclass(frozen=True)

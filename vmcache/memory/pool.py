@@ -4,8 +4,8 @@ The pool is the only code that changes refcounts. What a page *is* (a CUDA handl
 offset, a row of a block tensor) belongs to a :class:`PageStore`; the pool asks it to create
 pages (lazily, in chunks: ``cuMemCreate`` costs ~200 µs, so pages are created ahead and reused),
 to scrub pages that change owner and to release free ones (:meth:`PagePool.trim`). A
-:class:`~vmcache.budget.Budget` says how many may exist at once (shrink and grow at run time;
-shared by processes with :class:`~vmcache.ledger.SharedBudget`).
+:class:`~vmcache.memory.budget.Budget` says how many may exist at once (shrink and grow at run time;
+shared by processes with :class:`~vmcache.memory.ledger.SharedBudget`).
 
     page id:   0 1 2 3 ...                                          num_pages-1
                [ live (refcount > 0) | free, created (_free) | not created (_uncreated) ]
@@ -21,8 +21,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from vmcache.budget import Budget, LocalBudget
 from vmcache.errors import CacheFull, DriverError, require
+from vmcache.memory.budget import Budget, LocalBudget
 
 
 class Reclaimer(Protocol):

@@ -31,12 +31,12 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from vmcache import kernels
-from vmcache.cache import VMKVCache
 from vmcache.errors import check_int
-from vmcache.hf_attention import ATTN_NAME, register, stand_ins, vmcache_attention
+from vmcache.hf.attention import ATTN_NAME, register, stand_ins, vmcache_attention
 from vmcache.paged_fallback import PagedKVCache
-from vmcache.spec import KVSpec
-from vmcache.stats import CacheStats
+from vmcache.sequences.cache import VMKVCache
+from vmcache.sequences.spec import KVSpec
+from vmcache.sequences.stats import CacheStats
 
 
 @functools.cache

@@ -19,7 +19,7 @@ sequence still maps a descendant stays, so its pages do not count (a scheduler t
     A (alone) ── B (mapped by a sequence) ── C (alone)
     evictable now: C.   reclaimable: C's pages only (A waits for B).
 
-With :class:`~vmcache.tiers.PrefixTiers`, evicted entries are demoted (their bytes read in
+With :class:`~vmcache.prefix.tiers.PrefixTiers`, evicted entries are demoted (their bytes read in
 one copy before their pages go back) and a lookup that runs past the device entries promotes
 the tiers' next pages into freshly allocated ones (:meth:`PrefixIndex._promote`).
 """
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vmcache.errors import CacheFull
-from vmcache.tiers.digest import page_digest, salt_bytes
+from vmcache.prefix.tiers.digest import page_digest, salt_bytes
 
 
 def whole_pages_shared(a: Iterable[int], b: Iterable[int], page: int) -> int:

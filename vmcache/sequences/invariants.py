@@ -10,7 +10,7 @@ only it holds, slots, and token ids (known ones as many as the length, no list s
 from __future__ import annotations
 
 from vmcache.errors import require
-from vmcache.tables import RELEASED
+from vmcache.sequences.tables import RELEASED
 
 
 def check_invariants(cache) -> None:

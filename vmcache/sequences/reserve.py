@@ -1,7 +1,7 @@
 """The core's questions about a grow and the pages mapped ahead of one (the
 :class:`~vmcache.memory.Memory` facet's ``reserve`` maps them): what a grow would need
 (``can_grow``), the pages a sequence maps, and giving reserved pages back before anything
-moves a row. Reserved pages belong to each :class:`~vmcache.tables.PageTables` group:
+moves a row. Reserved pages belong to each :class:`~vmcache.sequences.tables.PageTables` group:
 
     table:    | p0 | p1 | p2 (tail) |            length → p2
     reserved:                        | r0 |       mapped at index 3, taken by the next grow
