@@ -65,8 +65,8 @@ class TPRunner(ModelRunner):
         super().__init__(model, kv)
         self.group, self.src = group, src
 
-    def step(self, slots, starts, tokens) -> torch.Tensor:
-        logits = super().step(slots, starts, tokens).contiguous()
+    def step(self, slots, starts, tokens, rows=None) -> torch.Tensor:
+        logits = super().step(slots, starts, tokens, rows).contiguous()
         dist.broadcast(logits, dist.get_global_rank(self.group, self.src) if self.group
                        else self.src, group=self.group)  # fmt: skip
         return logits

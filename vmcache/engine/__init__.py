@@ -4,6 +4,7 @@ from vmcache.engine.engine import Engine, EngineStats
 from vmcache.engine.request import Request, SamplingParams
 from vmcache.engine.runner import ModelRunner, StepCache
 from vmcache.engine.scheduler import Scheduler
+from vmcache.engine.speculative import NgramDrafter
 
 __all__ = ["Engine", "EngineStats", "Request", "SamplingParams", "ModelRunner", "StepCache",
-           "Scheduler"]  # fmt: skip
+           "Scheduler", "NgramDrafter"]  # fmt: skip

@@ -20,6 +20,7 @@ import torch
 from vmcache.engine.request import Request, SamplingParams, Seq, Status
 from vmcache.engine.runner import ModelRunner
 from vmcache.engine.scheduler import Scheduler
+from vmcache.engine.speculative import NgramDrafter, verify
 from vmcache.errors import CacheFull
 
 
@@ -42,6 +43,10 @@ class EngineStats:
     max_running: int = 0
     released_pages: int = 0  # free pages' memory given back (keep_free_pages)
     budget_waits: int = 0  # steps with nothing to run while a shared budget was taken
+    spec_steps: int = 0  # sequence-steps that verified drafts
+    spec_proposed: int = 0  # draft tokens fed to the target
+    spec_accepted: int = 0  # of them, accepted
+    spec_rolled_back: int = 0  # rejected draft tokens whose K/V were truncated away
     step_s: list[float] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict:
@@ -50,17 +55,32 @@ class EngineStats:
         steps = max(self.steps, 1)
         rate = self.generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
         d.update(map_ms_per_step=1e3 * self.map_s / steps, step_ms=1e3 * self.model_s / steps,
-                 premap_ms_per_step=1e3 * self.premap_s / steps, tok_per_s=rate)  # fmt: skip
+                 premap_ms_per_step=1e3 * self.premap_s / steps, tok_per_s=rate,
+                 spec_acceptance=self.spec_accepted / max(self.spec_proposed, 1))  # fmt: skip
         return d
 
 
 class Engine:
     def __init__(self, model, cache, *, preemption: str = "recompute", victim: str = "last",
                  max_batch_tokens: int = 2048, map_ahead: bool = True,
-                 keep_free_pages: int | None = None) -> None:  # fmt: skip
+                 keep_free_pages: int | None = None,
+                 speculative: NgramDrafter | None = None) -> None:  # fmt: skip
         """``keep_free_pages``: after each step, give back the memory of free pages beyond
         that many (elastic memory: an engine sharing a device's budget returns what it does
-        not use); None keeps every page it created."""
+        not use); None keeps every page it created. ``speculative``: draft tokens for every
+        decoding sequence and verify them in the next step
+        (:mod:`vmcache.engine.speculative`); a sliding-window cache must keep
+        ``rollback_tokens`` ≥ its ``k`` (a rejected draft is truncated away)."""
+        if speculative is not None:
+            if not isinstance(speculative, NgramDrafter):
+                raise TypeError(f"speculative must be an NgramDrafter, got "
+                                f"{type(speculative).__name__}")  # fmt: skip
+            margin = min((g.rollback_tokens for g in cache.groups if g.sliding), default=None)
+            if margin is not None and margin < speculative.k:
+                raise ValueError(f"a sliding-window cache with rollback_tokens={margin} cannot "
+                                 f"take back a rejected draft of {speculative.k} tokens: build "
+                                 f"it with rollback_tokens >= {speculative.k}")  # fmt: skip
+        self.speculative = speculative
         self.kv = cache
         self.map_ahead = map_ahead
         self.keep_free_pages = keep_free_pages
@@ -118,8 +138,11 @@ class Engine:
             logits = logits.masked_fill(logits < kth, float("-inf"))
         return int(torch.multinomial(logits.softmax(-1), 1, generator=seq.generator))
 
-    def _append(self, seq: Seq, token: int) -> None:
-        seq.tokens.append(token)
+    def _append(self, seq: Seq, token: int, in_tokens: bool = False) -> None:
+        """``token`` generated for ``seq`` (``in_tokens``: an accepted draft, already at the
+        end of its tokens); a finished sequence is freed."""
+        if not in_tokens:
+            seq.tokens.append(token)
         seq.generated.append(token)
         self.stats.generated_tokens += 1
         if seq.done():
@@ -154,10 +177,53 @@ class Engine:
                 sched.waiting.append(sib)
         return forked
 
+    def _draft(self) -> None:
+        """Append draft tokens to every decoding sequence (``seq.draft`` of them)."""
+        for seq in self.scheduler.running:
+            if seq.generated and len(seq.pending) == 1 and not seq.draft:
+                p = seq.req.params
+                room = min(p.max_new_tokens - len(seq.generated) - 1,
+                           self.kv.max_seq_len - len(seq.tokens))  # fmt: skip
+                if p.stop_token_id is not None and p.stop_token_id in seq.tokens[-1:]:
+                    continue
+                d = self.speculative.propose(seq.tokens, room)
+                seq.tokens += d
+                seq.draft = len(d)
+
+    def _verify(self, seq: Seq, rows: torch.Tensor) -> None:
+        """Accept the longest run of ``seq``'s scheduled drafts the target agrees with, roll
+        the rest back (truncate: pages past it unmapped, nothing copied), emit one token."""
+        st, p = self.stats, seq.req.params
+        base = seq.cached  # the position of the token before the drafts
+        drafts = seq.tokens[base + 1 : base + seq.chunk]
+        seq.tokens = seq.tokens[: base + seq.chunk]  # drafts this step did not feed: gone
+        seq.draft = 0
+        accepted, token = verify(rows, drafts, p.temperature, p.top_k, seq.generator)
+        keep = base + 1 + accepted
+        if keep < base + seq.chunk:
+            self.kv.beams.truncate(seq.slot, keep)
+            st.spec_rolled_back += base + seq.chunk - keep
+        del seq.tokens[keep:]
+        seq.cached = keep
+        st.spec_steps += 1
+        st.spec_proposed += len(drafts)
+        st.spec_accepted += accepted
+        for i in range(accepted):
+            self._append(seq, seq.tokens[base + 1 + i], in_tokens=True)
+            if seq.status is Status.FINISHED:
+                return
+        self._append(seq, token)
+
     def step(self) -> None:
         st, sched = self.stats, self.scheduler
         t0 = time.perf_counter()
+        if self.speculative is not None:
+            self._draft()
         batch = sched.schedule(st.steps)
+        if self.speculative is not None:
+            for seq in sched.running:  # drafts that did not get into this step
+                if seq.draft and seq not in batch:
+                    seq.drop_draft()
         t1 = time.perf_counter()
         if not batch:
             # a budget shared with other processes frees up as they finish: wait, not fail
@@ -169,21 +235,30 @@ class Engine:
             time.sleep(0.002)
             return
         self._stalled_since = None
-        decodes = [bool(s.generated) and s.chunk == 1 and s.cached == len(s.tokens) - 1
-                   for s in batch]  # fmt: skip
+        spec = [bool(s.draft) for s in batch]  # verifying drafts: every position's logits
+        decodes = [sp or (bool(s.generated) and s.chunk == 1 and s.cached == len(s.tokens) - 1)
+                   for s, sp in zip(batch, spec)]  # fmt: skip
         st.prefill_tokens += sum(s.chunk for s, d in zip(batch, decodes) if not d)
-        logits = self.runner.step([s.slot for s in batch], [s.cached for s in batch],
-                                  [s.scheduled for s in batch])  # fmt: skip
+        rows = [s.chunk if sp else 1 for s, sp in zip(batch, spec)]
+        args = ([s.slot for s in batch], [s.cached for s in batch], [s.scheduled for s in batch])
+        logits = self.runner.step(*args, rows=rows) if any(spec) else self.runner.step(*args)
+        starts = [0, *torch.tensor(rows).cumsum(0).tolist()]
         premap = 0.0
         if self.map_ahead:  # on a GPU the step is still running: map the next one's pages
             tp = time.perf_counter()
             for seq in batch:
                 p = seq.req.params
+                if seq.draft:  # its length changes once the drafts are verified
+                    continue
                 if p.stop_token_id is None and len(seq.generated) + 1 < p.max_new_tokens:
                     st.premapped_pages += self.kv.memory.reserve(seq.slot, 1)
             premap = time.perf_counter() - tp
         now = time.perf_counter()
-        for seq, row, decode in zip(batch, logits, decodes):
+        for i, (seq, decode) in enumerate(zip(batch, decodes)):
+            if spec[i]:
+                self._verify(seq, logits[starts[i] : starts[i + 1]])
+                continue
+            row = logits[starts[i + 1] - 1]
             seq.cached += seq.chunk
             if not decode:
                 self.kv.cache_prefix(seq.slot)  # its prompt's full pages, for later requests

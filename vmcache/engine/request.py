@@ -63,6 +63,13 @@ class Seq:
     admitted_at: int = -1  # engine step of the last admission (victim order)
     generated: list[int] = field(default_factory=list)
     chunk: int = 0  # tokens scheduled this step (chunked prefill: maybe fewer than pending)
+    draft: int = 0  # speculative draft tokens at the end of ``tokens`` (not generated yet)
+
+    def drop_draft(self) -> None:
+        """Forget the draft tokens (not verified: a preemption, or no room this step)."""
+        if self.draft:
+            del self.tokens[len(self.tokens) - self.draft :]
+            self.draft = 0
 
     @property
     def pending(self) -> list[int]:

@@ -120,9 +120,12 @@ class ModelRunner:
         self.cache_arg = cache_keyword(inner.layers[0])
 
     @torch.inference_mode()
-    def step(self, slots: list[int], starts: list[int], tokens: list[list[int]]) -> torch.Tensor:
+    def step(self, slots: list[int], starts: list[int], tokens: list[list[int]],
+             rows: list[int] | None = None) -> torch.Tensor:  # fmt: skip
         """Sequence ``slots[i]`` already holds (and has been grown to cover) positions
-        ``[starts[i], starts[i] + len(tokens[i]))``; their K/V are written here."""
+        ``[starts[i], starts[i] + len(tokens[i]))``; their K/V are written here. Returns the
+        logits of each sequence's last ``rows[i]`` positions (default 1; speculative
+        verification asks for all), ``[sum(rows), vocab]`` in sequence order."""
         q_lens = [len(t) for t in tokens]
         self.cache.plan(slots, starts, q_lens)
         ids = torch.tensor([t for ts in tokens for t in ts], device=self.device)[None]
@@ -145,8 +148,12 @@ class ModelRunner:
                 f"cache (passed as {self.cache_arg}=): this transformers version or model "
                 "does not call cache.update; refusing to return logits computed without it"
             )
-        last = torch.tensor(q_lens, device=self.device).cumsum(0) - 1
-        logits = self.model.lm_head(self.inner.norm(h[0, last])).float()
+        ends = torch.tensor(q_lens).cumsum(0)
+        if rows is None:
+            last = ends - 1
+        else:
+            last = torch.cat([torch.arange(int(e) - r, int(e)) for e, r in zip(ends, rows)])
+        logits = self.model.lm_head(self.inner.norm(h[0, last.to(self.device)])).float()
         if self.final_softcap is not None:  # Gemma 2/3: as their forward does
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -60,6 +60,7 @@ class Scheduler:
 
     def _preempt(self, seq: Seq, batch: list[Seq]) -> None:
         self.running.remove(seq)
+        seq.drop_draft()  # only verified tokens go to the host tier or are recomputed
         if seq in batch:  # already grown for this step: give that back first
             batch.remove(seq)
             self.kv.beams.truncate(seq.slot, seq.cached)

@@ -1,0 +1,88 @@
+"""Speculative decoding in the engine: draft a few tokens per decoding sequence, verify them all
+in the next target step (packed with the other sequences' prefills and decodes), keep the
+longest accepted run plus one token of the target's own, and roll the rejected ones back
+(``cache.beams.truncate``: the pages past the new length unmapped and returned, nothing copied).
+
+    tokens:   ... t  | d1 d2 d3        a step feeds t and the drafts (4 positions, one step)
+    logits:          | r0 r1 r2 r3     r_i: the target's next-token logits after position i
+    verify:   r0 → d1 ✓, r1 → d2 ✓, r2 → x ≠ d3: keep t d1 d2, emit x, truncate d3's K/V
+
+Greedy (temperature 0) emits exactly the tokens the target alone would. With temperature > 0
+a draft ``d`` is accepted with probability ``p(d)`` (the draft is a point mass: min(1, p/q) with
+q(d) = 1), and a rejection samples from ``p`` with ``d`` removed and renormalised, so every
+emitted token follows the target distribution (Leviathan et al., 2023; Chen et al., 2023).
+
+:class:`NgramDrafter` is prompt lookup (no second model): the longest suffix n-gram of the
+sequence seen earlier in it proposes what followed there. Useful where answers quote their
+input (summaries, code edits, retrieval-grounded answers); elsewhere it proposes little.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class NgramDrafter:
+    """Prompt-lookup drafts: up to ``k`` tokens that followed the last occurrence of the
+    sequence's longest suffix of ``min_ngram`` to ``max_ngram`` tokens."""
+
+    k: int = 4
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("k", "max_ngram", "min_ngram"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"min_ngram {self.min_ngram} exceeds max_ngram {self.max_ngram}")
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        """At most ``min(k, limit)`` draft tokens to follow ``tokens`` (maybe none)."""
+        limit = min(self.k, limit)
+        if limit <= 0:
+            return []
+        n_tokens = len(tokens)
+        for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
+            suffix = tokens[n_tokens - n :]
+            for start in range(n_tokens - n - 1, -1, -1):  # the latest earlier occurrence
+                if tokens[start : start + n] == suffix:
+                    follow = tokens[start + n : start + n + limit]
+                    if follow:
+                        return follow
+        return []
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
+    """The distribution the engine samples from (``temperature > 0``): fp32 CPU ``[V]``."""
+    logits = logits.float().cpu() / temperature
+    if top_k:
+        kth = logits.topk(min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return logits.softmax(-1)
+
+
+def verify(rows: torch.Tensor, drafts: list[int], temperature: float, top_k: int,
+           generator: torch.Generator) -> tuple[int, int]:  # fmt: skip
+    """(drafts accepted, the token emitted after them) from the target's logits ``rows``
+    ``[len(drafts) + 1, V]`` (row i: after the position before draft i)."""
+    for i, d in enumerate(drafts):
+        if temperature == 0:
+            t = int(rows[i].argmax())
+            if t != d:
+                return i, t
+            continue
+        p = target_probs(rows[i], temperature, top_k)
+        if float(torch.rand((), generator=generator)) < float(p[d]):
+            continue
+        p[d] = 0.0  # the residual max(0, p − q) of a point-mass draft, renormalised
+        return i, int(torch.multinomial(p / p.sum(), 1, generator=generator))
+    last = rows[len(drafts)]
+    if temperature == 0:
+        return len(drafts), int(last.argmax())
+    p = target_probs(last, temperature, top_k)
+    return len(drafts), int(torch.multinomial(p, 1, generator=generator))
