@@ -74,7 +74,8 @@ test-newest: $(STAMP)
 # the oldest supported transformers and triton: the drop-in, the engine, the sm_90 compile,
 # and the drop-in on the hybrid sliding-window family (Gemma 3: layer types, windows)
 test-oldest: $(OLD_STAMP)
-	$(OLD)/bin/pytest tests/test_hf.py tests/test_hf_layers.py tests/test_engine.py tests/test_compile_sm90.py
+	$(OLD)/bin/pytest tests/test_hf.py tests/test_hf_layers.py tests/test_hf_assisted.py tests/test_engine.py \
+		tests/test_compile_sm90.py
 	$(OLD)/bin/pytest tests/test_hf_sliding.py -k gemma3
 
 # the randomized tests with fresh seeds and ten times the examples (CI's are derandomized)
