@@ -60,6 +60,18 @@ def test_accepted_drafts_take_fewer_target_steps_and_rollback_returns_pages(mode
     assert st.spec_rolled_back == st.spec_proposed - st.spec_accepted  # every reject undone
 
 
+def test_adaptive_k_proposes_less_where_drafts_fail_and_changes_no_output(model):  # noqa: F811
+    reqs = requests(MIXED, seed=3)  # random prompts: few drafts match
+    fixed, st_fixed = run(
+        model, make("vm", 64), reqs, speculative=NgramDrafter(k=6, adaptive=False)
+    )
+    adaptive, st = run(model, make("vm", 64), reqs, speculative=NgramDrafter(k=6))
+    assert fixed == adaptive
+    assert st.spec_proposed - st.spec_accepted < st_fixed.spec_proposed - st_fixed.spec_accepted
+    d = NgramDrafter(k=4)
+    assert [d.next_k(None, None), d.next_k(4, 0), d.next_k(1, 1), d.next_k(4, 4)] == [4, 1, 2, 4]
+
+
 def test_n_greater_than_one_and_mixed_batches(model):  # noqa: F811
     reqs = [Request("n3", tuple(range(5, 13)) * 2, SamplingParams(max_new_tokens=20, n=3))]
     reqs += requests(MIXED)

@@ -186,7 +186,8 @@ class Engine:
                            self.kv.max_seq_len - len(seq.tokens))  # fmt: skip
                 if p.stop_token_id is not None and p.stop_token_id in seq.tokens[-1:]:
                     continue
-                d = self.speculative.propose(seq.tokens, room)
+                seq.spec_k = self.speculative.next_k(seq.spec_k, seq.spec_accepted)
+                d = self.speculative.propose(seq.tokens, min(room, seq.spec_k))
                 seq.tokens += d
                 seq.draft = len(d)
 
@@ -199,6 +200,7 @@ class Engine:
         seq.tokens = seq.tokens[: base + seq.chunk]  # drafts this step did not feed: gone
         seq.draft = 0
         accepted, token = verify(rows, drafts, p.temperature, p.top_k, seq.generator)
+        seq.spec_accepted = accepted if drafts else seq.spec_accepted
         keep = base + 1 + accepted
         if keep < base + seq.chunk:
             self.kv.beams.truncate(seq.slot, keep)

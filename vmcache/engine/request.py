@@ -64,6 +64,8 @@ class Seq:
     generated: list[int] = field(default_factory=list)
     chunk: int = 0  # tokens scheduled this step (chunked prefill: maybe fewer than pending)
     draft: int = 0  # speculative draft tokens at the end of ``tokens`` (not generated yet)
+    spec_k: int | None = None  # drafts it may propose next (adaptive speculation)
+    spec_accepted: int | None = None  # drafts its last verification accepted
 
     def drop_draft(self) -> None:
         """Forget the draft tokens (not verified: a preemption, or no room this step)."""

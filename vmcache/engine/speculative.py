@@ -32,6 +32,15 @@ class NgramDrafter:
     k: int = 4
     max_ngram: int = 3
     min_ngram: int = 1
+    adaptive: bool = True  # per sequence: propose one more than its last step accepted
+
+    def next_k(self, last_k: int | None, accepted: int | None) -> int:
+        """How many drafts a sequence proposes next: ``k`` at first; with ``adaptive``, one
+        more than it accepted last time (all accepted: grow by one, up to ``k``), so a
+        sequence whose drafts keep failing feeds the target little extra work."""
+        if not self.adaptive or last_k is None or accepted is None:
+            return self.k
+        return max(1, min(self.k, accepted + 1))
 
     def __post_init__(self) -> None:
         for name in ("k", "max_ngram", "min_ngram"):
