@@ -15,7 +15,7 @@ OLD_STAMP := $(OLD)/.vmcache-installed
 # Without an NVIDIA GPU take the CPU build first, so no multi-GB CUDA build is pulled.
 CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q torch==2.13.0; fi
 
-.PHONY: bench bench-30k bench-window bench-handoff bench-elastic bench-tiers readme test test-newest test-oldest test-long coverage compile-sm90 lint \
+.PHONY: bench bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec readme test test-newest test-oldest test-long coverage compile-sm90 lint \
 	gpu-check clean
 
 $(STAMP): pyproject.toml

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its helper mod
 
 from readme_format import ROOT, f, md, newest, source  # noqa: E402
 from readme_round2 import elastic, handoff, tiers, window  # noqa: E402
+from readme_round3 import spec  # noqa: E402
 
 README = os.path.join(ROOT, "README.md")
 DOCS = [README, os.path.join(ROOT, "docs", "results.md")]  # the files with generated blocks
@@ -197,6 +198,7 @@ BLOCKS = {
     "handoff": lambda: handoff(*newest("handoff-*.json")),
     "elastic": lambda: elastic(*newest("elastic-*.json")),
     "tiers": lambda: tiers(*newest("tiers-*.json")),
+    "spec": lambda: spec(*newest("spec-*.json")),
 }
 
 

@@ -34,7 +34,9 @@ ELASTIC MODE (--mode elastic; make bench-elastic): two engines in two processes 
 alternating bursts on one shared page budget against two static halves at 1x, 2x and 4x the
 load that fits, and sleep/wake time (vmcache/bench/elastic.py). TIERS MODE (--mode tiers; make
 bench-tiers): a multi-turn trace four times the device pool through prefix tiers in host RAM
-and on disk (vmcache/bench/tiers.py). Both take --quick, --repeats and --out here; their
+and on disk (vmcache/bench/tiers.py). SPEC MODE (--mode spec; make bench-spec): speculative
+decoding by prompt lookup against none, where drafts match and where they do not
+(vmcache/bench/spec.py). Each takes --quick, --repeats and --out here; their
 scripts in benchmarks/ take all their options.
 
 CLAIMS: each row with a claim from the literature gets a verdict that can read DIFFERS (rules
@@ -140,7 +142,7 @@ def sizing_progress(label: str):
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m vmcache.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--mode", choices=("sizing", "compute", "both", "elastic", "tiers"),
+    ap.add_argument("--mode", choices=("sizing", "compute", "both", "elastic", "tiers", "spec"),
                     default="both")  # fmt: skip
     g = ap.add_argument_group("sizing mode")
     g.add_argument("--model", default="llama-3-8b", help="KVSpec preset (llama-3-8b, -70b, ...)")
@@ -176,12 +178,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     ap = parser()
     args = ap.parse_args(argv)
-    if args.mode in ("elastic", "tiers"):  # their own workloads, options and results files
-        from vmcache.bench import elastic, tiers
+    if args.mode in ("elastic", "tiers", "spec"):  # their own workloads, options and files
+        from vmcache.bench import elastic, spec, tiers
 
         fwd = ["--repeats", str(args.repeats)] + ["--quick"] * args.quick
         fwd += ["--out", args.out] if args.out else []
-        (elastic if args.mode == "elastic" else tiers).main(fwd)
+        {"elastic": elastic, "tiers": tiers, "spec": spec}[args.mode].main(fwd)
         return
     if args.quick:
         args.compute_requests, args.repeats, args.compute_rates, args.budgets = 8, 1, "4", "4,8"
