@@ -209,6 +209,42 @@ class CacheMachine(RuleBasedStateMachine):
         back = data.draw(st.integers(0, self.rollback + 2 * self.tokens_per_page))
         self._truncate(s, max(0, len(self.shadow[s][0]) - back))
 
+    @precondition(lambda self: self.shadow)
+    @rule(data=st.data(), k=st.integers(1, 5))
+    def speculate(self, data, k):
+        """Speculative decoding's step: grow by a token and k drafts (can_grow truthful),
+        write them, then keep a verified run and truncate the rest, which must always be
+        possible within the rollback margin (k <= rollback_tokens on a sliding window)."""
+        s = data.draw(st.sampled_from(self.seqs))
+        if self.windows and any(self.windows):
+            k = min(k, self.rollback)
+        before = len(self.shadow[s][0])
+        if before + 1 + k > self.c.max_seq_len:
+            return
+        trusted = self.c.can_grow(s, 1 + k)
+        ok = self.attempt("grow", lambda: self.c.grow(s, 1 + k))
+        assert ok == trusted, (s, k, trusted)
+        if not ok:
+            return
+        self.top[s] = before + 1 + k
+        fill = float("nan") if s in self.dirty else 0.0
+        for layer in range(2):
+            self.shadow[s][layer] = torch.cat([self.shadow[s][layer],
+                                               torch.full((1 + k, 2, 2, 16), fill)])  # fmt: skip
+        val = self._value(1 + k)
+        for layer in range(2):
+            if before < self.c.window_start(layer, s):
+                continue  # the window already left these positions
+            if not self.attempt("write", lambda layer=layer: self.c.write(
+                    layer, s, before, val[:, 0], val[:, 1])):  # fmt: skip
+                continue
+            self.shadow[s][layer][before:] = val
+        keep = before + 1 + data.draw(st.integers(0, k))  # the token, then accepted drafts
+        self.c.beams.truncate(s, keep)  # never refused: within the margin of this grow
+        self.shadow[s] = [t[:keep] for t in self.shadow[s]]
+        self.dirty.add(s)
+        self.seen["speculate"] += 1
+
     def _truncate(self, s, length):
         needed = {i: max(0, length - w + 1) for i, w in enumerate(self.windows) if w}
         if any(x < self.c.window_start(i, s) for i, x in needed.items()):
@@ -312,7 +348,7 @@ def _machine(name, n=100):
 TestVMMachine = _machine("vm")
 TestVMTokenMajorMachine = _machine("vm_token_major")
 TestPagedMachine = _machine("paged")
-# the windowed machines run fewer random examples: their fixed-seed coverage run below (60
+# the windowed machines run fewer random examples: their fixed-seed coverage run below (100
 # examples each) already reaches releases, refused rollbacks and a full pool
 TestVMWindowMachine = _machine("vm_window", 25)
 TestVMTokenMajorWindowMachine = _machine("vm_token_major_window", 25)
@@ -327,12 +363,13 @@ def test_the_machines_reach_the_states_they_claim(name):
 
     COVERAGE.pop(name, None)
     run_state_machine_as_test(_machine_class(name), settings=settings(
-        max_examples=60, stateful_step_count=30,
+        max_examples=100, stateful_step_count=30,
         deadline=None, derandomize=True, database=None))  # fmt: skip
     seen = COVERAGE[name]
     assert seen["pool full"] >= 3, seen
     assert seen["cow split"] >= 5, seen
     assert seen["swap_in"] >= 5, seen
+    assert seen["speculate"] >= 3, seen
     if name.endswith("_window"):  # pages really leave the window; rollbacks really refused
         assert seen["window release"] >= 5 and seen["truncate refused"] >= 1, seen
     record_coverage(f"cache machine {name}", seen)
