@@ -12,7 +12,7 @@ from vmcache.paged_fallback import PagedKVCache
 from vmcache import KVSpec, VMKVCache
 from vmcache.distributed.disagg import serve_disaggregated
 from vmcache.distributed.tp import load_tp_model, shard_spec, tensor_parallel_engine
-from vmcache.engine import Engine, Request, SamplingParams
+from vmcache.engine import Engine, NgramDrafter, Request, SamplingParams
 
 CFG = LlamaConfig(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -66,6 +66,13 @@ def disagg(rank: int) -> dict:
                 ref = Engine(m, cache(kind, pages=prefill_pages), max_batch_tokens=48)
                 res["single"] = ref.run(requests())
             out[(kind, packed)] = res
+    # speculation on the decode worker (prompt lookup): greedy outputs must not change
+    pages = 40 if rank == 0 else 24
+    engine = Engine(m, cache("vm", pages=pages), max_batch_tokens=48,
+                    speculative=NgramDrafter(k=4) if rank == 1 else None)  # fmt: skip
+    got = serve_disaggregated(engine, requests())
+    out["speculative"] = {"outputs": got, "left": engine.kv.pool.num_used,
+                          "stats": engine.stats.as_dict()}  # fmt: skip
     return out
 
 

@@ -38,6 +38,15 @@ def test_disaggregated_outputs_equal_one_engine(disagg_results, case):
     assert decode["stats"]["generated_tokens"] > 0
 
 
+def test_speculation_on_the_decode_worker_keeps_greedy_outputs(disagg_results):
+    prefill, decode = disagg_results[0]["speculative"], disagg_results[1]["speculative"]
+    single = disagg_results[0][("vm", False)]["single"]
+    assert prefill["outputs"] == decode["outputs"]
+    for rid in GREEDY:
+        assert prefill["outputs"][rid] == single[rid], rid
+    assert decode["stats"]["spec_proposed"] > 0 and decode["left"] == prefill["left"] == 0
+
+
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("tiny-llama")
