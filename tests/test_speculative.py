@@ -11,7 +11,7 @@ from test_engine import LONG, MIXED, make, model, prefix_vm, reference, requests
 from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import KVSpec, VMKVCache
-from vmcache.engine import Engine, NgramDrafter, Request, SamplingParams
+from vmcache.engine import DraftModel, Engine, NgramDrafter, Request, SamplingParams
 from vmcache.engine.speculative import target_probs, verify
 
 
@@ -155,3 +155,52 @@ def test_sampled_tokens_follow_the_target_distribution():
 
     counts, p = _first_token_counts(accepts_every_draft, trials=2000)
     assert _chi2(counts, p) > 1000  # the test can fail
+
+
+def draft_llama(layers=1, seed=1):
+    """A smaller random Llama of the target's vocabulary (its drafts are often wrong)."""
+    import copy
+
+    from test_engine import CFG
+    from transformers import LlamaForCausalLM
+
+    cfg = copy.deepcopy(CFG)
+    cfg.num_hidden_layers = layers
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def draft_cache(m, pages=64):
+    from vmcache.sequences.spec import KVSpec as Spec
+
+    spec = Spec.from_hf_config(m.config)
+    return VMKVCache(spec, 8, 128, page_size=4096, backend=strict_host(), own_backend=True,
+                     pool_bytes=pages * 4096)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,pages", [("vm", 64), ("paged", 48), ("vm", 12)])
+@pytest.mark.parametrize("draft", ["small", "target"])
+def test_a_draft_model_on_its_own_cache_keeps_greedy_outputs(model, kind, pages, draft):  # noqa: F811
+    """A one-layer random draft (often wrong: rollbacks) and the target itself as its own
+    draft (the upper bound: every draft accepted); preemption on the small pool."""
+    reqs = requests(LONG, seed=1) + repeating(n=2)
+    plain, _ = run(model, make(kind, pages), reqs)
+    dm = draft_llama() if draft == "small" else model
+    drafter = DraftModel(dm, draft_cache(dm), k=4)
+    spec_out, st = run(model, make(kind, pages), reqs, speculative=drafter)
+    assert spec_out == plain
+    assert st.spec_proposed > 0
+    if draft == "target":
+        assert st.spec_accepted == st.spec_proposed  # the target agrees with itself
+    else:
+        assert st.spec_rolled_back > 0
+    assert not drafter.kv.sequences  # every draft slot freed
+    drafter.kv.check_invariants()
+
+
+def test_a_draft_model_needs_the_vocabulary_and_its_own_cache(model):  # noqa: F811
+    cache = make("vm", 64)
+    with pytest.raises(ValueError, match="its own cache"):
+        Engine(model, cache, speculative=DraftModel(model, cache))
+    with pytest.raises(ValueError):
+        DraftModel(model, draft_cache(model), k=0)

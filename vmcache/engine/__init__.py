@@ -4,7 +4,7 @@ from vmcache.engine.engine import Engine, EngineStats
 from vmcache.engine.request import Request, SamplingParams
 from vmcache.engine.runner import ModelRunner, StepCache
 from vmcache.engine.scheduler import Scheduler
-from vmcache.engine.speculative import NgramDrafter
+from vmcache.engine.speculative import DraftModel, NgramDrafter
 
 __all__ = ["Engine", "EngineStats", "Request", "SamplingParams", "ModelRunner", "StepCache",
-           "Scheduler", "NgramDrafter"]  # fmt: skip
+           "Scheduler", "NgramDrafter", "DraftModel"]  # fmt: skip

@@ -20,7 +20,7 @@ import torch
 from vmcache.engine.request import Request, SamplingParams, Seq, Status
 from vmcache.engine.runner import ModelRunner
 from vmcache.engine.scheduler import Scheduler
-from vmcache.engine.speculative import NgramDrafter, verify
+from vmcache.engine.speculative import DraftModel, NgramDrafter, verify
 from vmcache.errors import CacheFull
 
 
@@ -64,7 +64,7 @@ class Engine:
     def __init__(self, model, cache, *, preemption: str = "recompute", victim: str = "last",
                  max_batch_tokens: int = 2048, map_ahead: bool = True,
                  keep_free_pages: int | None = None,
-                 speculative: NgramDrafter | None = None) -> None:  # fmt: skip
+                 speculative: NgramDrafter | DraftModel | None = None) -> None:  # fmt: skip
         """``keep_free_pages``: after each step, give back the memory of free pages beyond
         that many (elastic memory: an engine sharing a device's budget returns what it does
         not use); None keeps every page it created. ``speculative``: draft tokens for every
@@ -72,9 +72,15 @@ class Engine:
         (:mod:`vmcache.engine.speculative`); a sliding-window cache must keep
         ``rollback_tokens`` ≥ its ``k`` (a rejected draft is truncated away)."""
         if speculative is not None:
-            if not isinstance(speculative, NgramDrafter):
-                raise TypeError(f"speculative must be an NgramDrafter, got "
+            if not isinstance(speculative, (NgramDrafter, DraftModel)):
+                raise TypeError(f"speculative must be an NgramDrafter or a DraftModel, got "
                                 f"{type(speculative).__name__}")  # fmt: skip
+            if isinstance(speculative, DraftModel):
+                vocab = model.config.get_text_config().vocab_size
+                if speculative.vocab != vocab or speculative.kv is cache:
+                    why = f"({speculative.vocab} vs {vocab})"
+                    raise ValueError(f"a draft model needs the target's vocabulary {why} "
+                                     "and its own cache")  # fmt: skip
             margin = min((g.rollback_tokens for g in cache.groups if g.sliding), default=None)
             if margin is not None and margin < speculative.k:
                 raise ValueError(f"a sliding-window cache with rollback_tokens={margin} cannot "
@@ -179,17 +185,18 @@ class Engine:
 
     def _draft(self) -> None:
         """Append draft tokens to every decoding sequence (``seq.draft`` of them)."""
+        drafter, items = self.speculative, []
+        drafter.forget(self.scheduler.running)
         for seq in self.scheduler.running:
             if seq.generated and len(seq.pending) == 1 and not seq.draft:
                 p = seq.req.params
                 room = min(p.max_new_tokens - len(seq.generated) - 1,
                            self.kv.max_seq_len - len(seq.tokens))  # fmt: skip
-                if p.stop_token_id is not None and p.stop_token_id in seq.tokens[-1:]:
-                    continue
-                seq.spec_k = self.speculative.next_k(seq.spec_k, seq.spec_accepted)
-                d = self.speculative.propose(seq.tokens, min(room, seq.spec_k))
-                seq.tokens += d
-                seq.draft = len(d)
+                seq.spec_k = drafter.next_k(seq.spec_k, seq.spec_accepted)
+                items.append((seq, min(room, seq.spec_k)))
+        for (seq, _), d in zip(items, drafter.draft(items)):
+            seq.tokens += d
+            seq.draft = len(d)
 
     def _verify(self, seq: Seq, rows: torch.Tensor) -> None:
         """Accept the longest run of ``seq``'s scheduled drafts the target agrees with, roll
@@ -205,6 +212,7 @@ class Engine:
         if keep < base + seq.chunk:
             self.kv.beams.truncate(seq.slot, keep)
             st.spec_rolled_back += base + seq.chunk - keep
+        self.speculative.rolled_back(seq, keep)
         del seq.tokens[keep:]
         seq.cached = keep
         st.spec_steps += 1
@@ -318,5 +326,7 @@ class Engine:
         t0 = time.perf_counter()
         while self.scheduler.has_work():
             self.step()
+        if self.speculative is not None:
+            self.speculative.forget(self.scheduler.running)  # a draft model's slots
         self.stats.elapsed_s += time.perf_counter() - t0
         return {rid: out for rid, out in self.outputs.items()}

@@ -50,6 +50,16 @@ class NgramDrafter:
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"min_ngram {self.min_ngram} exceeds max_ngram {self.max_ngram}")
 
+    def draft(self, items) -> list[list[int]]:
+        """Drafts for ``items`` ((sequence, most drafts), in order)."""
+        return [self.propose(seq.tokens, limit) for seq, limit in items]
+
+    def forget(self, running) -> None:
+        """Nothing to free (no state per sequence)."""
+
+    def rolled_back(self, seq, keep: int) -> None:
+        """Nothing to undo (no state per sequence)."""
+
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         """At most ``min(k, limit)`` draft tokens to follow ``tokens`` (maybe none)."""
         limit = min(self.k, limit)
@@ -95,3 +105,101 @@ def verify(rows: torch.Tensor, drafts: list[int], temperature: float, top_k: int
         return len(drafts), int(last.argmax())
     p = target_probs(last, temperature, top_k)
     return len(drafts), int(torch.multinomial(p, 1, generator=generator))
+
+
+class DraftModel:
+    """Drafts from a smaller model run on its own cache (the same cache class, its own pool):
+    for every decoding sequence the draft cache catches up on the tokens it has not seen, then
+    ``k`` greedy steps, all sequences batched in each. After a verification the draft cache is
+    truncated to the accepted length (its K/V past it are of rejected drafts). A greedy draft
+    is a point mass, so :func:`verify` keeps the target distribution when sampling too. A
+    draft cache without room proposes nothing for that sequence; it never fails a step."""
+
+    def __init__(self, model, cache, k: int = 4, adaptive: bool = True) -> None:
+        from vmcache.engine.runner import ModelRunner
+
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive int, got {k!r}")
+        self.k, self.adaptive = k, adaptive
+        self.kv = cache
+        self.runner = ModelRunner(model, cache)
+        self.vocab = model.config.get_text_config().vocab_size
+        self._slots: dict[int, tuple[object, int]] = {}  # id(seq) -> (seq, draft slot)
+        self._lens: dict[int, int] = {}  # id(seq) -> tokens whose K/V the draft cache holds
+
+    next_k = NgramDrafter.next_k
+
+    def forget(self, running) -> None:
+        """Free the draft slots of sequences no longer running (finished, preempted)."""
+        live = {id(s) for s in running}
+        for key in [k for k in self._slots if k not in live]:
+            self.kv.free(self._slots.pop(key)[1])
+            self._lens.pop(key)
+
+    def rolled_back(self, seq, keep: int) -> None:
+        """The target kept ``seq.tokens[:keep]``: draft K/V past it are of rejected drafts."""
+        key = id(seq)
+        if key in self._slots and self._lens[key] > keep:
+            self.kv.beams.truncate(self._slots[key][1], keep)
+            self._lens[key] = keep
+
+    def draft(self, items) -> list[list[int]]:
+        """Drafts for ``items`` ((sequence, most drafts), in order)."""
+        out: list[list[int]] = [[] for _ in items]
+        work = []  # (index in items, seq, slot, limit)
+        for i, (seq, limit) in enumerate(items):
+            if limit <= 0:
+                continue
+            slot = self._slot(seq)
+            if slot is not None:
+                work.append((i, seq, slot, limit))
+        # catch up: every token the draft cache has not seen, in one batched step
+        feeds = []
+        for i, seq, slot, limit in work:
+            have = self._lens[id(seq)]
+            chunk = seq.tokens[have:]
+            if not self._grow(seq, slot, len(chunk)):
+                continue
+            feeds.append((i, seq, slot, limit, have, chunk))
+        if not feeds:
+            return out
+        logits = self.runner.step([f[2] for f in feeds], [f[4] for f in feeds],
+                                  [f[5] for f in feeds])  # fmt: skip
+        active = []
+        for row, (i, seq, slot, limit, have, chunk) in zip(logits, feeds):
+            self._lens[id(seq)] = have + len(chunk)
+            out[i].append(int(row.argmax()))
+            active.append((i, seq, slot, limit))
+        for _ in range(1, max(f[3] for f in active)):  # greedy steps, one token each
+            active = [a for a in active if len(out[a[0]]) < a[3]
+                      and self._grow(a[1], a[2], 1)]  # fmt: skip
+            if not active:
+                break
+            logits = self.runner.step([a[2] for a in active],
+                                      [self._lens[id(a[1])] for a in active],
+                                      [[out[a[0]][-1]] for a in active])  # fmt: skip
+            for row, (i, seq, _, _) in zip(logits, active):
+                self._lens[id(seq)] += 1
+                out[i].append(int(row.argmax()))
+        return out
+
+    def _slot(self, seq):
+        key = id(seq)
+        if key not in self._slots:
+            if not self.kv.num_free_slots:
+                return None
+            self._slots[key] = (seq, self.kv.new_sequence())
+            self._lens[key] = 0
+        return self._slots[key][1]
+
+    def _grow(self, seq, slot: int, n: int) -> bool:
+        """Room for ``n`` more tokens of ``seq`` in the draft cache (else its slot is freed,
+        to catch up later from the start)."""
+        if n == 0:
+            return True
+        if self._lens[id(seq)] + n <= self.kv.max_seq_len and self.kv.can_grow(slot, n):
+            self.kv.grow(slot, n)
+            return True
+        self.kv.free(slot)
+        del self._slots[id(seq)], self._lens[id(seq)]
+        return False
