@@ -9,9 +9,12 @@ its input is where prompt lookup helps: summaries, code edits, retrieval-grounde
 repeats, so drafts rarely match: the overhead of proposing, verifying and rolling back).
 16 requests of 48 prompt tokens and 48 new tokens each, all at once.
 
-MODEL AND CACHES: a seeded random Llama (4 layers, fp32) on the CPU; VMKVCache (layer_major,
-4 KiB pages, host backend) and PagedKVCache (16-token blocks). Speculation: NgramDrafter(k=4,
-adaptive).
+MODEL AND CACHES: a seeded random Llama (4 layers, fp32) on the CPU; VMKVCache (layer_major and
+token_major, 4 KiB pages, host backend) and PagedKVCache (16-token blocks). Speculation:
+NgramDrafter(k=4, adaptive) as a chain, and as a token tree of up to 3 chains (greedy rows),
+the extra chains verified in forks that share the history's pages (vmcache/engine/tree.py):
+the tree rows count the branches, the verifications a fork won, and the K/V bytes the forks
+copied per verification (the page holding the branch point, copied on its first write).
 
 ROWS: target steps (engine steps), generated tokens per target step, drafts proposed and
 accepted (acceptance), rejected drafts rolled back (truncated: pages unmapped, no K/V copied;
@@ -72,13 +75,14 @@ def requests(workload: str, n: int) -> list[Request]:
 
 
 def make_cache(kind: str, spec: KVSpec, n: int):
-    tokens = n * (PROMPT + NEW + 16)
-    if kind == "vm":
+    tokens = 3 * n * (PROMPT + NEW + 16)  # room for a tree's forks too
+    if kind.startswith("vm"):
         pages = tokens * spec.bytes_per_token // 4096 + 64
-        return VMKVCache(spec, n, PROMPT + NEW + 8, page_size=4096, pool_bytes=pages * 4096,
-                         backend=HostBackend())  # fmt: skip
+        layout = "token_major" if kind == "vm_token_major" else "layer_major"
+        return VMKVCache(spec, 3 * n, PROMPT + NEW + 8, page_size=4096, layout=layout,
+                         pool_bytes=pages * 4096, backend=HostBackend())  # fmt: skip
     return PagedKVCache(spec, num_blocks=tokens // 16 + 64, block_size=16,
-                        max_seq_len=PROMPT + NEW + 8, max_seqs=n)  # fmt: skip
+                        max_seq_len=PROMPT + NEW + 8, max_seqs=3 * n)  # fmt: skip
 
 
 def run_once(m, kind: str, workload: str, n: int, speculative) -> tuple[dict, dict]:
@@ -97,6 +101,10 @@ def run_once(m, kind: str, workload: str, n: int, speculative) -> tuple[dict, di
         "spec_accepted": st.spec_accepted,
         "rolled_back_tokens": st.spec_rolled_back,
         "cow_bytes_copied": cache.cow_bytes_copied,
+        "verify_steps": st.spec_steps,
+        "tree_branches": st.tree_branches,
+        "tree_wins": st.tree_wins,
+        "tree_cow_bytes": st.tree_cow_bytes,
     }
     cache.close()
     return row, out
@@ -104,7 +112,9 @@ def run_once(m, kind: str, workload: str, n: int, speculative) -> tuple[dict, di
 
 def rows_for(m, kind: str, workload: str, n: int, repeats: int) -> list[dict]:
     rows, base_out, base_wall = [], None, None
-    for name, drafter in (("none", None), ("ngram k=4", NgramDrafter(k=4))):
+    variants = (("none", None), ("ngram k=4", NgramDrafter(k=4)),
+                ("ngram tree 3x4 (forks)", NgramDrafter(k=4, branches=3)))  # fmt: skip
+    for name, drafter in variants:
         runs = [run_once(m, kind, workload, n, drafter) for _ in range(repeats)]
         walls = [r["wall_s"] for r, _ in runs]
         row, out = runs[0]
@@ -112,6 +122,7 @@ def rows_for(m, kind: str, workload: str, n: int, repeats: int) -> list[dict]:
                    wall_s=statistics.median(walls), wall_s_min=min(walls),
                    wall_s_max=max(walls))  # fmt: skip
         row["tokens_per_step"] = row["generated_tokens"] / row["steps"]
+        row["tree_cow_bytes_per_verify"] = row["tree_cow_bytes"] / max(row["verify_steps"], 1)
         row["acceptance"] = row["spec_accepted"] / row["spec_proposed"] if drafter else None
         if base_out is None:
             base_out, base_wall = out, row["wall_s"]
@@ -128,8 +139,9 @@ def rows_for(m, kind: str, workload: str, n: int, repeats: int) -> list[dict]:
 
 
 COLUMNS = ["cache", "workload", "speculation", "steps", "tokens_per_step", "spec_proposed",
-           "spec_accepted", "acceptance", "rolled_back_tokens", "cow_bytes_copied",
-           "answers_equal_none", "wall_s", "wall_vs_none"]  # fmt: skip
+           "spec_accepted", "acceptance", "rolled_back_tokens", "tree_branches", "tree_wins",
+           "tree_cow_bytes_per_verify", "answers_equal_none", "wall_s",
+           "wall_vs_none"]  # fmt: skip
 
 
 def main(argv=None):
@@ -142,7 +154,7 @@ def main(argv=None):
     torch.set_num_threads(2)
     m = model()
     n, reps = (4, 1) if args.quick else (args.requests, args.repeats)
-    rows = [r for kind in ("vm", "paged") for w in ("quoting", "sampled")
+    rows = [r for kind in ("vm", "vm_token_major", "paged") for w in ("quoting", "sampled")
             for r in rows_for(m, kind, w, n, reps)]  # fmt: skip
     print(table(rows, COLUMNS))
     extra = {"prompt_tokens": PROMPT, "new_tokens": NEW, "requests": n}
@@ -158,13 +170,14 @@ def plot(rows, path):
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     labels = [f"{r['cache']}\n{r['workload']}" for r in rows if r["speculation"] == "none"]
-    for i, name in enumerate(("none", "ngram k=4")):
+    names = list(dict.fromkeys(r["speculation"] for r in rows))
+    for i, name in enumerate(names):
         rs = [r for r in rows if r["speculation"] == name]
-        x = [j + 0.4 * i for j in range(len(rs))]
-        axes[0].bar(x, [r["steps"] for r in rs], 0.4, label=name)
-        axes[1].bar(x, [r["wall_s"] for r in rs], 0.4, label=name)
+        x = [j + 0.27 * i for j in range(len(rs))]
+        axes[0].bar(x, [r["steps"] for r in rs], 0.27, label=name)
+        axes[1].bar(x, [r["wall_s"] for r in rs], 0.27, label=name)
     for ax, label in zip(axes, ("target steps", "wall time (s)")):
-        ax.set_xticks([j + 0.2 for j in range(len(labels))], labels)
+        ax.set_xticks([j + 0.27 for j in range(len(labels))], labels, fontsize=7)
         ax.set_ylabel(label)
         ax.legend()
     fig.suptitle("speculative decoding (prompt lookup) vs none: same answers")

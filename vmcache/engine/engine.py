@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from vmcache.engine import tree
 from vmcache.engine.request import Request, SamplingParams, Seq, Status
 from vmcache.engine.runner import ModelRunner
 from vmcache.engine.scheduler import Scheduler
@@ -47,6 +48,9 @@ class EngineStats:
     spec_proposed: int = 0  # draft tokens fed to the target
     spec_accepted: int = 0  # of them, accepted
     spec_rolled_back: int = 0  # rejected draft tokens whose K/V were truncated away
+    tree_branches: int = 0  # extra draft chains verified in forks (token trees)
+    tree_wins: int = 0  # verifications a fork's chain won
+    tree_cow_bytes: int = 0  # K/V bytes copied to fork the branches (the branch point's page)
     step_s: list[float] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict:
@@ -81,6 +85,9 @@ class Engine:
                     why = f"({speculative.vocab} vs {vocab})"
                     raise ValueError(f"a draft model needs the target's vocabulary {why} "
                                      "and its own cache")  # fmt: skip
+            if getattr(speculative, "branches", 1) > 1 and any(g.sliding for g in cache.groups):
+                raise ValueError("token trees (branches > 1) are not supported with sliding "
+                                 "windows: a branch forks back past the draft margin")  # fmt: skip
             margin = min((g.rollback_tokens for g in cache.groups if g.sliding), default=None)
             if margin is not None and margin < speculative.k:
                 raise ValueError(f"a sliding-window cache with rollback_tokens={margin} cannot "
@@ -194,19 +201,24 @@ class Engine:
                            self.kv.max_seq_len - len(seq.tokens))  # fmt: skip
                 seq.spec_k = drafter.next_k(seq.spec_k, seq.spec_accepted)
                 items.append((seq, min(room, seq.spec_k)))
-        for (seq, _), d in zip(items, drafter.draft(items)):
+        tree = getattr(drafter, "branches", 1) > 1
+        for (seq, limit), d in zip(items, drafter.draft(items)):
+            if tree and d and seq.req.params.temperature == 0:
+                seq.branches = drafter.tree(seq.tokens, limit)[1:]  # the first is ``d``
             seq.tokens += d
             seq.draft = len(d)
 
-    def _verify(self, seq: Seq, rows: torch.Tensor) -> None:
+    def _verify(self, seq: Seq, rows: torch.Tensor, result=None) -> None:
         """Accept the longest run of ``seq``'s scheduled drafts the target agrees with, roll
-        the rest back (truncate: pages past it unmapped, nothing copied), emit one token."""
+        the rest back (truncate: pages past it unmapped, nothing copied), emit one token
+        (``result``: (accepted, token) already chosen among a tree's branches)."""
         st, p = self.stats, seq.req.params
         base = seq.cached  # the position of the token before the drafts
         drafts = seq.tokens[base + 1 : base + seq.chunk]
         seq.tokens = seq.tokens[: base + seq.chunk]  # drafts this step did not feed: gone
         seq.draft = 0
-        accepted, token = verify(rows, drafts, p.temperature, p.top_k, seq.generator)
+        accepted, token = result or verify(rows, drafts, p.temperature, p.top_k,
+                                           seq.generator)  # fmt: skip
         seq.spec_accepted = accepted if drafts else seq.spec_accepted
         keep = base + 1 + accepted
         if keep < base + seq.chunk:
@@ -223,6 +235,28 @@ class Engine:
             if seq.status is Status.FINISHED:
                 return
         self._append(seq, token)
+
+    def _branches(self, batch, args, rows) -> dict:
+        """Forks for the extra chains of every scheduled token tree, appended to the step's
+        rows: {batch index: (forks, their row indices, their row counts)}."""
+        out, cow = {}, self.kv.cow_bytes_copied
+        for i, seq in enumerate(batch):
+            if not seq.branches or seq.chunk != 1 + seq.draft:
+                seq.branches = []
+                continue
+            forks = tree.fork_branches(self.kv, seq)
+            idx, counts = [], []
+            for kid, chain in forks:
+                idx.append(len(rows))
+                counts.append(1 + len(chain))
+                for a, x in zip(args, (kid, seq.cached, [seq.tokens[seq.cached], *chain])):
+                    a.append(x)
+                rows.append(1 + len(chain))
+            if forks:
+                out[i] = (forks, idx, counts)
+                self.stats.tree_branches += len(forks)
+        self.stats.tree_cow_bytes += self.kv.cow_bytes_copied - cow
+        return out
 
     def step(self) -> None:
         st, sched = self.stats, self.scheduler
@@ -251,6 +285,7 @@ class Engine:
         st.prefill_tokens += sum(s.chunk for s, d in zip(batch, decodes) if not d)
         rows = [s.chunk if sp else 1 for s, sp in zip(batch, spec)]
         args = ([s.slot for s in batch], [s.cached for s in batch], [s.scheduled for s in batch])
+        forks = self._branches(batch, args, rows) if any(spec) else {}
         logits = self.runner.step(*args, rows=rows) if any(spec) else self.runner.step(*args)
         starts = [0, *torch.tensor(rows).cumsum(0).tolist()]
         premap = 0.0
@@ -266,7 +301,14 @@ class Engine:
         now = time.perf_counter()
         for i, (seq, decode) in enumerate(zip(batch, decodes)):
             if spec[i]:
-                self._verify(seq, logits[starts[i] : starts[i + 1]])
+                mine = logits[starts[i] : starts[i + 1]]
+                result = None
+                if i in forks:  # a token tree: the branch the target agrees with longest
+                    at = [starts[j] for j in forks[i][1]]
+                    kid_rows = [logits[a : a + r] for a, r in zip(at, forks[i][2])]
+                    acc, tok, win = tree.choose(self.kv, seq, mine, forks[i][0], kid_rows)
+                    result, st.tree_wins = (acc, tok), st.tree_wins + bool(win)
+                self._verify(seq, mine, result)
                 continue
             row = logits[starts[i + 1] - 1]
             seq.cached += seq.chunk

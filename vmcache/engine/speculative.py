@@ -33,6 +33,7 @@ class NgramDrafter:
     max_ngram: int = 3
     min_ngram: int = 1
     adaptive: bool = True  # per sequence: propose one more than its last step accepted
+    branches: int = 1  # > 1: a token tree, one chain per branch (greedy requests only)
 
     def next_k(self, last_k: int | None, accepted: int | None) -> int:
         """How many drafts a sequence proposes next: ``k`` at first; with ``adaptive``, one
@@ -43,7 +44,7 @@ class NgramDrafter:
         return max(1, min(self.k, accepted + 1))
 
     def __post_init__(self) -> None:
-        for name in ("k", "max_ngram", "min_ngram"):
+        for name in ("k", "max_ngram", "min_ngram", "branches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -53,6 +54,28 @@ class NgramDrafter:
     def draft(self, items) -> list[list[int]]:
         """Drafts for ``items`` ((sequence, most drafts), in order)."""
         return [self.propose(seq.tokens, limit) for seq, limit in items]
+
+    def tree(self, tokens: list[int], limit: int) -> list[list[int]]:
+        """Up to ``branches`` chains of at most ``limit`` drafts that differ in their first
+        token: what followed the latest occurrences of the longest matching suffix n-gram
+        (the first is :meth:`propose`'s)."""
+        limit = min(self.k, limit)
+        if limit <= 0:
+            return []
+        n_tokens, chains, firsts = len(tokens), [], set()
+        for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
+            suffix = tokens[n_tokens - n :]
+            for start in range(n_tokens - n - 1, -1, -1):
+                if tokens[start : start + n] == suffix:
+                    follow = tokens[start + n : start + n + limit]
+                    if follow and follow[0] not in firsts:
+                        firsts.add(follow[0])
+                        chains.append(follow)
+                        if len(chains) == self.branches:
+                            return chains
+            if chains:
+                return chains
+        return chains
 
     def forget(self, running) -> None:
         """Nothing to free (no state per sequence)."""
