@@ -129,14 +129,20 @@ class CacheMachine(RuleBasedStateMachine):
             return
         if self.c.stats().window_released_pages > released:
             self.seen["window release"] += 1
+        prev = self.top.get(s, 0)  # the greatest length it reached (a release point)
         if n:
-            self.top[s] = before + n
+            self.top[s] = max(prev, before + n)
         for layer, w in enumerate(self.windows):  # what the window no longer needs is gone
             if w is not None and n:
                 gone = max(0, before - w + 1 - self.rollback)  # the next query or a rollback
                 tpp = self.tokens_per_page  # by k tokens reads nothing before `gone`
                 ws = self.c.window_start(layer, s)
-                assert gone // tpp * tpp <= ws <= gone, (layer, before, ws)
+                # at most: the next query's window, and a rollback by k from the greatest
+                # length a release happened at (a rollback since may have used the margin)
+                most = min(
+                    max(0, before - w + 1), max(0, max(before, prev) - w + 1 - self.rollback)
+                )
+                assert gone // tpp * tpp <= ws <= most, (layer, before, prev, ws)
         for layer in range(2):
             # new positions never expose another owner's bytes; after truncate they may
             # show the sequence's own old bytes (NaN = unspecified, not compared)
@@ -226,7 +232,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert ok == trusted, (s, k, trusted)
         if not ok:
             return
-        self.top[s] = before + 1 + k
+        self.top[s] = max(self.top.get(s, 0), before + 1 + k)
         fill = float("nan") if s in self.dirty else 0.0
         for layer in range(2):
             self.shadow[s][layer] = torch.cat([self.shadow[s][layer],
