@@ -33,6 +33,7 @@ def test_layer_keys_and_values_match_dynamic_cache(kind, attn):
     forward(m, ours, ids)
     forward(model("llama_gqa"), ref, ids)
     same_layers(ours, ref)
+    assert all(layer.batch_size == 2 for layer in ours.layers)
     if kind == "vm":  # views of the cache's own storage, not copies
         k = ours.layers[1].keys
         row = ours.kv.k_cache(1)[ours.rows[0]]

@@ -101,6 +101,10 @@ class _Layer(CacheLayerMixin):
     def _kv(self, i: int) -> torch.Tensor | None:
         return self.owner._layer_kv(self, real=True)[i] if self.length else None
 
+    @property
+    def batch_size(self) -> int:
+        return len(self.owner.rows)
+
 
 def _read_only(value) -> None:
     if value is not None:  # transformers' own __init__ writes None: nothing to store
