@@ -21,7 +21,7 @@ from vmcache.engine import tree
 from vmcache.engine.request import Request, SamplingParams, Seq, Status
 from vmcache.engine.runner import ModelRunner
 from vmcache.engine.scheduler import Scheduler
-from vmcache.engine.speculative import DraftModel, NgramDrafter, verify
+from vmcache.engine.speculative import DraftModel, NgramDrafter, sample, verify
 from vmcache.errors import CacheFull
 
 
@@ -85,7 +85,7 @@ class Engine:
                     why = f"({speculative.vocab} vs {vocab})"
                     raise ValueError(f"a draft model needs the target's vocabulary {why} "
                                      "and its own cache")  # fmt: skip
-            if getattr(speculative, "branches", 1) > 1 and any(g.sliding for g in cache.groups):
+            if speculative.branches > 1 and any(g.sliding for g in cache.groups):
                 raise ValueError("token trees (branches > 1) are not supported with sliding "
                                  "windows: a branch forks back past the draft margin")  # fmt: skip
             margin = min((g.rollback_tokens for g in cache.groups if g.sliding), default=None)
@@ -143,13 +143,7 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, seq: Seq) -> int:
         p: SamplingParams = seq.req.params
-        if p.temperature == 0:
-            return int(logits.argmax())
-        logits = logits.cpu() / p.temperature
-        if p.top_k:
-            kth = logits.topk(min(p.top_k, logits.numel())).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        return int(torch.multinomial(logits.softmax(-1), 1, generator=seq.generator))
+        return sample(logits, p.temperature, p.top_k, seq.generator)
 
     def _append(self, seq: Seq, token: int, in_tokens: bool = False) -> None:
         """``token`` generated for ``seq`` (``in_tokens``: an accepted draft, already at the
@@ -201,10 +195,13 @@ class Engine:
                            self.kv.max_seq_len - len(seq.tokens))  # fmt: skip
                 seq.spec_k = drafter.next_k(seq.spec_k, seq.spec_accepted)
                 items.append((seq, min(room, seq.spec_k)))
-        tree = getattr(drafter, "branches", 1) > 1
-        for (seq, limit), d in zip(items, drafter.draft(items)):
-            if tree and d and seq.req.params.temperature == 0:
-                seq.branches = drafter.tree(seq.tokens, limit)[1:]  # the first is ``d``
+        # a token tree for greedy requests (one search: its first chain is the main draft)
+        trees = [drafter.branches > 1 and seq.req.params.temperature == 0 for seq, _ in items]
+        chains = iter(drafter.draft([it for it, t in zip(items, trees) if not t]))
+        for (seq, limit), t in zip(items, trees):
+            tree_chains = drafter.tree(seq.tokens, limit) if t else [next(chains)]
+            d = tree_chains[0] if tree_chains else []
+            seq.branches = tree_chains[1:]
             seq.tokens += d
             seq.draft = len(d)
 

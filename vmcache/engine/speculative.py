@@ -59,23 +59,7 @@ class NgramDrafter:
         """Up to ``branches`` chains of at most ``limit`` drafts that differ in their first
         token: what followed the latest occurrences of the longest matching suffix n-gram
         (the first is :meth:`propose`'s)."""
-        limit = min(self.k, limit)
-        if limit <= 0:
-            return []
-        n_tokens, chains, firsts = len(tokens), [], set()
-        for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
-            suffix = tokens[n_tokens - n :]
-            for start in range(n_tokens - n - 1, -1, -1):
-                if tokens[start : start + n] == suffix:
-                    follow = tokens[start + n : start + n + limit]
-                    if follow and follow[0] not in firsts:
-                        firsts.add(follow[0])
-                        chains.append(follow)
-                        if len(chains) == self.branches:
-                            return chains
-            if chains:
-                return chains
-        return chains
+        return self._chains(tokens, limit, self.branches)
 
     def forget(self, running) -> None:
         """Nothing to free (no state per sequence)."""
@@ -85,18 +69,29 @@ class NgramDrafter:
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         """At most ``min(k, limit)`` draft tokens to follow ``tokens`` (maybe none)."""
+        chains = self._chains(tokens, limit, 1)
+        return chains[0] if chains else []
+
+    def _chains(self, tokens: list[int], limit: int, most: int) -> list[list[int]]:
+        """Up to ``most`` chains (distinct first tokens) of at most ``min(k, limit)`` tokens
+        that followed the latest earlier occurrences of the longest suffix n-gram found."""
         limit = min(self.k, limit)
         if limit <= 0:
             return []
-        n_tokens = len(tokens)
+        n_tokens, chains, firsts = len(tokens), [], set()
         for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
             suffix = tokens[n_tokens - n :]
-            for start in range(n_tokens - n - 1, -1, -1):  # the latest earlier occurrence
+            for start in range(n_tokens - n - 1, -1, -1):  # the latest occurrence first
                 if tokens[start : start + n] == suffix:
                     follow = tokens[start + n : start + n + limit]
-                    if follow:
-                        return follow
-        return []
+                    if follow and follow[0] not in firsts:
+                        firsts.add(follow[0])
+                        chains.append(follow)
+                        if len(chains) == most:
+                            return chains
+            if chains:
+                return chains
+        return chains
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
@@ -106,6 +101,15 @@ def target_probs(logits: torch.Tensor, temperature: float, top_k: int) -> torch.
         kth = logits.topk(min(top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return logits.softmax(-1)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int,
+           generator: torch.Generator) -> int:  # fmt: skip
+    """The engine's next token from ``logits`` ``[V]``: argmax at temperature 0, else drawn
+    from :func:`target_probs` with the sequence's ``generator``."""
+    if temperature == 0:
+        return int(logits.argmax())
+    return int(torch.multinomial(target_probs(logits, temperature, top_k), 1, generator=generator))
 
 
 def verify(rows: torch.Tensor, drafts: list[int], temperature: float, top_k: int,
@@ -123,11 +127,7 @@ def verify(rows: torch.Tensor, drafts: list[int], temperature: float, top_k: int
             continue
         p[d] = 0.0  # the residual max(0, p − q) of a point-mass draft, renormalised
         return i, int(torch.multinomial(p / p.sum(), 1, generator=generator))
-    last = rows[len(drafts)]
-    if temperature == 0:
-        return len(drafts), int(last.argmax())
-    p = target_probs(last, temperature, top_k)
-    return len(drafts), int(torch.multinomial(p, 1, generator=generator))
+    return len(drafts), sample(rows[len(drafts)], temperature, top_k, generator)
 
 
 class DraftModel:
@@ -137,6 +137,8 @@ class DraftModel:
     truncated to the accepted length (its K/V past it are of rejected drafts). A greedy draft
     is a point mass, so :func:`verify` keeps the target distribution when sampling too. A
     draft cache without room proposes nothing for that sequence; it never fails a step."""
+
+    branches = 1  # chains only: a draft model proposes no token tree
 
     def __init__(self, model, cache, k: int = 4, adaptive: bool = True) -> None:
         from vmcache.engine.runner import ModelRunner
