@@ -108,6 +108,7 @@ class SharedBudget:
         self._cached: tuple[float, int] | None = None  # (time, available()) of the last read
         self._wanted_at = float("-inf")  # when want() last wrote
         self._beat_at = float("-inf")
+        self._beat_every = 1.0 if self.lease_s is None else self.lease_s / 4
         self._connect(create=total_pages is not None)
         try:
             with self._tx(join=False) as db:
@@ -177,10 +178,12 @@ class SharedBudget:
             return True
         return (st.st_dev, st.st_ino) != self._inode
 
-    def _tx(self, join: bool = True):
+    def _tx(self, join: bool = True, beat: bool = False):
         """A write transaction on the ledger (reaped first); with ``join``, this holder's row
-        is there (re-registered with what it holds if it was reaped or the file rebuilt)."""
-        return _Transaction(self, join)
+        is there (re-registered with what it holds if it was reaped or the file rebuilt) and
+        its sign of life is refreshed when older than a quarter of its lease (``beat``:
+        now), so a call that changes nothing writes nothing."""
+        return _Transaction(self, join, beat)
 
     @staticmethod
     def _meta(db, key: str) -> int | None:
@@ -269,7 +272,7 @@ class SharedBudget:
     def beat(self) -> None:
         """A sign of life (with ``lease_s``): an idle process calls this more often than its
         lease, or others may reap its pages."""
-        with self._tx():
+        with self._tx(beat=True):
             pass
 
     def snapshot(self) -> dict:
@@ -298,8 +301,8 @@ class _Transaction:
     """``BEGIN IMMEDIATE`` .. ``COMMIT`` (``ROLLBACK`` on an error) on the budget's ledger,
     after reconnecting to a replaced file; SQLite errors become :class:`LedgerError`."""
 
-    def __init__(self, budget: SharedBudget, join: bool) -> None:
-        self.b, self.join = budget, join
+    def __init__(self, budget: SharedBudget, join: bool, beat: bool = False) -> None:
+        self.b, self.join, self.beat = budget, join, beat
 
     def __enter__(self):
         b = self.b
@@ -316,8 +319,13 @@ class _Transaction:
                 if b._meta(b._db, "total_pages") is None:
                     b._db.execute("INSERT INTO meta VALUES ('total_pages', ?), ('schema', ?)",
                                   (b.total, SCHEMA))  # fmt: skip
-                found = b._db.execute("UPDATE holders SET beat = ? WHERE id = ?",
-                                      (now, b.id)).rowcount  # fmt: skip
+                if self.beat or now - b._beat_at >= b._beat_every:  # a write only this often
+                    found = b._db.execute("UPDATE holders SET beat = ? WHERE id = ?",
+                                          (now, b.id)).rowcount  # fmt: skip
+                    b._beat_at = now
+                else:
+                    found = b._db.execute("SELECT 1 FROM holders WHERE id = ?",
+                                          (b.id,)).fetchone() is not None  # fmt: skip
                 if not found:
                     b._insert(b._db)
                     b.rejoined += 1
