@@ -168,6 +168,7 @@ class VMKVCache(SequenceCache):
             t, i = self._layer_at[layer]
             views.append((tensors[t][:, :max_seq_len, i], tensors[t + 1][:, :max_seq_len, i]))
         self._views = [(k.as_subclass(CacheView), v.as_subclass(CacheView)) for k, v in views]
+        self._stager: Stager | None = None  # a wake's copies in flight (owned here)
         self.closed = False
 
     # --- kernel-facing views -----------------------------------------------------------
@@ -281,7 +282,7 @@ class VMKVCache(SequenceCache):
         were; all or nothing."""
         done = []
         try:
-            stager, self._stager = getattr(self, "_stager", None), None
+            stager, self._stager = self._stager, None
             if stager is not None:
                 stager.finish()
             elif saved is not None:
