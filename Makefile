@@ -60,6 +60,10 @@ bench-elastic: $(STAMP)
 bench-tiers: $(STAMP)
 	$(PY) -m vmcache.bench --mode tiers
 
+# speculative decoding: prompt lookup as a chain and as token trees (mask / forks) against none
+bench-spec: $(STAMP)
+	$(PY) -m vmcache.bench --mode spec
+
 # the result tables of README.md and docs/results.md from the committed JSON (tests/test_readme_results.py checks them)
 readme: $(STAMP)
 	$(PY) scripts/render_readme.py

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from vmcache.kernels import contiguous, paged
-from vmcache.kernels.common import attend_cache_views, check_inputs
+from vmcache.kernels.common import attend_cache_views, check_inputs, layer_window
 
 
 def _module(cache):
@@ -33,10 +33,23 @@ def prefill(cache, layer: int, q, seq_ids, q_lens, scale=None, impl=None) -> tor
 
 
 def attend(cache, layer: int, q, seq_ids, q_lens, scale=None, impl=None,
-           softcap: float | None = None) -> torch.Tensor:  # fmt: skip
+           softcap: float | None = None, masks=None) -> torch.Tensor:  # fmt: skip
     """Packed variable-length attention (q ``[Σ q_lens, N_Q, d_h]``): :func:`decode` when
     every sequence brings one token, else :func:`prefill`. ``softcap`` (logit soft-capping,
-    Gemma 2) has no fused kernel here: it runs the per-sequence torch path on any device."""
+    Gemma 2) has no fused kernel here: it runs the per-sequence torch path on any device.
+
+    ``masks[i]`` (token trees): None for a causal sequence, or bool ``[q_lens[i], q_lens[i]]``,
+    row j true at the tree tokens query j sees (itself and its ancestors; see
+    :func:`~vmcache.kernels.common.tree_mask`). Tree sequences run SDPA with that explicit
+    mask (torch's memory-efficient kernel on CUDA) on the cache's own views; the others
+    take the usual kernels, packed apart:
+
+        q:      | a (causal) | T (tree) | b (causal) |
+        kernel: | a          |            b          |    prefill/decode, one call
+        sdpa:              | T + its mask |               one call per tree
+    """
+    if masks is not None and any(m is not None for m in masks):
+        return _attend_trees(cache, layer, q, seq_ids, q_lens, scale, impl, softcap, masks)
     if softcap is not None:
         if impl not in (None, "sdpa", "torch"):
             raise ValueError(f"impl {impl!r} has no logit soft-capping; use None or 'torch'")
@@ -47,3 +60,30 @@ def attend(cache, layer: int, q, seq_ids, q_lens, scale=None, impl=None,
     if all(int(n) == 1 for n in q_lens):
         return decode(cache, layer, q, seq_ids, scale=scale, impl=impl)
     return prefill(cache, layer, q, seq_ids, q_lens, scale=scale, impl=impl)
+
+
+def _attend_trees(cache, layer, q, seq_ids, q_lens, scale, impl, softcap, masks):
+    q_lens = [int(x) for x in q_lens]
+    seq_ids = check_inputs(cache, layer, q, seq_ids, q_lens)
+    if len(masks) != len(seq_ids):
+        raise ValueError("masks needs one entry (None or a tree's mask) per sequence")
+    for m, n in zip(masks, q_lens):
+        if m is not None and (m.dtype != torch.bool or tuple(m.shape) != (n, n)):
+            raise ValueError(f"a tree mask must be bool [{n}, {n}], got {m.dtype} "
+                             f"{list(m.shape)}")  # fmt: skip
+    if layer_window(cache, layer) is not None:
+        raise ValueError("token trees are not supported on sliding-window layers")
+    starts = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    rows = [torch.arange(starts[i], starts[i + 1]) for i in range(len(q_lens))]
+    tree = [i for i, m in enumerate(masks) if m is not None]
+    rest = [i for i, m in enumerate(masks) if m is None]
+    out = torch.empty_like(q)
+    pick = torch.cat([rows[i] for i in tree]).to(q.device)
+    out[pick] = attend_cache_views(cache, layer, q[pick], [seq_ids[i] for i in tree],
+                                   [q_lens[i] for i in tree], scale, softcap,
+                                   [masks[i] for i in tree])  # fmt: skip
+    if rest:
+        pick = torch.cat([rows[i] for i in rest]).to(q.device)
+        out[pick] = attend(cache, layer, q[pick], [seq_ids[i] for i in rest],
+                           [q_lens[i] for i in rest], scale, impl, softcap)  # fmt: skip
+    return out

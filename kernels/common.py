@@ -58,6 +58,21 @@ def causal_lower_right(q_len: int, kv_len: int, device, window: int | None = Non
     return mask if window is None else mask & (j > p - window)
 
 
+def tree_mask(ancestors: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """``[q_len, kv_len]`` bool for a token tree: its ``q_len`` tokens are the last keys, every
+    one sees the whole history before them and, among the tree's tokens, itself and its
+    ancestors only (``ancestors``: bool ``[q_len, q_len]``, row i true at i's ancestors).
+
+        keys:   | history (kv_len − q_len)  | t  a1 a2 b1      (tree: t → a1 → a2, t → b1)
+        b1:     | 1 1 1 ... 1               | 1  0  0  1
+        a2:     | 1 1 1 ... 1               | 1  1  1  0
+    """
+    q_len = ancestors.shape[0]
+    mask = torch.ones((q_len, kv_len), dtype=torch.bool, device=ancestors.device)
+    mask[:, kv_len - q_len :] = ancestors
+    return mask
+
+
 def sdpa_per_sequence(
     q: torch.Tensor,
     q_lens: Sequence[int],
@@ -65,20 +80,26 @@ def sdpa_per_sequence(
     scale: float | None,
     window: int | None = None,
     softcap: float | None = None,
+    masks: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """One SDPA call per sequence on its own ``[len, N_KV, d_h]`` views (no padding, so no
     byte past a sequence's length is read; views that start at a window's first mapped
     token read nothing before it). q: packed ``[Σ q_lens, N_Q, d_h]``; ``window``: sliding
-    window W of the layer (None: full)."""
+    window W of the layer (None: full); ``masks[i]``: None (causal) or a token tree's bool
+    ``[q_len, q_len]`` (see :func:`tree_mask`)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = torch.empty_like(q)
     start = 0
-    for ql, (k, v) in zip(q_lens, kvs):
+    for i, (ql, (k, v)) in enumerate(zip(q_lens, kvs)):
         qi = q[start : start + ql].transpose(0, 1).unsqueeze(0)  # [1, N_Q, ql, d]
         ki, vi = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         n = k.shape[0]
+        tree = None if masks is None else masks[i]
         full = ql == 1 and (window is None or n <= window)
-        mask = None if full else causal_lower_right(ql, n, q.device, window)
+        if tree is not None:
+            mask = tree_mask(tree, n)
+        else:
+            mask = None if full else causal_lower_right(ql, n, q.device, window)
         if softcap is None:
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale,
                                                enable_gqa=True)  # fmt: skip
@@ -103,8 +124,9 @@ def _softcapped(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
 
 
 def attend_cache_views(cache, layer: int, q: torch.Tensor, seq_ids, q_lens, scale,
-                       softcap: float | None = None):  # fmt: skip
+                       softcap: float | None = None, masks=None):  # fmt: skip
     """:func:`sdpa_per_sequence` over each sequence's ``cache.kv`` (zero-copy views on
-    VMKVCache, gathers on PagedKVCache): the fallback path of both caches."""
+    VMKVCache, gathers on PagedKVCache): the fallback path of both caches, and the path of
+    token trees (``masks``)."""
     kvs = [cache.kv(layer, s) for s in seq_ids]
-    return sdpa_per_sequence(q, q_lens, kvs, scale, layer_window(cache, layer), softcap)
+    return sdpa_per_sequence(q, q_lens, kvs, scale, layer_window(cache, layer), softcap, masks)

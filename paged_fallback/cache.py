@@ -186,6 +186,13 @@ class PagedKVCache(SequenceCache):
         self.kv_pool[slot, 0, blocks, offs] = k
         self.kv_pool[slot, 1, blocks, offs] = v
 
+    def _load(self, layer: int, s: int, positions: torch.Tensor):
+        t, slot = self._layer_at[layer]
+        table = torch.tensor(self._group_of[t].row(s, t), dtype=torch.long)
+        blocks = table[positions // self.block_size].to(self.device)
+        offs = (positions % self.block_size).to(self.device)
+        return self.kv_pool[slot, 0, blocks, offs], self.kv_pool[slot, 1, blocks, offs]
+
     def _wire(self, s: int, t: int, j0: int, length: int) -> Wire:
         """One view per block per layer slot and K/V (``[B, N_KV, d_h]``; the last block to
         ``length`` only), as block-granular transfers go; packed: the full blocks gathered by

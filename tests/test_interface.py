@@ -245,11 +245,17 @@ class CacheMachine(RuleBasedStateMachine):
                     layer, s, before, val[:, 0], val[:, 1])):  # fmt: skip
                 continue
             self.shadow[s][layer][before:] = val
+        self.dirty.add(s)
+        self.seen["speculate"] += 1
+        if not any(self.windows or ()) and k and data.draw(st.booleans()):
+            # a token tree's accepted path: any ascending picks among the drafts, compacted
+            picks = sorted(data.draw(st.sets(st.integers(before + 1, before + k), max_size=k)))
+            if self.attempt("compact", lambda: self.c.beams.compact(s, before + 1, picks)):
+                self.shadow[s] = [torch.cat([t[: before + 1], t[picks]]) for t in self.shadow[s]]
+                return
         keep = before + 1 + data.draw(st.integers(0, k))  # the token, then accepted drafts
         self.c.beams.truncate(s, keep)  # never refused: within the margin of this grow
         self.shadow[s] = [t[:keep] for t in self.shadow[s]]
-        self.dirty.add(s)
-        self.seen["speculate"] += 1
 
     def _truncate(self, s, length):
         needed = {i: max(0, length - w + 1) for i, w in enumerate(self.windows) if w}
@@ -376,6 +382,8 @@ def test_the_machines_reach_the_states_they_claim(name):
     assert seen["cow split"] >= 5, seen
     assert seen["swap_in"] >= 5, seen
     assert seen["speculate"] >= 3, seen
+    if "window" not in name:  # trees are not verified on sliding windows
+        assert seen["compact"] >= 1, seen
     if name.endswith("_window"):  # pages really leave the window; rollbacks really refused
         assert seen["window release"] >= 5 and seen["truncate refused"] >= 1, seen
     record_coverage(f"cache machine {name}", seen)

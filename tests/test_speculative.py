@@ -204,32 +204,3 @@ def test_a_draft_model_needs_the_vocabulary_and_its_own_cache(model):  # noqa: F
         Engine(model, cache, speculative=DraftModel(model, cache))
     with pytest.raises(ValueError):
         DraftModel(model, draft_cache(model), k=0)
-
-
-def branching(seed=0, n=3, new=40):
-    """Prompts where one phrase is followed by different continuations: a tree has branches."""
-    g = torch.Generator().manual_seed(seed)
-    reqs = []
-    for i in range(n):
-        head = torch.randint(0, 128, (4,), generator=g).tolist()
-        tails = [torch.randint(0, 128, (4,), generator=g).tolist() for _ in range(3)]
-        prompt = [t for tail in tails for t in head + tail] + head
-        reqs.append(Request(f"b{i}", tuple(prompt), SamplingParams(max_new_tokens=new)))
-    return reqs
-
-
-@pytest.mark.parametrize("kind", ["vm", "paged"])
-def test_a_token_tree_verified_by_forks_keeps_greedy_outputs(model, kind):  # noqa: F811
-    """Up to three chains per sequence, the extra ones in forks sharing every page of the
-    history; the longest agreeing branch wins (its tables taken by remapping), the others
-    are freed; outputs equal the engine's without speculation, nothing leaks."""
-    reqs = branching() + repeating(n=2)
-    plain, _ = run(model, make(kind, 64), reqs)
-    out, st = run(model, make(kind, 64), reqs, speculative=NgramDrafter(k=4, branches=3))
-    assert out == plain
-    assert st.tree_branches > 0
-    chain, st_chain = run(model, make(kind, 64), reqs, speculative=NgramDrafter(k=4))
-    assert chain == plain
-    assert st.spec_accepted >= st_chain.spec_accepted  # a tree never accepts less here
-    d = NgramDrafter(k=2, branches=3)
-    assert d.tree([1, 2, 5, 1, 2, 6, 1, 2, 7, 1, 2], 5) == [[7, 1], [6, 1], [5, 1]]

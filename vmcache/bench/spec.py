@@ -11,10 +11,13 @@ repeats, so drafts rarely match: the overhead of proposing, verifying and rollin
 
 MODEL AND CACHES: a seeded random Llama (4 layers, fp32) on the CPU; VMKVCache (layer_major and
 token_major, 4 KiB pages, host backend) and PagedKVCache (16-token blocks). Speculation:
-NgramDrafter(k=4, adaptive) as a chain, and as a token tree of up to 3 chains (greedy rows),
-the extra chains verified in forks that share the history's pages (vmcache/engine/tree.py):
-the tree rows count the branches, the verifications a fork won, and the K/V bytes the forks
-copied per verification (the page holding the branch point, copied on its first write).
+NgramDrafter(k=4, adaptive) as a chain, and as a token tree of up to 3 chains verified both
+ways (vmcache/engine/tree.py): "mask", one sequence with a tree mask (the accepted path moved
+into place, only tokens off the first chain copied), and "forks", a fork per extra chain
+sharing the history's pages (the page holding the branch point copied on its first write).
+Per verification step the rows give the K/V bytes the tree copied and the page-table entries
+mapped (a fork maps its whole history again: every page on the VM caches, every block id on
+paged); the engine's default tree mode is the one that copies and maps less here.
 
 ROWS: target steps (engine steps), generated tokens per target step, drafts proposed and
 accepted (acceptance), rejected drafts rolled back (truncated: pages unmapped, no K/V copied;
@@ -104,7 +107,9 @@ def run_once(m, kind: str, workload: str, n: int, speculative) -> tuple[dict, di
         "verify_steps": st.spec_steps,
         "tree_branches": st.tree_branches,
         "tree_wins": st.tree_wins,
-        "tree_cow_bytes": st.tree_cow_bytes,
+        "tree_steps": st.tree_steps,
+        "tree_copied_bytes": st.tree_copied_bytes,
+        "spec_mapped_pages": st.spec_mapped_pages,
     }
     cache.close()
     return row, out
@@ -113,7 +118,8 @@ def run_once(m, kind: str, workload: str, n: int, speculative) -> tuple[dict, di
 def rows_for(m, kind: str, workload: str, n: int, repeats: int) -> list[dict]:
     rows, base_out, base_wall = [], None, None
     variants = (("none", None), ("ngram k=4", NgramDrafter(k=4)),
-                ("ngram tree 3x4 (forks)", NgramDrafter(k=4, branches=3)))  # fmt: skip
+                ("ngram tree 3x4 (mask)", NgramDrafter(k=4, branches=3, tree_mode="mask")),
+                ("ngram tree 3x4 (forks)", NgramDrafter(k=4, branches=3, tree_mode="fork")))
     for name, drafter in variants:
         runs = [run_once(m, kind, workload, n, drafter) for _ in range(repeats)]
         walls = [r["wall_s"] for r, _ in runs]
@@ -122,7 +128,9 @@ def rows_for(m, kind: str, workload: str, n: int, repeats: int) -> list[dict]:
                    wall_s=statistics.median(walls), wall_s_min=min(walls),
                    wall_s_max=max(walls))  # fmt: skip
         row["tokens_per_step"] = row["generated_tokens"] / row["steps"]
-        row["tree_cow_bytes_per_verify"] = row["tree_cow_bytes"] / max(row["verify_steps"], 1)
+        verifies = max(row["verify_steps"], 1)
+        row["tree_copied_bytes_per_verify"] = row["tree_copied_bytes"] / verifies
+        row["mapped_pages_per_verify"] = row["spec_mapped_pages"] / verifies
         row["acceptance"] = row["spec_accepted"] / row["spec_proposed"] if drafter else None
         if base_out is None:
             base_out, base_wall = out, row["wall_s"]
@@ -140,8 +148,8 @@ def rows_for(m, kind: str, workload: str, n: int, repeats: int) -> list[dict]:
 
 COLUMNS = ["cache", "workload", "speculation", "steps", "tokens_per_step", "spec_proposed",
            "spec_accepted", "acceptance", "rolled_back_tokens", "tree_branches", "tree_wins",
-           "tree_cow_bytes_per_verify", "answers_equal_none", "wall_s",
-           "wall_vs_none"]  # fmt: skip
+           "tree_copied_bytes_per_verify", "mapped_pages_per_verify", "answers_equal_none",
+           "wall_s", "wall_vs_none"]  # fmt: skip
 
 
 def main(argv=None):
@@ -173,11 +181,11 @@ def plot(rows, path):
     names = list(dict.fromkeys(r["speculation"] for r in rows))
     for i, name in enumerate(names):
         rs = [r for r in rows if r["speculation"] == name]
-        x = [j + 0.27 * i for j in range(len(rs))]
-        axes[0].bar(x, [r["steps"] for r in rs], 0.27, label=name)
-        axes[1].bar(x, [r["wall_s"] for r in rs], 0.27, label=name)
+        x = [j + 0.2 * i for j in range(len(rs))]
+        axes[0].bar(x, [r["steps"] for r in rs], 0.2, label=name)
+        axes[1].bar(x, [r["wall_s"] for r in rs], 0.2, label=name)
     for ax, label in zip(axes, ("target steps", "wall time (s)")):
-        ax.set_xticks([j + 0.27 for j in range(len(labels))], labels, fontsize=7)
+        ax.set_xticks([j + 0.3 for j in range(len(labels))], labels, fontsize=7)
         ax.set_ylabel(label)
         ax.legend()
     fig.suptitle("speculative decoding (prompt lookup) vs none: same answers")

@@ -21,7 +21,7 @@ from vmcache.engine import tree
 from vmcache.engine.request import Request, SamplingParams, Seq, Status
 from vmcache.engine.runner import ModelRunner
 from vmcache.engine.scheduler import Scheduler
-from vmcache.engine.speculative import DraftModel, NgramDrafter, sample, verify
+from vmcache.engine.speculative import DraftModel, NgramDrafter, sample, verify_tree
 from vmcache.errors import CacheFull
 
 
@@ -48,9 +48,11 @@ class EngineStats:
     spec_proposed: int = 0  # draft tokens fed to the target
     spec_accepted: int = 0  # of them, accepted
     spec_rolled_back: int = 0  # rejected draft tokens whose K/V were truncated away
-    tree_branches: int = 0  # extra draft chains verified in forks (token trees)
-    tree_wins: int = 0  # verifications a fork's chain won
-    tree_cow_bytes: int = 0  # K/V bytes copied to fork the branches (the branch point's page)
+    spec_mapped_pages: int = 0  # page-table entries verifications mapped (forks' included)
+    tree_steps: int = 0  # verifications of a token tree (more than one chain)
+    tree_branches: int = 0  # chains beyond the first that token trees verified
+    tree_wins: int = 0  # tree verifications a chain other than the first won
+    tree_copied_bytes: int = 0  # K/V bytes copied for trees: forks' CoW, or mask compaction
     step_s: list[float] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict:
@@ -185,7 +187,8 @@ class Engine:
         return forked
 
     def _draft(self) -> None:
-        """Append draft tokens to every decoding sequence (``seq.draft`` of them)."""
+        """Append draft tokens to every decoding sequence (``seq.draft`` of them): a chain,
+        or a token tree (``seq.tree`` for the mask way, ``seq.branches`` for forks)."""
         drafter, items = self.speculative, []
         drafter.forget(self.scheduler.running)
         for seq in self.scheduler.running:
@@ -194,66 +197,73 @@ class Engine:
                 room = min(p.max_new_tokens - len(seq.generated) - 1,
                            self.kv.max_seq_len - len(seq.tokens))  # fmt: skip
                 seq.spec_k = drafter.next_k(seq.spec_k, seq.spec_accepted)
+                seq.mapped_at_draft = self.kv.mapped_pages(seq.slot)
                 items.append((seq, min(room, seq.spec_k)))
-        # a token tree for greedy requests (one search: its first chain is the main draft)
-        trees = [drafter.branches > 1 and seq.req.params.temperature == 0 for seq, _ in items]
-        chains = iter(drafter.draft([it for it, t in zip(items, trees) if not t]))
-        for (seq, limit), t in zip(items, trees):
-            tree_chains = drafter.tree(seq.tokens, limit) if t else [next(chains)]
-            d = tree_chains[0] if tree_chains else []
-            seq.branches = tree_chains[1:]
+        if drafter.branches == 1:
+            for (seq, _), d in zip(items, drafter.draft(items)):
+                seq.tokens += d
+                seq.draft = len(d)
+            return
+        for seq, limit in items:  # one search: its first chain is the main draft
+            chains = drafter.tree(seq.tokens, limit)
+            if drafter.tree_mode == "fork" or len(chains) < 2:
+                d, seq.branches = (chains[0] if chains else []), chains[1:]
+            else:
+                d, seq.tree = tree.flatten(chains)
+                seq.tree = seq.tree if len(seq.tokens) + len(d) <= self.kv.max_seq_len else None
+                d = d if seq.tree else chains[0]
             seq.tokens += d
             seq.draft = len(d)
 
-    def _verify(self, seq: Seq, rows: torch.Tensor, result=None) -> None:
-        """Accept the longest run of ``seq``'s scheduled drafts the target agrees with, roll
-        the rest back (truncate: pages past it unmapped, nothing copied), emit one token
-        (``result``: (accepted, token) already chosen among a tree's branches)."""
-        st, p = self.stats, seq.req.params
+    def _verify(self, seq: Seq, rows: torch.Tensor, forks=None) -> None:
+        """Walk ``seq``'s scheduled drafts (a chain or a tree, ``forks``: its branches' forks
+        and rows) with the target's ``rows``, keep the accepted path (moved into place for a
+        tree mask; a fork's tables taken), roll the rest back (truncate: pages past it
+        unmapped, nothing copied), emit one token."""
+        st, p, kv = self.stats, seq.req.params, self.kv
         base = seq.cached  # the position of the token before the drafts
-        drafts = seq.tokens[base + 1 : base + seq.chunk]
-        seq.tokens = seq.tokens[: base + seq.chunk]  # drafts this step did not feed: gone
-        seq.draft = 0
-        accepted, token = result or verify(rows, drafts, p.temperature, p.top_k,
-                                           seq.generator)  # fmt: skip
-        seq.spec_accepted = accepted if drafts else seq.spec_accepted
+        nodes = seq.tokens[base : base + seq.chunk]  # root + the drafts this step fed
+        parents = seq.tree[: seq.chunk] if seq.tree else list(range(-1, len(nodes) - 1))
+        seq.tokens, seq.draft, seq.tree = seq.tokens[: base + seq.chunk], 0, None
+        q = self.speculative.draft_probs(seq)
+        q = None if q is None else [None, *q[: len(nodes) - 1]]
+        owner, mapped = [0] * len(nodes), kv.mapped_pages(seq.slot)
+        if forks:
+            kids, kid_rows = forks
+            mapped += sum(kv.mapped_pages(kid) for kid, _ in kids)
+            nodes, parents, rows, owner = tree.with_forks(nodes, parents, rows, kids, kid_rows)
+        path, token = verify_tree(rows, nodes, parents, p.temperature, p.top_k, seq.generator,
+                                  q)  # fmt: skip
+        accepted = len(path)
+        seq.spec_accepted = accepted if len(nodes) > 1 else seq.spec_accepted
+        chains = parents.count(0)  # chains hang from the root
+        if chains > 1:
+            st.tree_steps += 1
+            st.tree_branches += 0 if forks else chains - 1  # forks: counted as they fork
+        if forks:
+            win = tree.settle_forks(kv, seq, path, owner, forks[0])
+            st.tree_wins += bool(win)
+        elif path != list(range(1, accepted + 1)):  # off the first chain: move it into place
+            st.tree_copied_bytes += kv.beams.compact(seq.slot, base + 1,
+                                                     [base + j for j in path])  # fmt: skip
+            st.tree_wins += 1
+            seq.tokens[base + 1 : base + 1 + accepted] = [nodes[j] for j in path]
         keep = base + 1 + accepted
-        if keep < base + seq.chunk:
-            self.kv.beams.truncate(seq.slot, keep)
-            st.spec_rolled_back += base + seq.chunk - keep
+        if kv.seq_len(seq.slot) > keep:
+            st.spec_rolled_back += kv.seq_len(seq.slot) - keep
+            kv.beams.truncate(seq.slot, keep)
         self.speculative.rolled_back(seq, keep)
         del seq.tokens[keep:]
         seq.cached = keep
         st.spec_steps += 1
-        st.spec_proposed += len(drafts)
+        st.spec_mapped_pages += mapped - seq.mapped_at_draft
+        st.spec_proposed += len(nodes) - 1
         st.spec_accepted += accepted
         for i in range(accepted):
             self._append(seq, seq.tokens[base + 1 + i], in_tokens=True)
             if seq.status is Status.FINISHED:
                 return
         self._append(seq, token)
-
-    def _branches(self, batch, args, rows) -> dict:
-        """Forks for the extra chains of every scheduled token tree, appended to the step's
-        rows: {batch index: (forks, their row indices, their row counts)}."""
-        out, cow = {}, self.kv.cow_bytes_copied
-        for i, seq in enumerate(batch):
-            if not seq.branches or seq.chunk != 1 + seq.draft:
-                seq.branches = []
-                continue
-            forks = tree.fork_branches(self.kv, seq)
-            idx, counts = [], []
-            for kid, chain in forks:
-                idx.append(len(rows))
-                counts.append(1 + len(chain))
-                for a, x in zip(args, (kid, seq.cached, [seq.tokens[seq.cached], *chain])):
-                    a.append(x)
-                rows.append(1 + len(chain))
-            if forks:
-                out[i] = (forks, idx, counts)
-                self.stats.tree_branches += len(forks)
-        self.stats.tree_cow_bytes += self.kv.cow_bytes_copied - cow
-        return out
 
     def step(self) -> None:
         st, sched = self.stats, self.scheduler
@@ -282,8 +292,11 @@ class Engine:
         st.prefill_tokens += sum(s.chunk for s, d in zip(batch, decodes) if not d)
         rows = [s.chunk if sp else 1 for s, sp in zip(batch, spec)]
         args = ([s.slot for s in batch], [s.cached for s in batch], [s.scheduled for s in batch])
-        forks = self._branches(batch, args, rows) if any(spec) else {}
-        logits = self.runner.step(*args, rows=rows) if any(spec) else self.runner.step(*args)
+        forks = tree.fork_all(self.kv, st, batch, args, rows) if any(spec) else {}
+        trees = [s.tree[: s.chunk] if sp and s.tree else None for s, sp in zip(batch, spec)]
+        trees += [None] * (len(args[0]) - len(batch))  # the forks' chains
+        logits = (self.runner.step(*args, rows=rows, trees=trees) if any(spec)
+                  else self.runner.step(*args))  # fmt: skip
         starts = [0, *torch.tensor(rows).cumsum(0).tolist()]
         premap = 0.0
         if self.map_ahead:  # on a GPU the step is still running: map the next one's pages
@@ -298,14 +311,11 @@ class Engine:
         now = time.perf_counter()
         for i, (seq, decode) in enumerate(zip(batch, decodes)):
             if spec[i]:
-                mine = logits[starts[i] : starts[i + 1]]
-                result = None
-                if i in forks:  # a token tree: the branch the target agrees with longest
+                mine, branches = logits[starts[i] : starts[i + 1]], None
+                if i in forks:  # a token tree verified in forks: their rows too
                     at = [starts[j] for j in forks[i][1]]
-                    kid_rows = [logits[a : a + r] for a, r in zip(at, forks[i][2])]
-                    acc, tok, win = tree.choose(self.kv, seq, mine, forks[i][0], kid_rows)
-                    result, st.tree_wins = (acc, tok), st.tree_wins + bool(win)
-                self._verify(seq, mine, result)
+                    branches = (forks[i][0], [logits[a : a + r] for a, r in zip(at, forks[i][2])])
+                self._verify(seq, mine, branches)
                 continue
             row = logits[starts[i + 1] - 1]
             seq.cached += seq.chunk

@@ -64,7 +64,9 @@ class Seq:
     generated: list[int] = field(default_factory=list)
     chunk: int = 0  # tokens scheduled this step (chunked prefill: maybe fewer than pending)
     draft: int = 0  # speculative draft tokens at the end of ``tokens`` (not generated yet)
-    branches: list = field(default_factory=list)  # extra draft chains (a token tree)
+    branches: list = field(default_factory=list)  # extra chains to verify in forks
+    tree: list[int] | None = None  # parents of tokens[cached:] when they are a token tree
+    mapped_at_draft: int = 0  # its mapped pages when its drafts were proposed
     spec_k: int | None = None  # drafts it may propose next (adaptive speculation)
     spec_accepted: int | None = None  # drafts its last verification accepted
 
@@ -73,7 +75,7 @@ class Seq:
         if self.draft:
             del self.tokens[len(self.tokens) - self.draft :]
             self.draft = 0
-        self.branches = []
+        self.branches, self.tree = [], None
 
     @property
     def pending(self) -> list[int]:

@@ -56,11 +56,12 @@ class StepCache(Cache):
         self.slots: list[int] = []
         self.starts: list[int] = []
         self.q_lens: list[int] = []
+        self.masks: list | None = None  # token trees' masks (None: every sequence causal)
         self.layers_written: set[int] = set()  # this step's layers whose K/V were written
         super().__init__(layers=[_StepLayer(self, i) for i in range(kv.spec.num_layers)])
 
-    def plan(self, slots: list[int], starts: list[int], q_lens: list[int]) -> None:
-        self.slots, self.starts, self.q_lens = slots, starts, q_lens
+    def plan(self, slots: list[int], starts: list[int], q_lens: list[int], masks=None) -> None:
+        self.slots, self.starts, self.q_lens, self.masks = slots, starts, q_lens, masks
         self.layers_written = set()
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
@@ -80,7 +81,7 @@ class StepCache(Cache):
         """query ``[1, N_Q, N, d_h]`` (packed) → ``[1, N, N_Q, d_h]``."""
         q = query[0].transpose(0, 1)
         return kernels.attend(self.kv, layer, q, self.slots, self.q_lens, scale=scale,
-                              softcap=softcap)[None]  # fmt: skip
+                              softcap=softcap, masks=self.masks)[None]  # fmt: skip
 
 
 class ModelRunner:
@@ -121,15 +122,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, slots: list[int], starts: list[int], tokens: list[list[int]],
-             rows: list[int] | None = None) -> torch.Tensor:  # fmt: skip
+             rows: list[int] | None = None, trees: list | None = None) -> torch.Tensor:  # fmt: skip
         """Sequence ``slots[i]`` already holds (and has been grown to cover) positions
         ``[starts[i], starts[i] + len(tokens[i]))``; their K/V are written here. Returns the
         logits of each sequence's last ``rows[i]`` positions (default 1; speculative
-        verification asks for all), ``[sum(rows), vocab]`` in sequence order."""
+        verification asks for all), ``[sum(rows), vocab]`` in sequence order.
+
+        ``trees[i]`` (None: a causal run): ``tokens[i]`` is a token tree in topological
+        order, ``trees[i][j]`` the index of token j's parent (−1 for the first, whose parent
+        is the history); token j is embedded at position ``starts[i] + depth(j)`` and attends
+        to the history and its own ancestors (:func:`~vmcache.kernels.common.tree_mask`),
+        while its K/V are stored at ``starts[i] + j``."""
         q_lens = [len(t) for t in tokens]
-        self.cache.plan(slots, starts, q_lens)
+        trees = trees if trees is not None and any(t is not None for t in trees) else None
+        masks = None if trees is None else [_ancestors(t) for t in trees]
+        self.cache.plan(slots, starts, q_lens, None if masks is None else
+                        [None if m is None else m.to(self.device) for m in masks])  # fmt: skip
         ids = torch.tensor([t for ts in tokens for t in ts], device=self.device)[None]
-        pos = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, q_lens)])
+        offsets = [torch.arange(n) if trees is None or trees[i] is None
+                   else _ancestors(trees[i]).sum(1) - 1 for i, n in enumerate(q_lens)]  # fmt: skip
+        pos = torch.cat([a + o for a, o in zip(starts, offsets)])
         pos = pos.to(self.device)[None]
         h = self.inner.embed_tokens(ids)
         if self.layer_types is None:
@@ -157,3 +169,19 @@ class ModelRunner:
         if self.final_softcap is not None:  # Gemma 2/3: as their forward does
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+
+def _ancestors(parents: list[int] | None) -> torch.Tensor | None:
+    """bool ``[n, n]``: row j true at j and its ancestors (parents before children);
+    a row's count less one is the token's depth."""
+    if parents is None:
+        return None
+    n = len(parents)
+    anc = torch.zeros((n, n), dtype=torch.bool)
+    for j, p in enumerate(parents):
+        if not -1 <= p < j:
+            raise ValueError(f"tree token {j}'s parent {p} must come before it (or be -1)")
+        if p >= 0:
+            anc[j] = anc[p]
+        anc[j, j] = True
+    return anc

@@ -33,7 +33,8 @@ class NgramDrafter:
     max_ngram: int = 3
     min_ngram: int = 1
     adaptive: bool = True  # per sequence: propose one more than its last step accepted
-    branches: int = 1  # > 1: a token tree, one chain per branch (greedy requests only)
+    branches: int = 1  # > 1: a token tree of up to this many chains
+    tree_mode: str = "mask"  # how a tree is verified (vmcache/engine/tree.py): "mask" | "fork"
 
     def next_k(self, last_k: int | None, accepted: int | None) -> int:
         """How many drafts a sequence proposes next: ``k`` at first; with ``adaptive``, one
@@ -50,6 +51,8 @@ class NgramDrafter:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"min_ngram {self.min_ngram} exceeds max_ngram {self.max_ngram}")
+        if self.tree_mode not in ("mask", "fork"):
+            raise ValueError(f"tree_mode must be 'mask' or 'fork', got {self.tree_mode!r}")
 
     def draft(self, items) -> list[list[int]]:
         """Drafts for ``items`` ((sequence, most drafts), in order)."""
@@ -63,6 +66,9 @@ class NgramDrafter:
 
     def forget(self, running) -> None:
         """Nothing to free (no state per sequence)."""
+
+    def draft_probs(self, seq) -> None:
+        """Prompt-lookup drafts are point masses: no distribution to verify against."""
 
     def rolled_back(self, seq, keep: int) -> None:
         """Nothing to undo (no state per sequence)."""
@@ -113,30 +119,77 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int,
 
 
 def verify(rows: torch.Tensor, drafts: list[int], temperature: float, top_k: int,
-           generator: torch.Generator) -> tuple[int, int]:  # fmt: skip
+           generator: torch.Generator, draft_probs: torch.Tensor | None = None,
+           ) -> tuple[int, int]:  # fmt: skip
     """(drafts accepted, the token emitted after them) from the target's logits ``rows``
-    ``[len(drafts) + 1, V]`` (row i: after the position before draft i)."""
-    for i, d in enumerate(drafts):
+    ``[len(drafts) + 1, V]`` (row i: after the position before draft i). ``draft_probs``
+    ``[len(drafts), V]``: the distributions the drafts were sampled from (a sampling draft
+    model); None: each draft is a point mass (prompt lookup, greedy drafts)."""
+    parents = list(range(-1, len(drafts)))
+    q = None if draft_probs is None else [None, *draft_probs]
+    path, token = verify_tree(rows, [-1, *drafts], parents, temperature, top_k, generator, q)
+    return len(path), token
+
+
+def verify_tree(rows: torch.Tensor, tokens: list[int], parents: list[int], temperature: float,
+                top_k: int, generator: torch.Generator, draft_probs=None,
+                ) -> tuple[list[int], int]:  # fmt: skip
+    """Walk a token tree from its root: (the accepted nodes, root excluded, in order; the
+    token emitted after the last). ``tokens[j]``, ``parents[j]``: node j (node 0 the root,
+    the sequence's last token, parent −1; parents before children); ``rows[j]`` ``[V]``: the
+    target's logits after node j. ``draft_probs[j]``: the distribution node j was sampled
+    from, or None (a point mass).
+
+    Greedy: descend to the child holding the target's argmax while one does. Sampling
+    (SpecInfer's multi-round rejection, Miao et al., 2024): the children are tried in order,
+    each accepted with probability min(1, p(d)/q(d)); after a rejection p becomes the
+    residual max(0, p − q) renormalised (a point mass: d's probability removed), and when
+    every child is rejected the token is drawn from the residual. Each emitted token then
+    follows the target's distribution exactly, whatever the drafts.
+
+        node:    0(t) ─ 1 ─ 2          rows[0] picks among {1, 3}; rows[1] among {2}
+                   └─── 3
+    """
+    kids: list[list[int]] = [[] for _ in tokens]
+    for j, p in enumerate(parents[1:], start=1):
+        kids[p].append(j)
+    path, node = [], 0
+    while True:
         if temperature == 0:
-            t = int(rows[i].argmax())
-            if t != d:
-                return i, t
-            continue
-        p = target_probs(rows[i], temperature, top_k)
-        if float(torch.rand((), generator=generator)) < float(p[d]):
-            continue
-        p[d] = 0.0  # the residual max(0, p − q) of a point-mass draft, renormalised
-        return i, int(torch.multinomial(p / p.sum(), 1, generator=generator))
-    return len(drafts), sample(rows[len(drafts)], temperature, top_k, generator)
+            t = int(rows[node].argmax())
+            nxt = next((c for c in kids[node] if tokens[c] == t), None)
+            if nxt is None:
+                return path, t
+        else:
+            p, nxt = target_probs(rows[node], temperature, top_k), None
+            for c in kids[node]:
+                d = tokens[c]
+                q = None if draft_probs is None else draft_probs[c]
+                ratio = float(p[d]) if q is None else min(1.0, float(p[d] / q[d]))
+                if float(torch.rand((), generator=generator)) < ratio:
+                    nxt = c
+                    break
+                if q is None:
+                    p[d] = 0.0
+                else:
+                    p = (p - q.float().cpu()).clamp_(min=0)
+                p = p / p.sum() if float(p.sum()) > 0 else target_probs(rows[node], temperature,
+                                                                         top_k)  # fmt: skip
+            if nxt is None:
+                return path, int(torch.multinomial(p, 1, generator=generator))
+        path.append(nxt)
+        node = nxt
 
 
 class DraftModel:
     """Drafts from a smaller model run on its own cache (the same cache class, its own pool):
     for every decoding sequence the draft cache catches up on the tokens it has not seen, then
-    ``k`` greedy steps, all sequences batched in each. After a verification the draft cache is
-    truncated to the accepted length (its K/V past it are of rejected drafts). A greedy draft
-    is a point mass, so :func:`verify` keeps the target distribution when sampling too. A
-    draft cache without room proposes nothing for that sequence; it never fails a step."""
+    ``k`` steps, all sequences batched in each: greedy for greedy requests; for sampled ones
+    each draft is drawn from the draft model's own distribution at the request's temperature
+    and top-k (kept, :meth:`draft_probs`, so :func:`verify` accepts with min(1, p/q) and keeps
+    the target distribution). After a verification the draft cache is truncated to the
+    accepted length (its K/V past it are of rejected drafts). A draft cache without room
+    proposes nothing for that sequence; it never fails a step."""
 
     branches = 1  # chains only: a draft model proposes no token tree
 
@@ -151,6 +204,7 @@ class DraftModel:
         self.vocab = model.config.get_text_config().vocab_size
         self._slots: dict[int, tuple[object, int]] = {}  # id(seq) -> (seq, draft slot)
         self._lens: dict[int, int] = {}  # id(seq) -> tokens whose K/V the draft cache holds
+        self._q: dict[int, list[torch.Tensor]] = {}  # id(seq) -> its sampled drafts' q rows
 
     next_k = NgramDrafter.next_k
 
@@ -160,10 +214,18 @@ class DraftModel:
         for key in [k for k in self._slots if k not in live]:
             self.kv.free(self._slots.pop(key)[1])
             self._lens.pop(key)
+        self._q = {k: q for k, q in self._q.items() if k in live}
+
+    def draft_probs(self, seq) -> torch.Tensor | None:
+        """``[drafts, V]``: the distributions ``seq``'s current drafts were sampled from
+        (None for a greedy request: its drafts are point masses)."""
+        q = self._q.get(id(seq))
+        return None if not q else torch.stack(q)
 
     def rolled_back(self, seq, keep: int) -> None:
         """The target kept ``seq.tokens[:keep]``: draft K/V past it are of rejected drafts."""
         key = id(seq)
+        self._q.pop(key, None)
         if key in self._slots and self._lens[key] > keep:
             self.kv.beams.truncate(self._slots[key][1], keep)
             self._lens[key] = keep
@@ -171,6 +233,8 @@ class DraftModel:
     def draft(self, items) -> list[list[int]]:
         """Drafts for ``items`` ((sequence, most drafts), in order)."""
         out: list[list[int]] = [[] for _ in items]
+        for seq, _ in items:
+            self._q.pop(id(seq), None)
         work = []  # (index in items, seq, slot, limit)
         for i, (seq, limit) in enumerate(items):
             if limit <= 0:
@@ -193,7 +257,7 @@ class DraftModel:
         active = []
         for row, (i, seq, slot, limit, have, chunk) in zip(logits, feeds):
             self._lens[id(seq)] = have + len(chunk)
-            out[i].append(int(row.argmax()))
+            out[i].append(self._pick(seq, row))
             active.append((i, seq, slot, limit))
         for _ in range(1, max(f[3] for f in active)):  # greedy steps, one token each
             active = [a for a in active if len(out[a[0]]) < a[3]
@@ -205,8 +269,17 @@ class DraftModel:
                                       [[out[a[0]][-1]] for a in active])  # fmt: skip
             for row, (i, seq, _, _) in zip(logits, active):
                 self._lens[id(seq)] += 1
-                out[i].append(int(row.argmax()))
+                out[i].append(self._pick(seq, row))
         return out
+
+    def _pick(self, seq, row: torch.Tensor) -> int:
+        """The next draft of ``seq`` from the draft model's logits ``row`` ``[V]``."""
+        p = seq.req.params
+        if p.temperature == 0:
+            return int(row.argmax())
+        q = target_probs(row, p.temperature, p.top_k)
+        self._q.setdefault(id(seq), []).append(q)
+        return int(torch.multinomial(q, 1, generator=seq.generator))
 
     def _slot(self, seq):
         key = id(seq)

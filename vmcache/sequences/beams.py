@@ -1,11 +1,12 @@
 """Page-table rewiring without copying K/V: ``fork`` (a core call of the coordinator), and
 the :class:`Beams` facet (``cache.beams``): assign (beam reorder), truncate (crop, a draft's
-rollback) and write_group (one write for rows that hold the same tokens).
+rollback), compact (a token tree's accepted path moved into place) and write_group (one
+write for rows that hold the same tokens).
 
 Touches, on the coordinator: its slots, lengths, token ids and salts (read; ``assign`` and
 ``truncate`` set lengths, ids and salts of the sequences they change), its page-table groups
 (plans, ``open``, ``cut``), the pool's refcounts (``incref``/``decref``), the physical hooks
-(``_attach``, ``_detach``, ``_sync``, ``_store``) and the transactional core
+(``_attach``, ``_detach``, ``_sync``, ``_store``, ``_load``) and the transactional core
 (``_split_pages``). Nothing else.
 
 assign remaps only the entries that differ, so beams sharing a history keep their pages:
@@ -142,6 +143,56 @@ class Beams:
         c._set_len(s, length)
         if c._tokens[s] is not None:
             del c._tokens[s][length:]
+
+    def compact(self, s: int, start: int, picks: Sequence[int]) -> int:
+        """Sequence ``s`` keeps, at positions ``start, start + 1, ...``, the tokens now at
+        ``picks`` (strictly ascending, ``picks[i] >= start + i``), then is truncated to
+        ``start + len(picks)``: a token tree's accepted path moved into place. Only tokens
+        not already in place are copied (K/V of every layer and their token ids); returns the
+        K/V bytes copied. Validated, and every shared page it writes copied (one transaction:
+        ``CacheFull`` changes nothing), before any K/V moves.
+
+            positions:  start  +1  +2  +3  +4          picks = [start, start+3, start+4]
+            before:     t      a1  a2  b1  b2          (a tree: t → a1 → a2, t → b1 → b2)
+            after:      t      b1  b2                  2 tokens copied, then truncated
+        """
+        c = self._c
+        s = c._check_seq(s)
+        check_int("start", start)
+        picks = [check_int("picks entry", p) for p in picks]
+        n = c._lens[s]
+        if not 0 <= start <= n or any(p < start + i for i, p in enumerate(picks)):
+            raise ValueError(f"compact needs 0 <= start <= {n} and picks[i] >= start + i, "
+                             f"got start {start}, picks {picks}")  # fmt: skip
+        if any(b <= a for a, b in zip(picks, picks[1:])) or (picks and picks[-1] >= n):
+            raise ValueError(f"compact picks must ascend strictly below {n}, got {picks}")
+        moves = [i for i, p in enumerate(picks) if p != start + i]  # a suffix of the picks
+        end = start + len(picks)
+        if moves:
+            for g in c.groups:
+                if g.keep_page(end, 0) < g.first(s):
+                    raise ValueError(f"compact({s}): the sliding window already released "
+                                     "positions the compacted sequence reads")  # fmt: skip
+            dst = start + moves[0]
+            splits = {}
+            for layer in range(c.spec.num_layers):
+                tables = c._tables_of_layer(layer)
+                g = c._group_of[tables[0]]
+                for t, j in g.splits(s, tables, dst * g.u // g.P, g.pages_for(end),
+                                     c.pool.refcount):  # fmt: skip
+                    splits[(t, j)] = (s, t, j)
+            if splits:
+                c._split_pages(list(splits.values()))
+            src = torch.tensor([picks[i] for i in moves])
+            for layer in range(c.spec.num_layers):
+                k, v = c._load(layer, s, src)
+                c.write(layer, s, dst, k, v)
+            known = c._tokens[s]
+            if known is not None:
+                for i in moves:
+                    known[start + i] = known[picks[i]]
+        self.truncate(s, end)
+        return len(moves) * c.spec.bytes_per_token
 
     def write_group(
         self, layer: int, seqs: Sequence[int], start: int, k: torch.Tensor, v: torch.Tensor

@@ -224,6 +224,10 @@ class VMKVCache(SequenceCache):
         self._layer_view(layer, 0)[s, start : start + n].copy_(k)
         self._layer_view(layer, 1)[s, start : start + n].copy_(v)
 
+    def _load(self, layer: int, s: int, positions: torch.Tensor):
+        idx = positions.to(self.device)
+        return self._layer_view(layer, 0)[s, idx], self._layer_view(layer, 1)[s, idx]
+
     def _row(self, s: int, t: int, lo: int, hi: int) -> torch.Tensor:
         off = (t * self.max_seqs + s) * self.row_bytes
         return self._bytes[off + lo : off + hi]

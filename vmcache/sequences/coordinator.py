@@ -113,6 +113,9 @@ class SequenceCache(Transactions):
     def _store(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def _load(self, layer: int, s: int, positions: torch.Tensor):  # K, V [n, N_KV, d_h] copies
+        raise NotImplementedError
+
     def _wire(self, s: int, t: int, j0: int, length: int):  # a swap.Wire over the pages
         raise NotImplementedError
 
