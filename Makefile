@@ -15,7 +15,7 @@ OLD_STAMP := $(OLD)/.vmcache-installed
 # Without an NVIDIA GPU take the CPU build first, so no multi-GB CUDA build is pulled.
 CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q torch==2.13.0; fi
 
-.PHONY: bench bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec readme test test-newest test-oldest test-long coverage compile-sm90 lint \
+.PHONY: bench bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant readme test test-newest test-oldest test-long coverage compile-sm90 lint \
 	gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -63,6 +63,10 @@ bench-tiers: $(STAMP)
 # speculative decoding: prompt lookup as a chain and as token trees (mask / forks) against none
 bench-spec: $(STAMP)
 	$(PY) -m vmcache.bench --mode spec
+
+# FP8 / INT8 K/V: capacity (sizing, Llama-3-8B) and accuracy against BF16 K/V
+bench-quant: $(STAMP)
+	$(PY) -m vmcache.bench --mode quant
 
 # the result tables of README.md and docs/results.md from the committed JSON (tests/test_readme_results.py checks them)
 readme: $(STAMP)

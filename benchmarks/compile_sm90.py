@@ -50,8 +50,15 @@ SHAPES = {
     "d96-gqa": (32, 8, 96, 32),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# quantized K/V (compute bf16, storage FP8 / INT8: loaded as bytes, dequantized in registers)
+KV_DTYPES = {"bf16/fp8e4m3": torch.float8_e4m3fn, "bf16/fp8e5m2": torch.float8_e5m2,
+             "bf16/int8": torch.int8}  # fmt: skip
 MODES = ("paged", "layer_major", "token_major")
-QUICK = [("llama-3-8b", "bf16", m) for m in MODES] + [("d96-gqa", "fp32", "token_major")]
+QUICK = (
+    [("llama-3-8b", "bf16", m) for m in MODES]
+    + [("d96-gqa", "fp32", "token_major")]
+    + [("llama-3-8b", "bf16/fp8e4m3", "paged"), ("d96-gqa", "bf16/int8", "layer_major")]
+)
 
 
 class CompileOnlyDriver:
@@ -99,9 +106,11 @@ def decode_launches(cache, mode: str, seqs: list[int], layer: int = 0) -> list:
         k, v, table, block = cache.k_pool(layer), cache.v_pool(layer), p.tables, cache.block_size
     else:
         k, v, table, block = cache.k_cache(layer), cache.v_cache(layer), p.slots, 1
+    scales = None if cache.kv_scales is None else cache.kv_scales[layer]
     _, runs = triton_decode.launches(q, k, v, table, p.lens, max_len=p.max_kv,
                                      paged=mode == "paged", block=block,
-                                     window=layer_window(cache, layer))  # fmt: skip
+                                     window=layer_window(cache, layer),
+                                     kv_scales=scales)  # fmt: skip
     return runs
 
 
@@ -128,7 +137,10 @@ def ptxas_report(ptx: str, arch: int) -> dict:
 
 def compile_one(shape: str, dtype: str, mode: str, arch: int) -> list[dict]:
     layers, hk, d, hq = SHAPES[shape]
-    spec = KVSpec(layers, hk, d, DTYPES[dtype], num_q_heads=hq)
+    kv = KV_DTYPES.get(dtype)
+    scales = None if kv is None else (1.0,) * (2 * layers * hk)
+    spec = KVSpec(layers, hk, d, DTYPES[dtype.split("/")[0]], num_q_heads=hq, kv_dtype=kv,
+                  kv_scales=scales)  # fmt: skip
     cache, seqs = build(mode, spec)
     try:
         runs = decode_launches(cache, mode, seqs, layer=1)
@@ -199,10 +211,11 @@ def main(argv=None) -> list[dict]:
         counts = {m: compilations_over_growth(m, args.arch) for m in MODES}
         print(json.dumps(counts))
         return counts
-    cases = QUICK if args.quick else list(itertools.product(SHAPES, DTYPES, MODES))
+    cases = QUICK if args.quick else list(itertools.product(SHAPES, [*DTYPES, *KV_DTYPES],
+                                                                  MODES))  # fmt: skip
     rows = run(cases, args.arch)
     for r in rows:
-        print(f"{r['kernel']:16} {r['shape']:13} {r['dtype']:5} {r['mode']:12} "
+        print(f"{r['kernel']:16} {r['shape']:13} {r['dtype']:12} {r['mode']:12} "
               f"regs {r['registers']:3}  spills {r['spill_stores']:4}/{r['spill_loads']:4} B  "
               f"smem {r['shared_bytes']:6} B")  # fmt: skip
     if args.out:

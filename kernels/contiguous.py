@@ -56,13 +56,16 @@ def _fa_dtype_ok(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
 
 
-def available_impls(q: torch.Tensor) -> list[str]:
-    """The contiguous-path implementations usable for ``q`` on this machine, best first."""
+def available_impls(q: torch.Tensor, quantized: bool = False) -> list[str]:
+    """The contiguous-path implementations usable for ``q`` on this machine, best first.
+    ``quantized`` (FP8/INT8 K/V): FlashAttention (flash-attn, aten FA2) reads K/V in q's
+    dtype only, so our Triton kernel (dequantizing in registers) serves decode on CUDA."""
     out = []
-    if _fa_dtype_ok(q) and _flash_attn() is not None:
+    if _fa_dtype_ok(q) and _flash_attn() is not None and not quantized:
         out.append("flash_attn")
     if (
         _fa_dtype_ok(q)
+        and not quantized
         and q.shape[-1] <= 256
         and _aten_fa2_has_seqused_k()
         and torch.backends.cuda.is_flash_attention_available()
@@ -101,10 +104,13 @@ def _aten_fa2(cache, layer, q, seq_ids, q_lens, scale):
 
 def decode(cache, layer, q, seq_ids, scale=None, impl=None):
     """q: ``[B, N_Q, d_h]`` → ``[B, N_Q, d_h]``; attends over each sequence's whole length."""
-    impl = impl or available_impls(q)[0]
+    quantized = cache.kv_scales is not None
+    impl = impl or available_impls(q, quantized)[0]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if impl not in IMPLS:
         raise ValueError(f"unknown contiguous impl {impl!r}; expected one of {IMPLS}")
+    if quantized and impl not in ("triton", "sdpa"):
+        raise ValueError(f"impl {impl!r} cannot read FP8/INT8 K/V; use 'triton' or 'sdpa'")
     if impl == "aten_fa2":
         return _aten_fa2(cache, layer, q, seq_ids, [1] * len(seq_ids), scale)
     if impl == "sdpa":
@@ -120,13 +126,18 @@ def decode(cache, layer, q, seq_ids, scale=None, impl=None):
     return triton_decode.decode(
         q, cache.k_cache(layer), cache.v_cache(layer), p.slots, p.lens, max_len=p.max_kv,
         paged=False, block=1, scale=scale, window=w,
+        kv_scales=None if cache.kv_scales is None else cache.kv_scales[layer],
     )  # fmt: skip
 
 
 def prefill(cache, layer, q, seq_ids, q_lens, scale=None, impl=None):
-    """q packed ``[Σ q_lens, N_Q, d_h]``; causal over the cached prefix plus the new tokens."""
+    """q packed ``[Σ q_lens, N_Q, d_h]``; causal over the cached prefix plus the new tokens.
+    FP8/INT8 K/V: SDPA over dequantized copies (FA2 reads no FP8 K/V; no Triton prefill)."""
+    quantized = cache.kv_scales is not None
     if impl is None:
-        impl = "aten_fa2" if "aten_fa2" in available_impls(q) else "sdpa"
+        impl = "aten_fa2" if "aten_fa2" in available_impls(q, quantized) else "sdpa"
+    if quantized and impl != "sdpa":
+        raise ValueError(f"impl {impl!r} cannot read FP8/INT8 K/V; use 'sdpa'")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if impl == "aten_fa2":
         return _aten_fa2(cache, layer, q, seq_ids, list(q_lens), scale)

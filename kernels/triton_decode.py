@@ -22,6 +22,13 @@ window released are never touched either, and full attention (lo = 0) is the sam
     pos:   0 ... lo | tile 0: lo … lo+63 | tile 1 | ... | last tile, masked at len |
                     ^ lo = len − W (keys (len − 1 − W, len − 1])
 
+Quantized K/V (FP8 e4m3 / e5m2, INT8; ``QUANT``): tiles are loaded in the storage dtype (one
+byte per element: half the bytes a BF16 decode reads) and converted in registers to q's dtype
+for the dots; the per-head scales are folded in, not applied per element:
+
+    s = (q · k̂ᵀ) · scale · s_k[h]        (k = k̂ · s_k[h], one scalar per program)
+    O = (Σ p · v̂) · s_v[h]               (applied once to the partial accumulator)
+
 Compilations: shapes, dtypes and the addressing mode are compile-time; lengths, the partition
 count and the batch are runtime (``do_not_specialize``), so a growing decode never recompiles.
 """
@@ -44,18 +51,20 @@ FULL = 2**31 - 1  # the window argument of full attention
 
 @triton.jit(do_not_specialize=["scale", "num_parts", "stride_tb", "window"])
 def _decode_partial(
-    Q, K, V, TABLE, LENS, M_OUT, L_OUT, O_OUT, scale, num_parts, window,
+    Q, K, V, TABLE, LENS, M_OUT, L_OUT, O_OUT, K_SCALE, V_SCALE, scale, num_parts, window,
     stride_qb, stride_qh,
     stride_kseq, stride_ktok, stride_kh,
     stride_vseq, stride_vtok, stride_vh,
     stride_tb,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     TILE: tl.constexpr, BLOCK: tl.constexpr, PART_TILES: tl.constexpr, PAGED: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.program_id(2)
+    if QUANT:
+        scale = scale * tl.load(K_SCALE + h)
     seq_len = tl.load(LENS + b)
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
@@ -94,6 +103,8 @@ def _decode_partial(
             v_off = row_v + pos.to(tl.int64) * stride_vtok
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(K + k_off[:, None] + h * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if QUANT:
+            k = k.to(tl.float32).to(q.dtype)  # dequantized in registers (scale folded in)
         if DOT_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G_PAD, TILE] fp32
@@ -103,11 +114,15 @@ def _decode_partial(
         pexp = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pexp, axis=1)
         v = tl.load(V + v_off[:, None] + h * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if QUANT:
+            v = v.to(tl.float32).to(q.dtype)
         if DOT_FP32:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None]
         acc = tl.dot(pexp.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_new
+    if QUANT:
+        acc = acc * tl.load(V_SCALE + h)
     row = (b * (G * tl.num_programs(1)) + qh).to(tl.int64) * num_parts + p
     tl.store(M_OUT + row, m_i, mask=g_mask)
     tl.store(L_OUT + row, l_i, mask=g_mask)
@@ -159,7 +174,7 @@ def num_partitions(max_len: int, part_tokens: int = PART_TOKENS) -> int:
 
 
 def launches(q, k, v, table, lens, *, max_len, paged, block, scale=None,
-             part_tokens=PART_TOKENS, window=None):  # fmt: skip
+             part_tokens=PART_TOKENS, window=None, kv_scales=None):  # fmt: skip
     """The two kernel launches of :func:`decode`, as ``(out, [(kernel, grid, args, kwargs)])``;
     the sm_90 compile test compiles exactly these. Arguments as in :func:`decode`."""
     b, hq, d = q.shape
@@ -170,8 +185,14 @@ def launches(q, k, v, table, lens, *, max_len, paged, block, scale=None,
         raise ValueError("the last (head_dim) dimension of q, k and v must be contiguous")
     if block < 1 or (paged and block & (block - 1)):
         raise ValueError(f"block size must be a power of two, got {block}")
-    if q.dtype != k.dtype or k.dtype != v.dtype:
+    quant = kv_scales is not None
+    if k.dtype != v.dtype or (q.dtype != k.dtype and not quant):
         raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if quant and (k.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+                  or tuple(kv_scales.shape) != (2, k.shape[2])
+                  or kv_scales.dtype != torch.float32):  # fmt: skip
+        raise TypeError(f"quantized K/V must be float8/int8 with fp32 kv_scales [2, N_KV], got "
+                        f"{k.dtype}, {getattr(kv_scales, 'shape', None)}")  # fmt: skip
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     g, d_pad = hq // hk, max(16, triton.next_power_of_2(d))
     tile = TILE
@@ -197,12 +218,13 @@ def launches(q, k, v, table, lens, *, max_len, paged, block, scale=None,
     dot_fp32 = isinstance(_decode_partial, InterpretedFunction) and q.dtype != torch.float32
     partial = (
         _decode_partial, (b, hk, num_parts),
-        (q, k, v, table, lens, m, lsum, o, scale, num_parts, window or FULL,
+        (q, k, v, table, lens, m, lsum, o, kv_scales[0] if quant else lens,
+         kv_scales[1] if quant else lens, scale, num_parts, window or FULL,
          q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
          v.stride(0), v.stride(1), v.stride(2), table.stride(0)),
         dict(G=g, G_PAD=max(G_MIN, triton.next_power_of_2(g)), D=d, D_PAD=d_pad, TILE=tile,
              BLOCK=block, PART_TILES=part_tokens // tile, PAGED=paged, PRECISION=precision,
-             DOT_FP32=dot_fp32, num_warps=warps),
+             DOT_FP32=dot_fp32, QUANT=quant, num_warps=warps),
     )  # fmt: skip
     combine = (
         _combine, (b, hq),
@@ -225,6 +247,7 @@ def decode(
     scale: float | None = None,
     part_tokens: int = PART_TOKENS,
     window: int | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Split-K decode. q: ``[B, N_Q, d_h]``; lens: ``[B]`` int32 on q's device (each ≥ 1);
     ``max_len``: a host int ≥ every length (sizes the grid; no device read).
@@ -232,10 +255,12 @@ def decode(
     paged: k, v ``[num_blocks, block, N_KV, d_h]``, table ``[B, max_blocks]`` int32.
     contiguous: k, v ``[S, L, N_KV, d_h]`` (any strides, last dim contiguous), table ``[B]``
     int32 slot ids; ``block`` is then unused. ``window``: a sliding window W (keys
-    (len − 1 − W, len − 1]), None for full attention. Returns ``[B, N_Q, d_h]``, q's dtype.
+    (len − 1 − W, len − 1]), None for full attention. ``kv_scales``: fp32 ``[2, N_KV]`` (K's
+    then V's per-head scales) when k, v hold FP8/INT8. Returns ``[B, N_Q, d_h]``, q's dtype.
     """
     out, runs = launches(q, k, v, table, lens, max_len=max_len, paged=paged, block=block,
-                         scale=scale, part_tokens=part_tokens, window=window)  # fmt: skip
+                         scale=scale, part_tokens=part_tokens, window=window,
+                         kv_scales=kv_scales)  # fmt: skip
     if q.shape[0] == 0:
         return out
     for kernel, grid, args, kwargs in runs:

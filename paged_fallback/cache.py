@@ -109,7 +109,7 @@ class PagedKVCache(SequenceCache):
         self.num_blocks = num_blocks
         self.layers_per_block = G
         shape = (G, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv_pool = torch.zeros(shape, dtype=spec.dtype, device=dev)
+        self.kv_pool = torch.zeros(shape, dtype=spec.storage_dtype, device=dev)
         pool = PagePool(num_blocks, _BlockStore(self.kv_pool), scrub_on_reuse=scrub_on_reuse,
                         chunk_pages=num_blocks)  # fmt: skip
         groups = [PageTables([t], w, max_seqs, 1, block_size, rollback_tokens)
@@ -165,7 +165,8 @@ class PagedKVCache(SequenceCache):
         w, n = self.window_start(layer, s), self._lens[s]
         t, slot = self._layer_at[layer]
         blocks, offs = self._slots(s, t, w, n - w)
-        return self.kv_pool[slot, 0, blocks, offs], self.kv_pool[slot, 1, blocks, offs]
+        k, v = self.kv_pool[slot, 0, blocks, offs], self.kv_pool[slot, 1, blocks, offs]
+        return self._decode(layer, k, v)
 
     # --- physical hooks: a block table needs no mapping ------------------------------------
     def _attach(self, s: int, t: int, j0: int, pages: list[int]) -> None:

@@ -142,7 +142,8 @@ def sizing_progress(label: str):
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m vmcache.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--mode", choices=("sizing", "compute", "both", "elastic", "tiers", "spec"),
+    ap.add_argument("--mode", choices=("sizing", "compute", "both", "elastic", "tiers", "spec",
+                                       "quant"),
                     default="both")  # fmt: skip
     g = ap.add_argument_group("sizing mode")
     g.add_argument("--model", default="llama-3-8b", help="KVSpec preset (llama-3-8b, -70b, ...)")
@@ -178,12 +179,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     ap = parser()
     args = ap.parse_args(argv)
-    if args.mode in ("elastic", "tiers", "spec"):  # their own workloads, options and files
-        from vmcache.bench import elastic, spec, tiers
+    if args.mode in ("elastic", "tiers", "spec", "quant"):  # their own workloads and files
+        from vmcache.bench import elastic, quant, spec, tiers
 
         fwd = ["--repeats", str(args.repeats)] + ["--quick"] * args.quick
         fwd += ["--out", args.out] if args.out else []
-        {"elastic": elastic, "tiers": tiers, "spec": spec}[args.mode].main(fwd)
+        {"elastic": elastic, "tiers": tiers, "spec": spec, "quant": quant}[args.mode].main(fwd)
         return
     if args.quick:
         args.compute_requests, args.repeats, args.compute_rates, args.budgets = 8, 1, "4", "4,8"

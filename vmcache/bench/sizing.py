@@ -14,6 +14,8 @@ import random
 import sys
 import time
 
+import torch
+
 from vmcache.bench import traces
 from vmcache.bench.allocators import CacheAlloc, OrcaAlloc, StaticAlloc
 from vmcache.bench.simulate import DoesNotFit, simulate
@@ -70,7 +72,8 @@ def sample(trace: list, n: int | None, seed: int) -> list:
 
 def _job(job: tuple) -> dict:
     tname, rate, aname, trace, model, budget_gb, seed, preemption, batch, l_max = job
-    spec = KVSpec.preset(model)
+    name, _, kv = model.partition(":")  # "llama-3-8b:fp8": FP8 (e4m3) K/V storage
+    spec = KVSpec.preset(name, kv_dtype=torch.float8_e4m3fn if kv == "fp8" else None)
     row = {"trace": tname, "rate_rps": rate, "allocator": aname, "model": model,
            "budget_GB": budget_gb, "requests": len(trace), "max_batch_tokens": batch}  # fmt: skip
     t0 = time.perf_counter()

@@ -117,9 +117,12 @@ def run_once(m, kind: str, workload: str, n: int, speculative) -> tuple[dict, di
 
 def rows_for(m, kind: str, workload: str, n: int, repeats: int) -> list[dict]:
     rows, base_out, base_wall = [], None, None
-    variants = (("none", None), ("ngram k=4", NgramDrafter(k=4)),
-                ("ngram tree 3x4 (mask)", NgramDrafter(k=4, branches=3, tree_mode="mask")),
-                ("ngram tree 3x4 (forks)", NgramDrafter(k=4, branches=3, tree_mode="fork")))
+    variants = (
+        ("none", None),
+        ("ngram k=4", NgramDrafter(k=4)),
+        ("ngram tree 3x4 (mask)", NgramDrafter(k=4, branches=3, tree_mode="mask")),
+        ("ngram tree 3x4 (forks)", NgramDrafter(k=4, branches=3, tree_mode="fork")),
+    )
     for name, drafter in variants:
         runs = [run_once(m, kind, workload, n, drafter) for _ in range(repeats)]
         walls = [r["wall_s"] for r, _ in runs]

@@ -116,12 +116,15 @@ class _HFCache(Cache):
     """Shared machinery of :class:`VMCache` and :class:`PagedCache`."""
 
     def __init__(self, config, max_cache_len: int, max_batch_size: int | None = None,
-                 device=None, dtype: torch.dtype | None = None) -> None:  # fmt: skip
+                 device=None, dtype: torch.dtype | None = None,
+                 kv_dtype: torch.dtype | None = None, kv_scales=None) -> None:  # fmt: skip
         if check_int("max_cache_len", max_cache_len) <= 0:
             raise ValueError(f"max_cache_len must be positive, got {max_cache_len}")
         if max_batch_size is not None and check_int("max_batch_size", max_batch_size) <= 0:
             raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
-        self.spec = KVSpec.from_hf_config(config, dtype)  # ValueError for unreadable configs
+        # ValueError for unreadable configs and bad kv_dtype / kv_scales
+        self.spec = KVSpec.from_hf_config(config, dtype, kv_dtype, kv_scales)
+        self._kv_dtype, self._kv_scales = kv_dtype, kv_scales
         self.config = config
         self._max_len, self._max_rows = max_cache_len, max_batch_size
         self._device, self._dtype = device, dtype
@@ -154,7 +157,8 @@ class _HFCache(Cache):
         if self.max_batch_size is not None and b > self.max_batch_size:
             raise ValueError(f"batch of {b} rows exceeds max_batch_size={self.max_batch_size}")
         spec = KVSpec(self.spec.num_layers, heads, dim, self._dtype or k.dtype,
-                      self.spec.num_q_heads, self.spec.layer_windows)  # fmt: skip
+                      self.spec.num_q_heads, self.spec.layer_windows, self._kv_dtype,
+                      self._kv_scales)  # fmt: skip
         self.spec = spec
         device = torch.device(self._device) if self._device is not None else k.device
         self.kv = self._make(spec, self.max_batch_size or b, device)
@@ -344,18 +348,24 @@ class VMCache(_HFCache):
 
     def __init__(self, config, max_cache_len: int, max_batch_size: int | None = None,
                  device=None, dtype: torch.dtype | None = None, page_size: int | None = None,
-                 layout: str = "layer_major", **vmkv_options) -> None:  # fmt: skip
+                 layout: str = "layer_major", kv_dtype: torch.dtype | None = None,
+                 kv_scales=None, **vmkv_options) -> None:  # fmt: skip
         self._page_size, self._layout, self._options = page_size, layout, vmkv_options
-        super().__init__(config, max_cache_len, max_batch_size, device, dtype)
+        super().__init__(config, max_cache_len, max_batch_size, device, dtype, kv_dtype,
+                         kv_scales)  # fmt: skip
 
     def _make(self, spec, max_seqs, device):
         return VMKVCache(spec, max_seqs, self.max_cache_len, device, page_size=self._page_size,
                          layout=self._layout, **self._options)  # fmt: skip
 
     def _views(self, layer, lo, n, real=False):
-        b = len(self.rows)
-        return (self.kv.k_cache(layer)[:b, lo:n].transpose(1, 2),
-                self.kv.v_cache(layer)[:b, lo:n].transpose(1, 2))  # fmt: skip
+        b, kv = len(self.rows), self.kv
+        k, v = kv.k_cache(layer)[:b, lo:n], kv.v_cache(layer)[:b, lo:n]
+        if kv.kv_scales is not None:  # FP8/INT8: the attention reads the cache, else copies
+            if not real and getattr(self.config, "_attn_implementation", None) == ATTN_NAME:
+                return stand_ins(self.spec, kv.device, b, n - lo)
+            k, v = kv._decode(layer, k, v)
+        return k.transpose(1, 2), v.transpose(1, 2)
 
 
 class PagedCache(_HFCache):
@@ -364,9 +374,11 @@ class PagedCache(_HFCache):
 
     def __init__(self, config, max_cache_len: int, max_batch_size: int | None = None,
                  device=None, dtype: torch.dtype | None = None, block_size: int = 16,
-                 num_blocks: int | None = None, **paged_options) -> None:  # fmt: skip
+                 num_blocks: int | None = None, kv_dtype: torch.dtype | None = None,
+                 kv_scales=None, **paged_options) -> None:  # fmt: skip
         self._block_size, self._num_blocks, self._options = block_size, num_blocks, paged_options
-        super().__init__(config, max_cache_len, max_batch_size, device, dtype)
+        super().__init__(config, max_cache_len, max_batch_size, device, dtype, kv_dtype,
+                         kv_scales)  # fmt: skip
 
     def _make(self, spec, max_seqs, device):
         tables = spec.num_layers // PagedKVCache.layers_per_table(spec)
@@ -389,9 +401,13 @@ class PagedCache(_HFCache):
         tables = self.kv.block_tables(self.rows, layer).long()  # [b, blocks]
         blocks, offs = tables[:, pos // self._block_size], pos % self._block_size
         k, v = self.kv.k_pool(layer), self.kv.v_pool(layer)
-        return k[blocks, offs].transpose(1, 2), v[blocks, offs].transpose(1, 2)
+        k, v = self.kv._decode(layer, k[blocks, offs], v[blocks, offs])  # FP8/INT8: dequantized
+        return k.transpose(1, 2), v.transpose(1, 2)
 
 
 register()
 
-__all__ = ["VMCache", "PagedCache", "vmcache_attention", "register", "ATTN_NAME"]
+from vmcache.hf.calibrate import calibrate_kv_scales  # noqa: E402
+
+__all__ = ["VMCache", "PagedCache", "vmcache_attention", "register", "ATTN_NAME",
+           "calibrate_kv_scales"]  # fmt: skip

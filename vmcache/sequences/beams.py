@@ -184,9 +184,9 @@ class Beams:
             if splits:
                 c._split_pages(list(splits.values()))
             src = torch.tensor([picks[i] for i in moves])
-            for layer in range(c.spec.num_layers):
+            for layer in range(c.spec.num_layers):  # stored bytes as they are: no requantizing
                 k, v = c._load(layer, s, src)
-                c.write(layer, s, dst, k, v)
+                c._store(layer, s, dst, k, v)
             known = c._tokens[s]
             if known is not None:
                 for i in moves:
@@ -209,6 +209,7 @@ class Beams:
             c._check_write(layer, s, start, k, v)
         if n == 0:
             return
+        k, v = c._encode(layer, k, v)
         tables = c._tables_of_layer(layer)
         g = c._group_of[tables[0]]
         j_lo, j_hi = start * g.u // g.P, g.pages_for(start + n)

@@ -154,7 +154,7 @@ class VMKVCache(SequenceCache):
         self.base = be.reserve(self._reserved)
         self._bytes = be.view(self.base, self._reserved)  # uint8 over the whole reservation
         el, H, D = spec.dtype_bytes, spec.num_kv_heads, spec.head_dim
-        flat, row = self._bytes.view(spec.dtype), self.row_bytes // el
+        flat, row = self._bytes.view(spec.storage_dtype), self.row_bytes // el
         self._layer_at: dict[int, tuple[int, int]] = {}  # layer -> (K table, index in it)
         tensors = []
         for t, ls in enumerate(table_layers):
@@ -197,9 +197,10 @@ class VMKVCache(SequenceCache):
     def kv(self, layer: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Zero-copy views ``[seq_len − w, N_KV, d_h]`` of sequence ``s``'s K and V from
         ``w = window_start(layer, s)``, the first token its sliding window still maps (0
-        for full attention)."""
+        for full attention); dequantized copies in the compute dtype for FP8/INT8 K/V."""
         w, n = self.window_start(layer, s), self._lens[s]
-        return self._layer_view(layer, 0)[s, w:n], self._layer_view(layer, 1)[s, w:n]
+        k, v = self._layer_view(layer, 0)[s, w:n], self._layer_view(layer, 1)[s, w:n]
+        return self._decode(layer, k, v)
 
     # --- physical hooks ----------------------------------------------------------------
     def _va(self, s: int, t: int, j: int) -> int:

@@ -36,6 +36,7 @@ from vmcache.sequences import deprecated, reserve
 from vmcache.sequences.beams import Beams, fork
 from vmcache.sequences.invariants import check_invariants
 from vmcache.sequences.memory import Memory
+from vmcache.sequences.quant import dequantize, quantize
 from vmcache.sequences.spec import KVSpec, check_kv
 from vmcache.sequences.stats import CacheStats, collect_stats
 from vmcache.sequences.swap import Swap
@@ -93,6 +94,9 @@ class SequenceCache(Transactions):
         self._lens_tensor: torch.Tensor | None = None
         self.epoch = 0  # bumped whenever a length or a page table changes (owned here)
         self.step_plan = None  # per-step kernel metadata memo; owned by vmcache.kernels.plan
+        # fp32 [N_L, 2, N_KV] dequantization scales of FP8/INT8 K/V (None: stored as computed);
+        # the spec's, on the device for the kernels; never changed
+        self.kv_scales = spec.scales().to(device) if spec.quantized else None
         self.plans_built = 0  # how many plans (device uploads) vmcache.kernels built
         self.cow_copies = 0  # pages copied on write since construction (owned by the cache)
         self.cow_bytes_copied = 0  # bytes those copies moved (used part of each page only)
@@ -301,6 +305,7 @@ class SequenceCache(Transactions):
         layer, s, n = self._check_write(layer, s, start, k, v)
         if n == 0:
             return
+        k, v = self._encode(layer, k, v)
         tables = self._tables_of_layer(layer)
         g = self._group_of[tables[0]]
         j_lo, j_hi = start * g.u // g.P, g.pages_for(start + n)
@@ -327,6 +332,20 @@ class SequenceCache(Transactions):
         self._tokens[s] = self._salts[s] = None
         self._set_len(s, 0)
         self._free_slots.append(s)
+
+    def _encode(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """K, V as stored: quantized with the layer's scales (FP8/INT8), else unchanged."""
+        if self.kv_scales is None:
+            return k, v
+        dt, sc = self.spec.storage_dtype, self.kv_scales[layer]
+        return quantize(k, sc[0], dt), quantize(v, sc[1], dt)
+
+    def _decode(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Stored K, V in the compute dtype (dequantized copies for FP8/INT8)."""
+        if self.kv_scales is None:
+            return k, v
+        dt, sc = self.spec.dtype, self.kv_scales[layer]
+        return dequantize(k, sc[0], dt), dequantize(v, sc[1], dt)
 
     def _check_write(self, layer, s, start, k, v) -> tuple[int, int, int]:
         """Validate a write; returns (layer, sequence, token count)."""

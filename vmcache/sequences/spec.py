@@ -2,7 +2,9 @@
 
     M_KV(L) = 2 · N_L · N_KV · d_h · L · b        (K and V, every layer, L tokens)
 
-Every figure in the docs, tests and benchmarks comes from these properties.
+Every figure in the docs, tests and benchmarks comes from these properties. b is the bytes of
+the *storage* dtype: ``kv_dtype`` (FP8 or INT8: b = 1, see :mod:`vmcache.sequences.quant`)
+when set, else the compute ``dtype``.
 
 Per-layer attention type: ``layer_windows[l]`` is None for a full-attention layer, or W for a
 sliding-window layer whose token at position p attends to keys in (p − W, p] (transformers'
@@ -18,6 +20,8 @@ from typing import Any
 
 import torch
 
+from vmcache.sequences.quant import Q_MAX
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -29,6 +33,8 @@ class KVSpec:
     dtype: torch.dtype = torch.bfloat16
     num_q_heads: int | None = None  # known for real models; None = same as num_kv_heads
     layer_windows: tuple[int | None, ...] | None = None  # per layer: None full, W sliding
+    kv_dtype: torch.dtype | None = None  # K/V storage: None = dtype; float8_e4m3fn/e5m2, int8
+    kv_scales: tuple[float, ...] | None = None  # [layer][K, V][KV head] flattened; None = 1.0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -51,6 +57,7 @@ class KVSpec:
                 if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 1):
                     raise ValueError(f"KVSpec.layer_windows entries must be None (full "
                                      f"attention) or a window >= 1, got {x!r}")  # fmt: skip
+        self._check_storage()
         if self.num_q_heads is not None:
             q = self.num_q_heads
             if isinstance(q, bool) or not isinstance(q, int) or q <= 0:
@@ -61,10 +68,49 @@ class KVSpec:
                     f"({self.num_kv_heads})"
                 )
 
+    def _check_storage(self) -> None:
+        kv = self.kv_dtype
+        if kv is not None and kv != self.dtype and kv not in Q_MAX:
+            raise ValueError(f"KVSpec.kv_dtype must be None, the dtype, or one of "
+                             f"{sorted(map(str, Q_MAX))}, got {kv!r}")  # fmt: skip
+        if self.kv_scales is None:
+            if kv == torch.int8:
+                raise ValueError("int8 K/V needs kv_scales (INT8 is uniform: calibrate them, "
+                                 "vmcache.hf.calibrate_kv_scales)")  # fmt: skip
+            return
+        if not self.quantized:
+            raise ValueError("KVSpec.kv_scales needs a quantized kv_dtype (FP8 or INT8)")
+        want = 2 * self.num_layers * self.num_kv_heads
+        sc = self.kv_scales
+        if not isinstance(sc, tuple) or len(sc) != want:
+            raise ValueError(f"KVSpec.kv_scales must be a tuple of 2 · num_layers · "
+                             f"num_kv_heads = {want} floats")  # fmt: skip
+        for x in sc:
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x < float("inf"):
+                raise ValueError(f"KVSpec.kv_scales entries must be finite and > 0, got {x!r}")
+
     # --- derived arithmetic -------------------------------------------------------------
     @property
+    def storage_dtype(self) -> torch.dtype:
+        """What the pages hold: ``kv_dtype`` when set, else the compute ``dtype``."""
+        return self.kv_dtype or self.dtype
+
+    @property
+    def quantized(self) -> bool:
+        """K/V stored as FP8 or INT8 with scales (written quantized, read dequantized)."""
+        return self.storage_dtype in Q_MAX
+
+    @property
     def dtype_bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        """b: bytes of one stored element (the storage dtype's)."""
+        return torch.empty((), dtype=self.storage_dtype).element_size()
+
+    def scales(self) -> torch.Tensor:
+        """fp32 ``[N_L, 2, N_KV]`` dequantization scales (1.0 where none are given)."""
+        shape = (self.num_layers, 2, self.num_kv_heads)
+        if self.kv_scales is None:
+            return torch.ones(shape)
+        return torch.tensor(self.kv_scales, dtype=torch.float32).view(shape)
 
     @property
     def q_heads(self) -> int:
@@ -135,18 +181,21 @@ class KVSpec:
 
     # --- constructors -------------------------------------------------------------------
     @classmethod
-    def preset(cls, name: str, dtype: torch.dtype = torch.bfloat16) -> KVSpec:
+    def preset(cls, name: str, dtype: torch.dtype = torch.bfloat16,
+               kv_dtype: torch.dtype | None = None) -> KVSpec:  # fmt: skip
         try:
             layers, kv_heads, head_dim, q_heads = _PRESETS[name.lower()]
         except (KeyError, AttributeError):
             raise ValueError(
                 f"unknown KVSpec preset {name!r}; expected one of {sorted(_PRESETS)}"
             ) from None
-        return cls(layers, kv_heads, head_dim, dtype, q_heads)
+        return cls(layers, kv_heads, head_dim, dtype, q_heads, kv_dtype=kv_dtype)
 
     @classmethod
-    def from_hf_config(cls, config: Any, dtype: torch.dtype | None = None) -> KVSpec:
-        """Read a transformers config (Llama, Mistral, Qwen2, ... and their text sub-configs)."""
+    def from_hf_config(cls, config: Any, dtype: torch.dtype | None = None,
+                       kv_dtype: torch.dtype | None = None, kv_scales=None) -> KVSpec:  # fmt: skip
+        """Read a transformers config (Llama, Mistral, Qwen2, ... and their text sub-configs);
+        ``kv_dtype`` / ``kv_scales``: quantized K/V storage (see the fields)."""
         if hasattr(config, "get_text_config"):
             config = config.get_text_config()
         try:
@@ -169,7 +218,7 @@ class KVSpec:
             if dtype is None:
                 dtype = torch.float32
         return cls(layers, int(kv_heads), int(head_dim), dtype, q_heads,
-                   _layer_windows(config, layers))  # fmt: skip
+                   _layer_windows(config, layers), kv_dtype, kv_scales)  # fmt: skip
 
 
 def check_kv(spec: KVSpec, device: torch.device, k: Any, v: Any) -> int:

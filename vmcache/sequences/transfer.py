@@ -40,6 +40,7 @@ class SwapHandle:
     payload: list[torch.Tensor] = field(repr=False)  # per table: its Wire, packed (uint8)
     owner: int = field(repr=False)  # id() of the cache that made it
     consumed: bool = False
+    spec: object = field(default=None, repr=False)  # what the bytes mean (dtypes, scales)
 
     @property
     def length(self) -> int:
@@ -157,12 +158,17 @@ class Transfer:
         payload = [torch.empty(w.nbytes, dtype=torch.uint8, pin_memory=pin).copy_(w.packed())
                    for w in self.wires(s)]  # fmt: skip
         nbytes = sum(p.numel() for p in payload)
-        return SwapHandle(self.manifest(s), nbytes, payload, id(c))
+        return SwapHandle(self.manifest(s), nbytes, payload, id(c), spec=c.spec)
 
     def load(self, handle: SwapHandle, slot: int | None = None) -> int:
         """A new sequence (in ``slot``, else any free slot) holding ``handle``'s K/V, mapped
-        where they were (a window's released pages stay released); all or nothing."""
+        where they were (a window's released pages stay released); all or nothing. A handle
+        of another spec (shape, storage dtype, FP8/INT8 scales) is refused: its bytes would
+        mean other K/V here."""
         c = self._c
+        if handle.spec is not None and handle.spec != c.spec:
+            raise ValueError(f"this handle holds K/V of {handle.spec}, not of this cache's "
+                             f"{c.spec}")  # fmt: skip
 
         def fill(s: int) -> None:
             for w, data in zip(self.wires(s), handle.payload, strict=True):

@@ -1,0 +1,166 @@
+"""FP8 / INT8 K/V measured: capacity (sizing, Llama-3-8B) and accuracy against BF16 K/V.
+
+    python -m vmcache.bench --mode quant [--quick]      (make bench-quant)
+
+CAPACITY: sizing mode's replay (the enterprise trace, 400 requests, 16 GB of K/V, all at once)
+for Llama-3-8B with BF16 and with FP8 K/V, on the static, paged-16 and vm-layer-2M rows: the
+most sequences held at once and the internal waste. FP8 halves bytes per token, so the ratio
+should be about 2.0 wherever memory, not the workload, is the limit.
+
+ACCURACY: a seeded random Llama (4 layers, 8 heads over 2 KV heads, d_h 64, BF16 weights and
+compute) on the CPU through the drop-in ``VMCache``; 4 prompts of 32 tokens, 224 new tokens.
+For each storage (e4m3 and e5m2 with scale 1, e4m3 and INT8 with scales calibrated on the
+prompts by ``calibrate_kv_scales``):
+  - logits' relative error ||z − z_bf16|| / ||z_bf16|| at every decode step, teacher-forced on
+    the BF16 run's tokens (median and max);
+  - greedy agreement: the fraction of generated tokens equal to the BF16 run's, and the first
+    position where they differ (free-running).
+A random model's logits are nearly flat, so its argmax flips on small errors more easily than
+a trained model's; the figures measure the storage's error, not a real model's quality.
+transformers' QuantizedCache needs quanto or HQQ, not installed here: no anchor row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import types
+
+import torch
+
+from vmcache.bench.common import add_out_arg, save_and_plot, table
+
+PROMPT, NEW, BATCH, VOCAB = 32, 224, 4, 512
+STORAGES = {"bf16": (None, False), "fp8 e4m3": (torch.float8_e4m3fn, False),
+            "fp8 e5m2": (torch.float8_e5m2, False),
+            "fp8 e4m3 calibrated": (torch.float8_e4m3fn, True),
+            "int8 calibrated": (torch.int8, True)}  # fmt: skip
+
+
+def model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024,
+                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                      max_position_embeddings=1024)  # fmt: skip
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    m.generation_config.eos_token_id = None
+    return m
+
+
+@torch.inference_mode()
+def decode(m, ids, cache, forced=None, new=NEW):
+    """Greedy decode from prompts ``ids`` ``[b, T]`` with ``cache``; ``forced`` ``[b, new]``
+    feeds those tokens instead of the argmax. Returns (tokens ``[b, new]``, logits fp32)."""
+    out = m(input_ids=ids, past_key_values=cache, use_cache=True)
+    toks, logits = [], []
+    for i in range(new):
+        z = out.logits[:, -1].float()
+        logits.append(z)
+        t = z.argmax(-1) if forced is None else forced[:, i]
+        toks.append(t)
+        out = m(input_ids=t[:, None], past_key_values=cache, use_cache=True)
+    return torch.stack(toks, 1), torch.stack(logits, 1)
+
+
+def accuracy_rows(m, new: int) -> list[dict]:
+    from vmcache.hf import VMCache, calibrate_kv_scales
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH, PROMPT), generator=g)
+    rows, base = [], None
+    for name, (kv, calibrated) in STORAGES.items():
+        scales = calibrate_kv_scales(m, ids, kv) if calibrated else None
+        make = lambda: VMCache(m.config, PROMPT + new + 1, BATCH, kv_dtype=kv, kv_scales=scales)
+        cache = make()
+        toks, logits = decode(m, ids, cache, new=new)
+        if base is None:
+            base = (toks, logits)
+        _, forced = decode(m, ids, make(), forced=base[0], new=new)
+        err = ((forced - base[1]).norm(dim=-1) / base[1].norm(dim=-1)).flatten().tolist()
+        same = toks == base[0]
+        first = [int((~row).nonzero()[0]) if not row.all() else new for row in same]
+        spec = cache.kv.spec
+        rows.append({"storage": name, "kv_dtype": str(kv or torch.bfloat16),
+                     "bytes_per_token": spec.bytes_per_token,
+                     "logits_rel_err_median": statistics.median(err),
+                     "logits_rel_err_max": max(err),
+                     "greedy_agreement": float(same.float().mean()),
+                     "first_divergence_min": min(first), "first_divergence_median":
+                     statistics.median(first), "new_tokens": new})  # fmt: skip
+        print({k: rows[-1][k] for k in ("storage", "logits_rel_err_median", "greedy_agreement")})
+    return rows
+
+
+def capacity_rows(num: int) -> list[dict]:
+    from vmcache.bench import sizing, traces
+
+    trace = traces.builtin("enterprise", num)
+    args = types.SimpleNamespace(model=None, budget_gb=16.0, seed=0, preemption="recompute",
+                                 max_batch_tokens=8192, l_max=traces.L_MAX)  # fmt: skip
+    rows = []
+    for model_name in ("llama-3-8b", "llama-3-8b:fp8"):
+        args.model = model_name
+        for r in sizing.run({("enterprise", None): trace}, ["static", "paged-16", "vm-layer-2M"],
+                            args, jobs=2):  # fmt: skip
+            rows.append({"model": model_name, "allocator": r["allocator"],
+                         "max_concurrent_seqs": r.get("max_concurrent_seqs"),
+                         "internal_waste_pct": r.get("internal_waste_pct"),
+                         "note": r.get("note")})  # fmt: skip
+    by = {(r["model"], r["allocator"]): r for r in rows}
+    for r in rows:
+        bf16 = by["llama-3-8b", r["allocator"]]["max_concurrent_seqs"]
+        r["vs_bf16"] = (
+            r["max_concurrent_seqs"] / bf16 if bf16 and r["max_concurrent_seqs"] else None
+        )
+    return rows
+
+
+CAP_COLUMNS = ["model", "allocator", "max_concurrent_seqs", "internal_waste_pct", "vs_bf16"]
+ACC_COLUMNS = ["storage", "bytes_per_token", "logits_rel_err_median", "logits_rel_err_max",
+               "greedy_agreement", "first_divergence_min", "first_divergence_median"]  # fmt: skip
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="48 new tokens, 100 sizing requests")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="unused: errors, agreements and capacities are deterministic")  # fmt: skip
+    add_out_arg(ap)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    new, num = (48, 100) if args.quick else (NEW, 400)
+    acc = accuracy_rows(model(), new)
+    cap = capacity_rows(num)
+    print(table(cap, CAP_COLUMNS))
+    print(table(acc, ACC_COLUMNS))
+    rows = [{"kind": "capacity", **r} for r in cap] + [{"kind": "accuracy", **r} for r in acc]
+    extra = {"prompt_tokens": PROMPT, "new_tokens": new, "batch": BATCH, "requests": num}
+    save_and_plot("quant", torch.device("cpu"), rows, extra, args.out, plot)
+    return rows
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    acc = [r for r in rows if r["kind"] == "accuracy"]
+    cap = [r for r in rows if r["kind"] == "capacity"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    axes[0].bar([r["storage"] for r in acc], [r["logits_rel_err_median"] for r in acc])
+    axes[0].set_ylabel("logits' relative error (median)")
+    axes[0].tick_params(axis="x", labelsize=7, rotation=20)
+    labels = [f"{r['allocator']}\n{r['model']}" for r in cap]
+    axes[1].bar(labels, [r["max_concurrent_seqs"] or 0 for r in cap])
+    axes[1].set_ylabel("concurrent sequences (16 GB)")
+    axes[1].tick_params(axis="x", labelsize=6)
+    fig.suptitle("FP8 / INT8 K/V: accuracy vs BF16 (random model) and capacity (Llama-3-8B)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
