@@ -1,0 +1,42 @@
+"""The engine over FP8 K/V: both caches run packed prefills and decodes (with preemption on a
+small pool and speculation) and give the tokens the drop-in gives with the same storage, so
+the engine's writes, reads and kernels quantize exactly as the cache's own interface does."""
+
+import dataclasses
+
+import pytest
+import torch
+from caches import strict_host
+from test_engine import LONG, SPEC, model, requests  # noqa: F401
+from vmcache.paged_fallback import PagedKVCache
+
+from vmcache import VMKVCache
+from vmcache.engine import Engine, NgramDrafter
+from vmcache.hf import VMCache
+
+FP8 = dataclasses.replace(SPEC, kv_dtype=torch.float8_e4m3fn)
+
+
+def make(kind, pages):
+    if kind == "vm":
+        return VMKVCache(FP8, 8, 128, page_size=4096, backend=strict_host(), own_backend=True,
+                         pool_bytes=pages * 4096)  # fmt: skip
+    return PagedKVCache(FP8, num_blocks=pages, block_size=16, max_seq_len=128, max_seqs=8)
+
+
+@pytest.mark.parametrize("kind,pages", [("vm", 24), ("paged", 40), ("vm", 10)])
+def test_the_engine_over_fp8_kv_gives_the_drop_ins_tokens(model, kind, pages):  # noqa: F811
+    reqs = requests(LONG, seed=2)
+    engine = Engine(model, make(kind, pages), speculative=NgramDrafter(k=3))
+    out = engine.run(reqs)
+    engine.kv.check_invariants()
+    assert engine.kv.spec.bytes_per_token * 4 == SPEC.bytes_per_token  # fp32 → 1 byte
+    for r in reqs:
+        cache = VMCache(model.config, 128, 1, kv_dtype=torch.float8_e4m3fn)
+        want = model.generate(
+            torch.tensor([r.prompt]),
+            past_key_values=cache,
+            do_sample=False,
+            max_new_tokens=r.params.max_new_tokens,
+        )[0, len(r.prompt) :]
+        assert out[r.req_id] == [want.tolist()], r.req_id  # fmt: skip
