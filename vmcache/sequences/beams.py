@@ -121,14 +121,7 @@ class Beams:
         check_int("length", length)
         if not 0 <= length <= c._lens[s]:
             raise ValueError(f"truncate length must be in [0, {c._lens[s]}], got {length}")
-        for g in c.groups:
-            if g.keep_page(length, 0) < g.first(s):
-                raise ValueError(
-                    f"truncate({s}, {length}): the sliding window of {g.window} tokens already "
-                    f"released positions before {g.first_token(s)} that a {length}-token "
-                    f"sequence still reads; raise rollback_tokens (now {g.rollback_tokens}) "
-                    "to keep more"
-                )
+        self._check_margin(s, length)
         c._drop_reserved(s)
         c._sync()
         dropped = []
@@ -169,20 +162,12 @@ class Beams:
         moves = [i for i, p in enumerate(picks) if p != start + i]  # a suffix of the picks
         end = start + len(picks)
         if moves:
-            for g in c.groups:
-                if g.keep_page(end, 0) < g.first(s):
-                    raise ValueError(f"compact({s}): the sliding window already released "
-                                     "positions the compacted sequence reads")  # fmt: skip
+            self._check_margin(s, end)  # before any K/V moves
             dst = start + moves[0]
-            splits = {}
-            for layer in range(c.spec.num_layers):
-                tables = c._tables_of_layer(layer)
-                g = c._group_of[tables[0]]
-                for t, j in g.splits(s, tables, dst * g.u // g.P, g.pages_for(end),
-                                     c.pool.refcount):  # fmt: skip
-                    splits[(t, j)] = (s, t, j)
+            splits = {x: None for layer in range(c.spec.num_layers)
+                      for x in c._write_splits(layer, s, dst, end)}  # fmt: skip
             if splits:
-                c._split_pages(list(splits.values()))
+                c._split_pages(list(splits))
             src = torch.tensor([picks[i] for i in moves])
             for layer in range(c.spec.num_layers):  # stored bytes as they are: no requantizing
                 k, v = c._load(layer, s, src)
@@ -193,6 +178,18 @@ class Beams:
                     known[start + i] = known[picks[i]]
         self.truncate(s, end)
         return len(moves) * c.spec.bytes_per_token
+
+    def _check_margin(self, s: int, length: int) -> None:
+        """ValueError when a sliding window of ``s`` already released positions that a
+        ``length``-token sequence still reads (past its rollback margin)."""
+        for g in self._c.groups:
+            if g.keep_page(length, 0) < g.first(s):
+                raise ValueError(
+                    f"truncate({s}, {length}): the sliding window of {g.window} tokens already "
+                    f"released positions before {g.first_token(s)} that a {length}-token "
+                    f"sequence still reads; raise rollback_tokens (now {g.rollback_tokens}) "
+                    "to keep more"
+                )
 
     def write_group(
         self, layer: int, seqs: Sequence[int], start: int, k: torch.Tensor, v: torch.Tensor

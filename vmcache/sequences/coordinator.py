@@ -34,6 +34,7 @@ from vmcache.prefix.index import PrefixIndex
 from vmcache.prefix.tiers.digest import salt_bytes
 from vmcache.sequences import deprecated, reserve
 from vmcache.sequences.beams import Beams, fork
+from vmcache.sequences.hooks import PhysicalHooks
 from vmcache.sequences.invariants import check_invariants
 from vmcache.sequences.memory import Memory
 from vmcache.sequences.quant import dequantize, quantize
@@ -45,7 +46,7 @@ from vmcache.sequences.transactions import Transactions
 from vmcache.sequences.transfer import Transfer
 
 
-class SequenceCache(Transactions):
+class SequenceCache(Transactions, PhysicalHooks):
     """The core: sequences (``new_sequence``, ``grow``, ``write``, ``kv``, ``fork``, ``free``,
     ``seq_len(s)``, ``can_grow``), ``stats``, ``close``, and named facets for the rest, each
     an object with its own file and a docstring saying what of the coordinator it touches:
@@ -100,45 +101,6 @@ class SequenceCache(Transactions):
         self.plans_built = 0  # how many plans (device uploads) vmcache.kernels built
         self.cow_copies = 0  # pages copied on write since construction (owned by the cache)
         self.cow_bytes_copied = 0  # bytes those copies moved (used part of each page only)
-
-    # --- hooks a cache implements (K/V of table t of s: from page j0 to token length) ---
-    def _attach(self, s: int, t: int, j0: int, pages: list[int]) -> None:
-        raise NotImplementedError
-
-    def _detach(self, s: int, t: int, j0: int, n: int) -> None:
-        raise NotImplementedError
-
-    def _copy_page(self, src: int, dst: int, used_units: int) -> None:
-        raise NotImplementedError
-
-    def _tables_of_layer(self, layer: int) -> list[int]:
-        raise NotImplementedError
-
-    def _store(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def _load(self, layer: int, s: int, positions: torch.Tensor):  # K, V [n, N_KV, d_h] copies
-        raise NotImplementedError
-
-    def _wire(self, s: int, t: int, j0: int, length: int):  # a swap.Wire over the pages
-        raise NotImplementedError
-
-    def _sync(self) -> None:
-        pass
-
-    def _read_pages(self, pages: list[int], pin: bool = False) -> torch.Tensor:
-        """uint8 ``[len(pages), page_bytes]`` host copy of ``pages`` (one copy; prefix tiers,
-        sleep); ``pin``: page-locked where the cache can (VMKVCache), for a fast copy back."""
-        raise NotImplementedError
-
-    def _write_pages(self, pages: list[int], data: torch.Tensor) -> None:
-        """Inverse of :meth:`_read_pages` (pages no sequence maps)."""
-        raise NotImplementedError
-
-    def _wake_fill(self, live: list[int], state):
-        """A fill the pool calls as each chunk of ``live`` exists again on wake (VMKVCache),
-        or None: ``_restore_all`` restores the contents."""
-        return None
 
     # --- queries -----------------------------------------------------------------------
     def _check_awake(self) -> None:
@@ -306,13 +268,18 @@ class SequenceCache(Transactions):
         if n == 0:
             return
         k, v = self._encode(layer, k, v)
+        splits = self._write_splits(layer, s, start, start + n)
+        if splits:
+            self._split_pages(splits)
+        self._store(layer, s, start, k, v)
+
+    def _write_splits(self, layer: int, s: int, start: int, end: int) -> list[tuple[int, int, int]]:
+        """(s, table, page) of ``layer``'s pages over positions ``[start, end)`` that another
+        sequence still shares: what a write there must copy first."""
         tables = self._tables_of_layer(layer)
         g = self._group_of[tables[0]]
-        j_lo, j_hi = start * g.u // g.P, g.pages_for(start + n)
-        splits = g.splits(s, tables, j_lo, j_hi, self.pool.refcount)
-        if splits:
-            self._split_pages([(s, t, j) for t, j in splits])
-        self._store(layer, s, start, k, v)
+        j_lo, j_hi = start * g.u // g.P, g.pages_for(end)
+        return [(s, t, j) for t, j in g.splits(s, tables, j_lo, j_hi, self.pool.refcount)]
 
     def free(self, s: int) -> None:
         """Drop the sequence: unmap its pages, refcounts −1, pages at 0 return to the pool.

@@ -1,0 +1,51 @@
+"""The physical hooks each cache implements under the coordinator: how the K/V of table t of
+sequence s, from page j0 to its token length, are mapped, copied, stored, read and moved
+(VMKVCache: driver mappings over a virtual range; PagedKVCache: block tables over a pool).
+The coordinator, its transactions and its facets call these and nothing physical else.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PhysicalHooks:
+    """What a cache overrides (the defaults raise, or do nothing where nothing is needed)."""
+
+    def _attach(self, s: int, t: int, j0: int, pages: list[int]) -> None:
+        raise NotImplementedError
+
+    def _detach(self, s: int, t: int, j0: int, n: int) -> None:
+        raise NotImplementedError
+
+    def _copy_page(self, src: int, dst: int, used_units: int) -> None:
+        raise NotImplementedError
+
+    def _tables_of_layer(self, layer: int) -> list[int]:
+        raise NotImplementedError
+
+    def _store(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _load(self, layer: int, s: int, positions: torch.Tensor):  # K, V [n, N_KV, d_h] copies
+        raise NotImplementedError
+
+    def _wire(self, s: int, t: int, j0: int, length: int):  # a swap.Wire over the pages
+        raise NotImplementedError
+
+    def _sync(self) -> None:
+        pass
+
+    def _read_pages(self, pages: list[int], pin: bool = False) -> torch.Tensor:
+        """uint8 ``[len(pages), page_bytes]`` host copy of ``pages`` (one copy; prefix tiers,
+        sleep); ``pin``: page-locked where the cache can (VMKVCache), for a fast copy back."""
+        raise NotImplementedError
+
+    def _write_pages(self, pages: list[int], data: torch.Tensor) -> None:
+        """Inverse of :meth:`_read_pages` (pages no sequence maps)."""
+        raise NotImplementedError
+
+    def _wake_fill(self, live: list[int], state):
+        """A fill the pool calls as each chunk of ``live`` exists again on wake (VMKVCache),
+        or None: ``_restore_all`` restores the contents."""
+        return None
