@@ -208,10 +208,12 @@ class Engine:
             chains = drafter.tree(seq.tokens, limit)
             if drafter.tree_mode == "fork" or len(chains) < 2:
                 d, seq.branches = (chains[0] if chains else []), chains[1:]
-            else:
-                d, seq.tree = tree.flatten(chains)
-                seq.tree = seq.tree if len(seq.tokens) + len(d) <= self.kv.max_seq_len else None
-                d = d if seq.tree else chains[0]
+            else:  # the whole tree in the sequence's range, if it fits there
+                d, parents = tree.flatten(chains)
+                if len(seq.tokens) + len(d) <= self.kv.max_seq_len:
+                    seq.tree = parents
+                else:
+                    d = chains[0]
             seq.tokens += d
             seq.draft = len(d)
 

@@ -134,13 +134,13 @@ class ModelRunner:
         to the history and its own ancestors (:func:`~vmcache.kernels.common.tree_mask`),
         while its K/V are stored at ``starts[i] + j``."""
         q_lens = [len(t) for t in tokens]
-        trees = trees if trees is not None and any(t is not None for t in trees) else None
-        masks = None if trees is None else [_ancestors(t) for t in trees]
-        self.cache.plan(slots, starts, q_lens, None if masks is None else
-                        [None if m is None else m.to(self.device) for m in masks])  # fmt: skip
+        masks = [None] * len(q_lens) if trees is None else [_ancestors(t) for t in trees]
+        # a token's position is its depth in its tree (its row of ancestors, less itself)
+        offsets = [torch.arange(n) if m is None else m.sum(1) - 1 for m, n in zip(masks, q_lens)]
+        on_device = [None if m is None else m.to(self.device) for m in masks]
+        trees_here = any(m is not None for m in masks)
+        self.cache.plan(slots, starts, q_lens, on_device if trees_here else None)
         ids = torch.tensor([t for ts in tokens for t in ts], device=self.device)[None]
-        offsets = [torch.arange(n) if trees is None or trees[i] is None
-                   else _ancestors(trees[i]).sum(1) - 1 for i, n in enumerate(q_lens)]  # fmt: skip
         pos = torch.cat([a + o for a, o in zip(starts, offsets)])
         pos = pos.to(self.device)[None]
         h = self.inner.embed_tokens(ids)
