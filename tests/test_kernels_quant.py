@@ -5,7 +5,8 @@ awkward lengths, GQA ratios and head sizes; and the FlashAttention impls refuse 
 
 import pytest
 import torch
-from test_kernels import KINDS, MIXED, make
+from test_kernels import KINDS, MIXED, WRITTEN, make
+from test_kernels import fill as kernel_fill
 from vmcache.kernels.reference import dense_attention
 
 from vmcache import KVSpec, kernels
@@ -22,24 +23,15 @@ def quant_spec(kv_dtype, group, head_dim, layers=2, heads=2, dtype=torch.float32
                   kv_scales=scales)  # fmt: skip
 
 
-def fill(cache, lens, seed=0):
-    """Sequences of ``lens`` tokens; returns them and the K/V each holds as stored, dequantized
-    by the test (its own oracle of the scale rule)."""
-    g = torch.Generator().manual_seed(seed)
+def fill(cache, lens):
+    """test_kernels' sequences of ``lens`` tokens, and the K/V each holds as stored: what
+    the test wrote, quantized and dequantized by the test (its own oracle of the scale rule)."""
+    seqs = kernel_fill(cache, lens)
     spec, sc = cache.spec, cache.spec.scales()
-    seqs, held = [], {}
-    for n in lens:
-        s = cache.new_sequence()
-        cache.grow(s, n)
-        for layer in range(spec.num_layers):
-            k, v = (torch.randn(n, spec.num_kv_heads, spec.head_dim, generator=g).to(spec.dtype)
-                    for _ in range(2))  # fmt: skip
-            cache.write(layer, s, 0, k, v)
-            held[s, layer] = tuple(
+    held = {(s, layer): tuple(
                 dequantize(quantize(x, sc[layer, i], spec.kv_dtype), sc[layer, i], torch.float32)
-                for i, x in enumerate((k, v))
-            )  # fmt: skip
-        seqs.append(s)
+                for i, x in enumerate(WRITTEN[id(cache), s, layer]))
+            for s in seqs for layer in range(spec.num_layers)}  # fmt: skip
     return seqs, held
 
 
