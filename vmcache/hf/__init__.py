@@ -124,6 +124,11 @@ class _HFCache(Cache):
         layer.dtype_in = dtype_in
         return self._layer_kv(layer)
 
+    def _reads_itself(self, real: bool) -> bool:
+        """Whether ``update`` may return stand-ins: the vmcache attention reads the cache
+        itself (``real``: the caller wants the K/V themselves)."""
+        return not real and getattr(self.config, "_attn_implementation", None) == ATTN_NAME
+
     def _layer_kv(self, layer: _Layer, real: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """What ``layer.update`` returns: keys and values ``[batch, heads, keys, head_dim]``
         from the window's first mapped token to the layer's length (``real``: the K/V
@@ -288,7 +293,7 @@ class VMCache(_HFCache):
         b, kv = len(self.rows), self.kv
         k, v = kv.k_cache(layer)[:b, lo:n], kv.v_cache(layer)[:b, lo:n]
         if kv.kv_scales is not None:  # FP8/INT8: the attention reads the cache, else copies
-            if not real and getattr(self.config, "_attn_implementation", None) == ATTN_NAME:
+            if self._reads_itself(real):
                 return stand_ins(self.spec, kv.device, b, n - lo)
             k, v = kv._decode(layer, k, v)
         return k.transpose(1, 2), v.transpose(1, 2)
@@ -315,7 +320,7 @@ class PagedCache(_HFCache):
 
     def _views(self, layer, lo, n, real=False):
         b, kv, spec = len(self.rows), self.kv, self.spec
-        if not real and getattr(self.config, "_attn_implementation", None) == ATTN_NAME:
+        if self._reads_itself(real):
             return stand_ins(spec, kv.device, b, n - lo)  # the attention reads the pool itself
         return self._gather(layer)
 
