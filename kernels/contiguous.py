@@ -104,7 +104,7 @@ def _aten_fa2(cache, layer, q, seq_ids, q_lens, scale):
 
 def decode(cache, layer, q, seq_ids, scale=None, impl=None):
     """q: ``[B, N_Q, d_h]`` → ``[B, N_Q, d_h]``; attends over each sequence's whole length."""
-    quantized = cache.kv_scales is not None
+    quantized = cache.spec.quantized
     impl = impl or available_impls(q, quantized)[0]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if impl not in IMPLS:
@@ -126,14 +126,14 @@ def decode(cache, layer, q, seq_ids, scale=None, impl=None):
     return triton_decode.decode(
         q, cache.k_cache(layer), cache.v_cache(layer), p.slots, p.lens, max_len=p.max_kv,
         paged=False, block=1, scale=scale, window=w,
-        kv_scales=None if cache.kv_scales is None else cache.kv_scales[layer],
+        kv_scales=cache.kv_scales_for(layer),
     )  # fmt: skip
 
 
 def prefill(cache, layer, q, seq_ids, q_lens, scale=None, impl=None):
     """q packed ``[Σ q_lens, N_Q, d_h]``; causal over the cached prefix plus the new tokens.
     FP8/INT8 K/V: SDPA over dequantized copies (FA2 reads no FP8 K/V; no Triton prefill)."""
-    quantized = cache.kv_scales is not None
+    quantized = cache.spec.quantized
     if impl is None:
         impl = "aten_fa2" if "aten_fa2" in available_impls(q, quantized) else "sdpa"
     if quantized and impl != "sdpa":

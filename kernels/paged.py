@@ -16,7 +16,7 @@ def decode(cache, layer: int, q, seq_ids: list[int], scale=None, impl=None):
         return triton_decode.decode(
             q, cache.k_pool(layer), cache.v_pool(layer), p.tables, p.lens, max_len=p.max_kv,
             paged=True, block=cache.block_size, scale=scale, window=layer_window(cache, layer),
-            kv_scales=None if cache.kv_scales is None else cache.kv_scales[layer],
+            kv_scales=cache.kv_scales_for(layer),
         )  # fmt: skip
     if impl == "torch":
         return attend_cache_views(cache, layer, q, seq_ids, [1] * len(seq_ids), scale)

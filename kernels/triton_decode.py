@@ -24,10 +24,15 @@ window released are never touched either, and full attention (lo = 0) is the sam
 
 Quantized K/V (FP8 e4m3 / e5m2, INT8; ``QUANT``): tiles are loaded in the storage dtype (one
 byte per element: half the bytes a BF16 decode reads) and converted in registers to q's dtype
-for the dots; the per-head scales are folded in, not applied per element:
+for the dots; the scales are folded in, not applied per element:
 
-    s = (q · k̂ᵀ) · scale · s_k[h]        (k = k̂ · s_k[h], one scalar per program)
-    O = (Σ p · v̂) · s_v[h]               (applied once to the partial accumulator)
+    QUANT 1, per head:   s = (q · k̂ᵀ) · scale · s_k[h]      (one scalar per program)
+                         O = (Σ p · v̂) · s_v[h]             (once, on the partial accumulator)
+    QUANT 2, per token:  s = (q · k̂ᵀ) · scale · s_k[t, h]   (one scale per key column)
+                         O = Σ (p · s_v[t, h]) · v̂          (the probabilities scaled per row)
+
+Per-token scales sit in each token's stored row after its heads (see vmcache.sequences.quant):
+K_SCALE / V_SCALE are fp32 views addressed like K and V, by their own strides.
 
 Compilations: shapes, dtypes and the addressing mode are compile-time; lengths, the partition
 count and the batch are runtime (``do_not_specialize``), so a growing decode never recompiles.
@@ -55,6 +60,7 @@ def _decode_partial(
     stride_qb, stride_qh,
     stride_kseq, stride_ktok, stride_kh,
     stride_vseq, stride_vtok, stride_vh,
+    stride_ksseq, stride_kstok, stride_vsseq, stride_vstok,
     stride_tb,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     TILE: tl.constexpr, BLOCK: tl.constexpr, PART_TILES: tl.constexpr, PAGED: tl.constexpr,
@@ -63,7 +69,7 @@ def _decode_partial(
     b = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.program_id(2)
-    if QUANT:
+    if QUANT == 1:
         scale = scale * tl.load(K_SCALE + h)
     seq_len = tl.load(LENS + b)
     offs_g = tl.arange(0, G_PAD)
@@ -85,10 +91,14 @@ def _decode_partial(
     last = tl.minimum(first + PART_TILES, n_tiles)
     row_k = tl.zeros([TILE], dtype=tl.int64)
     row_v = tl.zeros([TILE], dtype=tl.int64)
+    row_ks = tl.zeros([TILE], dtype=tl.int64)
+    row_vs = tl.zeros([TILE], dtype=tl.int64)
     if not PAGED:
         slot = tl.load(TABLE + b.to(tl.int64) * stride_tb).to(tl.int64)
         row_k += slot * stride_kseq
         row_v += slot * stride_vseq
+        row_ks += slot * stride_ksseq
+        row_vs += slot * stride_vsseq
     for tile in range(first, last):
         pos = lo + tile * TILE + offs_t
         t_mask = pos < seq_len
@@ -98,9 +108,13 @@ def _decode_partial(
             in_blk = (pos % BLOCK).to(tl.int64)
             k_off = blk * stride_kseq + in_blk * stride_ktok
             v_off = blk * stride_vseq + in_blk * stride_vtok
+            ks_off = blk * stride_ksseq + in_blk * stride_kstok
+            vs_off = blk * stride_vsseq + in_blk * stride_vstok
         else:
             k_off = row_k + pos.to(tl.int64) * stride_ktok
             v_off = row_v + pos.to(tl.int64) * stride_vtok
+            ks_off = row_ks + pos.to(tl.int64) * stride_kstok
+            vs_off = row_vs + pos.to(tl.int64) * stride_vstok
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(K + k_off[:, None] + h * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         if QUANT:
@@ -108,6 +122,8 @@ def _decode_partial(
         if DOT_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G_PAD, TILE] fp32
+        if QUANT == 2:
+            s = s * tl.load(K_SCALE + ks_off + h, mask=t_mask, other=0.0)[None, :]
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -119,9 +135,11 @@ def _decode_partial(
         if DOT_FP32:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None]
+        if QUANT == 2:
+            pexp = pexp * tl.load(V_SCALE + vs_off + h, mask=t_mask, other=0.0)[None, :]
         acc = tl.dot(pexp.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_new
-    if QUANT:
+    if QUANT == 1:
         acc = acc * tl.load(V_SCALE + h)
     row = (b * (G * tl.num_programs(1)) + qh).to(tl.int64) * num_parts + p
     tl.store(M_OUT + row, m_i, mask=g_mask)
@@ -185,14 +203,7 @@ def launches(q, k, v, table, lens, *, max_len, paged, block, scale=None,
         raise ValueError("the last (head_dim) dimension of q, k and v must be contiguous")
     if block < 1 or (paged and block & (block - 1)):
         raise ValueError(f"block size must be a power of two, got {block}")
-    quant = kv_scales is not None
-    if k.dtype != v.dtype or (q.dtype != k.dtype and not quant):
-        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if quant and (k.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
-                  or tuple(kv_scales.shape) != (2, k.shape[2])
-                  or kv_scales.dtype != torch.float32):  # fmt: skip
-        raise TypeError(f"quantized K/V must be float8/int8 with fp32 kv_scales [2, N_KV], got "
-                        f"{k.dtype}, {getattr(kv_scales, 'shape', None)}")  # fmt: skip
+    quant, ks, vs = _check_scales(q, k, v, kv_scales)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     g, d_pad = hq // hk, max(16, triton.next_power_of_2(d))
     tile = TILE
@@ -218,10 +229,12 @@ def launches(q, k, v, table, lens, *, max_len, paged, block, scale=None,
     dot_fp32 = isinstance(_decode_partial, InterpretedFunction) and q.dtype != torch.float32
     partial = (
         _decode_partial, (b, hk, num_parts),
-        (q, k, v, table, lens, m, lsum, o, kv_scales[0] if quant else lens,
-         kv_scales[1] if quant else lens, scale, num_parts, window or FULL,
+        (q, k, v, table, lens, m, lsum, o, lens if ks is None else ks,
+         lens if vs is None else vs, scale, num_parts, window or FULL,
          q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-         v.stride(0), v.stride(1), v.stride(2), table.stride(0)),
+         v.stride(0), v.stride(1), v.stride(2),
+         *(x.stride(i) if quant == 2 else 0 for x in (ks, vs) for i in (0, 1)),
+         table.stride(0)),
         dict(G=g, G_PAD=max(G_MIN, triton.next_power_of_2(g)), D=d, D_PAD=d_pad, TILE=tile,
              BLOCK=block, PART_TILES=part_tokens // tile, PAGED=paged, PRECISION=precision,
              DOT_FP32=dot_fp32, QUANT=quant, num_warps=warps),
@@ -232,6 +245,28 @@ def launches(q, k, v, table, lens, *, max_len, paged, block, scale=None,
         dict(D=d, D_PAD=d_pad, P_CHUNK=P_CHUNK),
     )  # fmt: skip
     return out, [partial, combine]
+
+
+def _check_scales(q, k, v, kv_scales):
+    """(QUANT, K's scales, V's scales) for a launch: 0 unquantized, 1 per head, 2 per token."""
+    if kv_scales is None:
+        if not (q.dtype == k.dtype == v.dtype):
+            raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        return 0, None, None
+    if k.dtype != v.dtype or k.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):
+        raise TypeError(f"quantized K/V must both be float8 or int8, got {k.dtype}, {v.dtype}")
+    if isinstance(kv_scales, torch.Tensor):
+        if tuple(kv_scales.shape) != (2, k.shape[2]) or kv_scales.dtype != torch.float32:
+            raise TypeError(f"head kv_scales must be fp32 [2, {k.shape[2]}], got "
+                            f"{kv_scales.dtype} {list(kv_scales.shape)}")  # fmt: skip
+        return 1, kv_scales[0], kv_scales[1]
+    ks, vs = kv_scales
+    for x, ref in ((ks, k), (vs, v)):
+        if (not isinstance(x, torch.Tensor) or x.dtype != torch.float32
+                or tuple(x.shape) != tuple(ref.shape[:3]) or x.stride(-1) != 1):  # fmt: skip
+            raise TypeError(f"per-token kv_scales must be fp32 {list(ref.shape[:3])} views with "
+                            f"a contiguous last dim, got {getattr(x, 'shape', x)}")  # fmt: skip
+    return 2, ks, vs
 
 
 def decode(
@@ -255,8 +290,10 @@ def decode(
     paged: k, v ``[num_blocks, block, N_KV, d_h]``, table ``[B, max_blocks]`` int32.
     contiguous: k, v ``[S, L, N_KV, d_h]`` (any strides, last dim contiguous), table ``[B]``
     int32 slot ids; ``block`` is then unused. ``window``: a sliding window W (keys
-    (len − 1 − W, len − 1]), None for full attention. ``kv_scales``: fp32 ``[2, N_KV]`` (K's
-    then V's per-head scales) when k, v hold FP8/INT8. Returns ``[B, N_Q, d_h]``, q's dtype.
+    (len − 1 − W, len − 1]), None for full attention. ``kv_scales`` when k, v hold FP8/INT8:
+    fp32 ``[2, N_KV]`` (K's then V's per-head scales), or per token a pair (K's, V's) of fp32
+    ``[S, L, N_KV]`` / ``[num_blocks, block, N_KV]`` views (any strides, last dim contiguous).
+    Returns ``[B, N_Q, d_h]``, q's dtype.
     """
     out, runs = launches(q, k, v, table, lens, max_len=max_len, paged=paged, block=block,
                          scale=scale, part_tokens=part_tokens, window=window,

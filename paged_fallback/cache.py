@@ -1,12 +1,14 @@
 """PagedKVCache: vLLM-style block tables over preallocated block pools, the A/B twin of
 VMKVCache behind the same interface.
 
-Memory: one tensor ``[G, 2, num_blocks, B, N_KV, d_h]`` (NHD blocks); ``k_pool(layer)`` is
-``[num_blocks, B, N_KV, d_h]``. A block id stands for the same block in the K and V pools of
-the G layers of one *table group*, so a sequence has one block table per group. A model
-whose layers all attend alike is one group (G = N_L, one table). A hybrid model (sliding and
-full layers) splits each attention type into groups of G = gcd(layers per type) layers, as
-vLLM's hybrid allocator does, so every block is the same size and none is wasted:
+Memory: one tensor ``[G, 2, num_blocks, B, R]`` of stored rows (R = N_KV·d_h, plus per-token
+scales with ``kv_granularity="token"``: :mod:`vmcache.sequences.quant`); ``k_pool(layer)`` is
+the ``[num_blocks, B, N_KV, d_h]`` (NHD) view of its K elements. A block id stands for the
+same block in the K and V pools of the G layers of one *table group*, so a sequence has one
+block table per group. A model whose layers all attend alike is one group (G = N_L, one
+table). A hybrid model (sliding and full layers) splits each attention type into groups of
+G = gcd(layers per type) layers, as vLLM's hybrid allocator does, so every block is the
+same size and none is wasted:
 
     Gemma-3-style, 12 layers (10 sliding, 2 full): G = 2, tables 0-4 sliding, table 5 full
     layer 7 -> table 3, slot 1: its K blocks are kv_pool[1, 0, table_3_blocks]
@@ -29,6 +31,7 @@ import torch
 
 from vmcache.memory.pool import PagePool
 from vmcache.sequences.coordinator import SequenceCache, _check_int
+from vmcache.sequences.quant import split_rows
 from vmcache.sequences.spec import KVSpec
 from vmcache.sequences.tables import PageTables
 from vmcache.sequences.transfer import Wire
@@ -108,7 +111,7 @@ class PagedKVCache(SequenceCache):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.layers_per_block = G
-        shape = (G, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (G, 2, num_blocks, block_size, spec.row_elems)  # stored rows (see quant.py)
         self.kv_pool = torch.zeros(shape, dtype=spec.storage_dtype, device=dev)
         pool = PagePool(num_blocks, _BlockStore(self.kv_pool), scrub_on_reuse=scrub_on_reuse,
                         chunk_pages=num_blocks)  # fmt: skip
@@ -131,10 +134,13 @@ class PagedKVCache(SequenceCache):
     def k_pool(self, layer: int) -> torch.Tensor:
         """``[num_blocks, B, N_KV, d_h]`` K blocks of ``layer`` (read through the block
         table of :meth:`table_of_layer`)."""
-        return self.kv_pool[self._layer_at[self._check_layer(layer)][1], 0]
+        return self._split(self._rows(self._check_layer(layer), 0))
 
     def v_pool(self, layer: int) -> torch.Tensor:
-        return self.kv_pool[self._layer_at[self._check_layer(layer)][1], 1]
+        return self._split(self._rows(self._check_layer(layer), 1))
+
+    def _split(self, rows: torch.Tensor) -> torch.Tensor:
+        return split_rows(rows, self.spec.num_kv_heads, self.spec.head_dim)[0]
 
     def table_of_layer(self, layer: int) -> int:
         """The block table ``layer`` reads (0 unless the model mixes attention types)."""
@@ -168,6 +174,9 @@ class PagedKVCache(SequenceCache):
         k, v = self.kv_pool[slot, 0, blocks, offs], self.kv_pool[slot, 1, blocks, offs]
         return self._decode(layer, k, v)
 
+    def _rows(self, layer: int, kv: int) -> torch.Tensor:
+        return self.kv_pool[self._layer_at[layer][1], kv]
+
     # --- physical hooks: a block table needs no mapping ------------------------------------
     def _attach(self, s: int, t: int, j0: int, pages: list[int]) -> None:
         pass
@@ -195,13 +204,13 @@ class PagedKVCache(SequenceCache):
         return self.kv_pool[slot, 0, blocks, offs], self.kv_pool[slot, 1, blocks, offs]
 
     def _wire(self, s: int, t: int, j0: int, length: int) -> Wire:
-        """One view per block per layer slot and K/V (``[B, N_KV, d_h]``; the last block to
+        """One view per block per layer slot and K/V (``[B, R]``; the last block to
         ``length`` only), as block-granular transfers go; packed: the full blocks gathered by
         one index, then the last block's tokens.
 
             blocks:  | b0 full | b1 full | b2: `used` tokens of B |
-            views:   for slot g, for K then V: b0, b1, b2[:used]
-            packed:  pool[:, :, [b0, b1]] (G, 2, 2, B, N_KV, d_h)  +  pool[:, :, b2, :used]
+            views:   for slot g, for K then V: b0, b1, b2[:used]   (stored rows [n, R])
+            packed:  pool[:, :, [b0, b1]] (G, 2, 2, B, R)  +  pool[:, :, b2, :used]
         """
         B, pool = self.block_size, self.kv_pool
         blocks = self._group_of[t].row(s, t)[j0 : -(-length // B)]

@@ -15,24 +15,36 @@ from vmcache.engine import Engine, NgramDrafter
 from vmcache.hf import VMCache
 
 FP8 = dataclasses.replace(SPEC, kv_dtype=torch.float8_e4m3fn)
+INT8_TOKEN = dataclasses.replace(SPEC, kv_dtype=torch.int8, kv_granularity="token")
 
 
-def make(kind, pages):
+def make(kind, pages, spec=FP8):
     if kind == "vm":
-        return VMKVCache(FP8, 8, 128, page_size=4096, backend=strict_host(), own_backend=True,
+        return VMKVCache(spec, 8, 128, page_size=4096, backend=strict_host(), own_backend=True,
                          pool_bytes=pages * 4096)  # fmt: skip
-    return PagedKVCache(FP8, num_blocks=pages, block_size=16, max_seq_len=128, max_seqs=8)
+    return PagedKVCache(spec, num_blocks=pages, block_size=16, max_seq_len=128, max_seqs=8)
 
 
-@pytest.mark.parametrize("kind,pages", [("vm", 24), ("paged", 40), ("vm", 10)])
-def test_the_engine_over_fp8_kv_gives_the_drop_ins_tokens(model, kind, pages):  # noqa: F811
+@pytest.mark.parametrize(
+    "kind,pages,spec",
+    [
+        ("vm", 24, FP8),
+        ("paged", 40, FP8),
+        ("vm", 10, FP8),
+        ("vm", 24, INT8_TOKEN),
+        ("paged", 40, INT8_TOKEN),
+    ],
+)
+def test_the_engine_over_fp8_kv_gives_the_drop_ins_tokens(model, kind, pages, spec):  # noqa: F811
     reqs = requests(LONG, seed=2)
-    engine = Engine(model, make(kind, pages), speculative=NgramDrafter(k=3))
+    engine = Engine(model, make(kind, pages, spec), speculative=NgramDrafter(k=3))
     out = engine.run(reqs)
     engine.kv.check_invariants()
-    assert engine.kv.spec.bytes_per_token * 4 == SPEC.bytes_per_token  # fp32 → 1 byte
+    scales = 2 * SPEC.num_layers * spec.scale_bytes_per_token_per_layer
+    assert engine.kv.spec.bytes_per_token == SPEC.bytes_per_token // 4 + scales  # fp32 → 1 B
     for r in reqs:
-        cache = VMCache(model.config, 128, 1, kv_dtype=torch.float8_e4m3fn)
+        cache = VMCache(model.config, 128, 1, kv_dtype=spec.kv_dtype,
+                        kv_granularity=spec.kv_granularity)  # fmt: skip
         want = model.generate(
             torch.tensor([r.prompt]),
             past_key_values=cache,

@@ -146,7 +146,12 @@ def parser() -> argparse.ArgumentParser:
                                        "quant"),
                     default="both")  # fmt: skip
     g = ap.add_argument_group("sizing mode")
-    g.add_argument("--model", default="llama-3-8b", help="KVSpec preset (llama-3-8b, -70b, ...)")
+    g.add_argument(
+        "--model",
+        default="llama-3-8b",
+        help="KVSpec preset (llama-3-8b, -70b, ...); "
+        "a :fp8, :fp8-token or :int8-token suffix stores K/V quantized",
+    )
     g.add_argument("--budget-gb", type=float, default=16.0, help="KV budget in GB (16)")
     g.add_argument("--traces", default=",".join(traces.TRACES), help="built-in traces to run")
     g.add_argument("--trace", help="a CSV trace instead (format above)")

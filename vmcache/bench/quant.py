@@ -3,21 +3,24 @@
     python -m vmcache.bench --mode quant [--quick]      (make bench-quant)
 
 CAPACITY: sizing mode's replay (the enterprise trace, 400 requests, 16 GB of K/V, all at once)
-for Llama-3-8B with BF16 and with FP8 K/V, on the static, paged-16 and vm-layer-2M rows: the
-most sequences held at once and the internal waste. FP8 halves bytes per token, so the ratio
-should be about 2.0 wherever memory, not the workload, is the limit.
+for Llama-3-8B with BF16 K/V, FP8 with head scales and INT8 with per-token scales, on the
+static, paged-16, vm-layer-2M and vm-token-2M rows: the most sequences held at once and the
+internal waste. FP8 halves bytes per token, so the ratio should be about 2.0 wherever memory,
+not the workload, is the limit; per-token scales add 32 bytes to each 1,024-byte row (1.94×).
 
 ACCURACY: a seeded random Llama (4 layers, 8 heads over 2 KV heads, d_h 64, BF16 weights and
 compute) on the CPU through the drop-in ``VMCache``; 4 prompts of 32 tokens, 224 new tokens.
-For each storage (e4m3 and e5m2 with scale 1, e4m3 and INT8 with scales calibrated on the
-prompts by ``calibrate_kv_scales``):
+For each storage (e4m3 and e5m2 with scale 1, e4m3 and INT8 with head scales calibrated on the
+prompts by ``calibrate_kv_scales``, e4m3 and INT8 with per-token scales):
   - logits' relative error ||z − z_bf16|| / ||z_bf16|| at every decode step, teacher-forced on
     the BF16 run's tokens (median and max);
   - greedy agreement: the fraction of generated tokens equal to the BF16 run's, and the first
     position where they differ (free-running).
 A random model's logits are nearly flat, so its argmax flips on small errors more easily than
 a trained model's; the figures measure the storage's error, not a real model's quality.
-transformers' QuantizedCache needs quanto or HQQ, not installed here: no anchor row.
+The anchor: transformers' own ``QuantizedCache`` (quanto backend: INT4 and INT2 per group of
+64, the last 128 tokens kept in full precision), by the same protocol, when optimum-quanto is
+installed (``make bench-quant`` installs it); else its rows say so.
 """
 
 from __future__ import annotations
@@ -31,10 +34,17 @@ import torch
 from vmcache.bench.common import add_out_arg, save_and_plot, table
 
 PROMPT, NEW, BATCH, VOCAB = 32, 224, 4, 512
-STORAGES = {"bf16": (None, False), "fp8 e4m3": (torch.float8_e4m3fn, False),
-            "fp8 e5m2": (torch.float8_e5m2, False),
-            "fp8 e4m3 calibrated": (torch.float8_e4m3fn, True),
-            "int8 calibrated": (torch.int8, True)}  # fmt: skip
+# storage: (kv_dtype, scales: None = 1.0 per head, "calibrated" head scales, "token"), or
+# the anchor: ("quanto", bits)
+STORAGES = {"bf16": (None, None), "fp8 e4m3": (torch.float8_e4m3fn, None),
+            "fp8 e5m2": (torch.float8_e5m2, None),
+            "fp8 e4m3 calibrated": (torch.float8_e4m3fn, "calibrated"),
+            "int8 calibrated": (torch.int8, "calibrated"),
+            "fp8 e4m3 per token": (torch.float8_e4m3fn, "token"),
+            "int8 per token": (torch.int8, "token"),
+            "transformers QuantizedCache int4": ("quanto", 4),
+            "transformers QuantizedCache int2": ("quanto", 2)}  # fmt: skip
+ANCHOR_RESIDUAL, ANCHOR_GROUP = 128, 64
 
 
 def model():
@@ -64,15 +74,42 @@ def decode(m, ids, cache, forced=None, new=NEW):
     return torch.stack(toks, 1), torch.stack(logits, 1)
 
 
-def accuracy_rows(m, new: int) -> list[dict]:
+def quanto_available() -> bool:
+    try:
+        import optimum.quanto  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def cache_factory(m, ids, new, kv, how):
+    """A maker of fresh caches for one storage row (None: the anchor cannot run here)."""
     from vmcache.hf import VMCache, calibrate_kv_scales
 
+    if kv == "quanto":
+        if not quanto_available():
+            return None
+        from transformers.cache_utils import QuantizedCache
+
+        return lambda: QuantizedCache(backend="quanto", config=m.config, nbits=how,
+                                      residual_length=ANCHOR_RESIDUAL,
+                                      q_group_size=ANCHOR_GROUP)  # fmt: skip
+    scales = calibrate_kv_scales(m, ids, kv) if how == "calibrated" else None
+    granularity = "token" if how == "token" else "head"
+    return lambda: VMCache(m.config, PROMPT + new + 1, BATCH, kv_dtype=kv, kv_scales=scales,
+                           kv_granularity=granularity)  # fmt: skip
+
+
+def accuracy_rows(m, new: int) -> list[dict]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (BATCH, PROMPT), generator=g)
     rows, base = [], None
-    for name, (kv, calibrated) in STORAGES.items():
-        scales = calibrate_kv_scales(m, ids, kv) if calibrated else None
-        make = lambda: VMCache(m.config, PROMPT + new + 1, BATCH, kv_dtype=kv, kv_scales=scales)
+    for name, (kv, how) in STORAGES.items():
+        make = cache_factory(m, ids, new, kv, how)
+        if make is None:
+            rows.append({"storage": name, "kv_dtype": f"int{how}",
+                         "note": "optimum-quanto not installed"})  # fmt: skip
+            continue
         cache = make()
         toks, logits = decode(m, ids, cache, new=new)
         if base is None:
@@ -81,9 +118,10 @@ def accuracy_rows(m, new: int) -> list[dict]:
         err = ((forced - base[1]).norm(dim=-1) / base[1].norm(dim=-1)).flatten().tolist()
         same = toks == base[0]
         first = [int((~row).nonzero()[0]) if not row.all() else new for row in same]
-        spec = cache.kv.spec
-        rows.append({"storage": name, "kv_dtype": str(kv or torch.bfloat16),
-                     "bytes_per_token": spec.bytes_per_token,
+        spec = getattr(getattr(cache, "kv", None), "spec", None)  # None: the anchor
+        rows.append({"storage": name, "kv_dtype": f"int{how}" if spec is None else
+                     str(kv or torch.bfloat16),
+                     "bytes_per_token": None if spec is None else spec.bytes_per_token,
                      "logits_rel_err_median": statistics.median(err),
                      "logits_rel_err_max": max(err),
                      "greedy_agreement": float(same.float().mean()),
@@ -100,10 +138,9 @@ def capacity_rows(num: int) -> list[dict]:
     args = types.SimpleNamespace(model=None, budget_gb=16.0, seed=0, preemption="recompute",
                                  max_batch_tokens=8192, l_max=traces.L_MAX)  # fmt: skip
     rows = []
-    for model_name in ("llama-3-8b", "llama-3-8b:fp8"):
+    for model_name in MODELS:
         args.model = model_name
-        for r in sizing.run({("enterprise", None): trace}, ["static", "paged-16", "vm-layer-2M"],
-                            args, jobs=2):  # fmt: skip
+        for r in sizing.run({("enterprise", None): trace}, ALLOCATORS, args, jobs=2):
             rows.append({"model": model_name, "allocator": r["allocator"],
                          "max_concurrent_seqs": r.get("max_concurrent_seqs"),
                          "internal_waste_pct": r.get("internal_waste_pct"),
@@ -117,6 +154,8 @@ def capacity_rows(num: int) -> list[dict]:
     return rows
 
 
+MODELS = ("llama-3-8b", "llama-3-8b:fp8", "llama-3-8b:int8-token")
+ALLOCATORS = ["static", "paged-16", "vm-layer-2M", "vm-token-2M"]
 CAP_COLUMNS = ["model", "allocator", "max_concurrent_seqs", "internal_waste_pct", "vs_bf16"]
 ACC_COLUMNS = ["storage", "bytes_per_token", "logits_rel_err_median", "logits_rel_err_max",
                "greedy_agreement", "first_divergence_min", "first_divergence_median"]  # fmt: skip

@@ -70,10 +70,26 @@ def sample(trace: list, n: int | None, seed: int) -> list:
     return [trace[i] for i in keep]
 
 
+# "llama-3-8b:<storage>": K/V storage dtype and scale granularity (sizes only: INT8 with
+# head scales is as large as FP8, so it has no row of its own)
+KV_STORAGES = {"": (None, "head"), "fp8": (torch.float8_e4m3fn, "head"),
+               "fp8-token": (torch.float8_e4m3fn, "token"),
+               "int8-token": (torch.int8, "token")}  # fmt: skip
+
+
+def model_spec(model: str) -> KVSpec:
+    """A preset's KVSpec, with the storage a ``:suffix`` names (see :data:`KV_STORAGES`)."""
+    name, _, kv = model.partition(":")
+    if kv not in KV_STORAGES:
+        raise ValueError(f"unknown K/V storage {kv!r} in {model!r}; known: "
+                         f"{', '.join(k for k in KV_STORAGES if k)}")  # fmt: skip
+    kv_dtype, granularity = KV_STORAGES[kv]
+    return KVSpec.preset(name, kv_dtype=kv_dtype, kv_granularity=granularity)
+
+
 def _job(job: tuple) -> dict:
     tname, rate, aname, trace, model, budget_gb, seed, preemption, batch, l_max = job
-    name, _, kv = model.partition(":")  # "llama-3-8b:fp8": FP8 (e4m3) K/V storage
-    spec = KVSpec.preset(name, kv_dtype=torch.float8_e4m3fn if kv == "fp8" else None)
+    spec = model_spec(model)
     row = {"trace": tname, "rate_rps": rate, "allocator": aname, "model": model,
            "budget_GB": budget_gb, "requests": len(trace), "max_batch_tokens": batch}  # fmt: skip
     t0 = time.perf_counter()

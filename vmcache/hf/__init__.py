@@ -24,6 +24,7 @@ to SDPA over the returned views. Layers only record lengths; the owner alone cha
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 from transformers.cache_utils import Cache
@@ -43,14 +44,14 @@ class _HFCache(Cache):
 
     def __init__(self, config, max_cache_len: int, max_batch_size: int | None = None,
                  device=None, dtype: torch.dtype | None = None,
-                 kv_dtype: torch.dtype | None = None, kv_scales=None) -> None:  # fmt: skip
+                 kv_dtype: torch.dtype | None = None, kv_scales=None,
+                 kv_granularity: str = "head") -> None:  # fmt: skip
         if check_int("max_cache_len", max_cache_len) <= 0:
             raise ValueError(f"max_cache_len must be positive, got {max_cache_len}")
         if max_batch_size is not None and check_int("max_batch_size", max_batch_size) <= 0:
             raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
-        # ValueError for unreadable configs and bad kv_dtype / kv_scales
-        self.spec = KVSpec.from_hf_config(config, dtype, kv_dtype, kv_scales)
-        self._kv_dtype, self._kv_scales = kv_dtype, kv_scales
+        # ValueError for unreadable configs and bad kv_dtype / kv_scales / kv_granularity
+        self.spec = KVSpec.from_hf_config(config, dtype, kv_dtype, kv_scales, kv_granularity)
         self.config = config
         self._max_len, self._max_rows = max_cache_len, max_batch_size
         self._device, self._dtype = device, dtype
@@ -82,9 +83,7 @@ class _HFCache(Cache):
                              f"{self.spec.num_kv_heads} of {self.spec.head_dim}")  # fmt: skip
         if self.max_batch_size is not None and b > self.max_batch_size:
             raise ValueError(f"batch of {b} rows exceeds max_batch_size={self.max_batch_size}")
-        spec = KVSpec(self.spec.num_layers, heads, dim, self._dtype or k.dtype,
-                      self.spec.num_q_heads, self.spec.layer_windows, self._kv_dtype,
-                      self._kv_scales)  # fmt: skip
+        spec = dataclasses.replace(self.spec, dtype=self._dtype or k.dtype)
         self.spec = spec
         device = torch.device(self._device) if self._device is not None else k.device
         self.kv = self._make(spec, self.max_batch_size or b, device)
@@ -280,10 +279,11 @@ class VMCache(_HFCache):
     def __init__(self, config, max_cache_len: int, max_batch_size: int | None = None,
                  device=None, dtype: torch.dtype | None = None, page_size: int | None = None,
                  layout: str = "layer_major", kv_dtype: torch.dtype | None = None,
-                 kv_scales=None, **vmkv_options) -> None:  # fmt: skip
+                 kv_scales=None, kv_granularity: str = "head",
+                 **vmkv_options) -> None:  # fmt: skip
         self._page_size, self._layout, self._options = page_size, layout, vmkv_options
         super().__init__(config, max_cache_len, max_batch_size, device, dtype, kv_dtype,
-                         kv_scales)  # fmt: skip
+                         kv_scales, kv_granularity)  # fmt: skip
 
     def _make(self, spec, max_seqs, device):
         return VMKVCache(spec, max_seqs, self.max_cache_len, device, page_size=self._page_size,
@@ -291,11 +291,9 @@ class VMCache(_HFCache):
 
     def _views(self, layer, lo, n, real=False):
         b, kv = len(self.rows), self.kv
-        k, v = kv.k_cache(layer)[:b, lo:n], kv.v_cache(layer)[:b, lo:n]
-        if kv.kv_scales is not None:  # FP8/INT8: the attention reads the cache, else copies
-            if self._reads_itself(real):
-                return stand_ins(self.spec, kv.device, b, n - lo)
-            k, v = kv._decode(layer, k, v)
+        if kv.spec.quantized and self._reads_itself(real):  # FP8/INT8: else copies
+            return stand_ins(self.spec, kv.device, b, n - lo)  # the attention reads the cache
+        k, v = kv._decode(layer, kv._rows(layer, 0)[:b, lo:n], kv._rows(layer, 1)[:b, lo:n])
         return k.transpose(1, 2), v.transpose(1, 2)
 
 
@@ -306,10 +304,11 @@ class PagedCache(_HFCache):
     def __init__(self, config, max_cache_len: int, max_batch_size: int | None = None,
                  device=None, dtype: torch.dtype | None = None, block_size: int = 16,
                  num_blocks: int | None = None, kv_dtype: torch.dtype | None = None,
-                 kv_scales=None, **paged_options) -> None:  # fmt: skip
+                 kv_scales=None, kv_granularity: str = "head",
+                 **paged_options) -> None:  # fmt: skip
         self._block_size, self._num_blocks, self._options = block_size, num_blocks, paged_options
         super().__init__(config, max_cache_len, max_batch_size, device, dtype, kv_dtype,
-                         kv_scales)  # fmt: skip
+                         kv_scales, kv_granularity)  # fmt: skip
 
     def _make(self, spec, max_seqs, device):
         tables = spec.num_layers // PagedKVCache.layers_per_table(spec)
@@ -331,7 +330,7 @@ class PagedCache(_HFCache):
         pos = torch.arange(lo, n, device=self.kv.device)
         tables = self.kv.block_tables(self.rows, layer).long()  # [b, blocks]
         blocks, offs = tables[:, pos // self._block_size], pos % self._block_size
-        k, v = self.kv.k_pool(layer), self.kv.v_pool(layer)
+        k, v = self.kv._rows(layer, 0), self.kv._rows(layer, 1)  # stored rows
         k, v = self.kv._decode(layer, k[blocks, offs], v[blocks, offs])  # FP8/INT8: dequantized
         return k.transpose(1, 2), v.transpose(1, 2)
 

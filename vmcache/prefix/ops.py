@@ -7,6 +7,8 @@ its entries, the pool the refcounts. Prefix caching is refused for sliding-windo
 
 from __future__ import annotations
 
+import math
+
 from vmcache.prefix.index import PrefixIndex
 
 
@@ -23,7 +25,10 @@ def setup_prefix(c, prefix_caching: bool, prefix_tiers) -> None:
         )
     u, P = c.groups[0].u, c.groups[0].P
     if P % u:
-        raise ValueError(f"prefix caching needs pages of whole tokens; {P} % {u} != 0")
+        raise ValueError(
+            f"prefix caching needs pages of whole tokens; {P} % {u} != 0 (a token row of {u} "
+            f"bytes; per-token K/V scales lengthen it): a page_size of {math.lcm(P, u)} works"
+        )
     c.prefix = PrefixIndex(c.pool, P // u, c._T)
     c.pool.reclaimer = c.prefix
     if prefix_tiers is not None:

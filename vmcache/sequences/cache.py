@@ -35,6 +35,7 @@ from vmcache.memory.budget import Budget
 from vmcache.memory.pagestore import Stager, VMPageStore
 from vmcache.memory.pool import PagePool
 from vmcache.sequences.coordinator import SequenceCache, _check_int
+from vmcache.sequences.quant import split_rows
 from vmcache.sequences.spec import KVSpec
 from vmcache.sequences.tables import FA_TILE_TOKENS, PageTables
 from vmcache.sequences.transfer import Wire
@@ -153,21 +154,23 @@ class VMKVCache(SequenceCache):
         self._reserved = n_tables * max_seqs * self.row_bytes
         self.base = be.reserve(self._reserved)
         self._bytes = be.view(self.base, self._reserved)  # uint8 over the whole reservation
-        el, H, D = spec.dtype_bytes, spec.num_kv_heads, spec.head_dim
+        el, H, D, R = spec.dtype_bytes, spec.num_kv_heads, spec.head_dim, spec.row_elems
         flat, row = self._bytes.view(spec.storage_dtype), self.row_bytes // el
         self._layer_at: dict[int, tuple[int, int]] = {}  # layer -> (K table, index in it)
         tensors = []
         for t, ls in enumerate(table_layers):
             n = self.row_bytes // tb[t]  # token rows a table row holds (>= max_seq_len)
-            shape, strides = (max_seqs, n, len(ls), H, D), (row, len(ls) * H * D, H * D, D, 1)
+            shape, strides = (max_seqs, n, len(ls), R), (row, len(ls) * R, R, 1)
             tensors.append(flat.as_strided(shape, strides, t * max_seqs * row))
             for i, layer in enumerate(ls):
                 self._layer_at.setdefault(layer, (t, i))
-        views = []
+        self._row_views = []  # per layer, K's and V's stored rows [max_seqs, max_seq_len, R]
         for layer in range(spec.num_layers):
             t, i = self._layer_at[layer]
-            views.append((tensors[t][:, :max_seq_len, i], tensors[t + 1][:, :max_seq_len, i]))
-        self._views = [(k.as_subclass(CacheView), v.as_subclass(CacheView)) for k, v in views]
+            self._row_views.append((tensors[t][:, :max_seq_len, i],
+                                    tensors[t + 1][:, :max_seq_len, i]))  # fmt: skip
+        self._views = [tuple(split_rows(x, H, D)[0].as_subclass(CacheView) for x in pair)
+                       for pair in self._row_views]  # fmt: skip
         self._stager: Stager | None = None  # a wake's copies in flight (owned here)
         self.closed = False
 
@@ -199,8 +202,8 @@ class VMKVCache(SequenceCache):
         ``w = window_start(layer, s)``, the first token its sliding window still maps (0
         for full attention); dequantized copies in the compute dtype for FP8/INT8 K/V."""
         w, n = self.window_start(layer, s), self._lens[s]
-        k, v = self._layer_view(layer, 0)[s, w:n], self._layer_view(layer, 1)[s, w:n]
-        return self._decode(layer, k, v)
+        k, v = self._row_views[layer]
+        return self._decode(layer, k[s, w:n], v[s, w:n])
 
     # --- physical hooks ----------------------------------------------------------------
     def _va(self, s: int, t: int, j: int) -> int:
@@ -220,14 +223,17 @@ class VMKVCache(SequenceCache):
         t = self._layer_at[layer][0]
         return [t, t + 1]
 
+    def _rows(self, layer: int, kv: int) -> torch.Tensor:
+        return self._row_views[layer][kv]
+
     def _store(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         n = k.shape[0]
-        self._layer_view(layer, 0)[s, start : start + n].copy_(k)
-        self._layer_view(layer, 1)[s, start : start + n].copy_(v)
+        self._row_views[layer][0][s, start : start + n].copy_(k)
+        self._row_views[layer][1][s, start : start + n].copy_(v)
 
     def _load(self, layer: int, s: int, positions: torch.Tensor):
         idx = positions.to(self.device)
-        return self._layer_view(layer, 0)[s, idx], self._layer_view(layer, 1)[s, idx]
+        return self._row_views[layer][0][s, idx], self._row_views[layer][1][s, idx]
 
     def _row(self, s: int, t: int, lo: int, hi: int) -> torch.Tensor:
         off = (t * self.max_seqs + s) * self.row_bytes
@@ -314,7 +320,7 @@ class VMKVCache(SequenceCache):
             for s in self.sequences:
                 self.free(s)
         self._close_tiers()
-        self._views = []
+        self._views = self._row_views = []
         self._bytes = None
         self.store.close()
         self.backend.release_reservation(self.base, self._reserved)

@@ -37,7 +37,7 @@ from vmcache.sequences.beams import Beams, fork
 from vmcache.sequences.hooks import PhysicalHooks
 from vmcache.sequences.invariants import check_invariants
 from vmcache.sequences.memory import Memory
-from vmcache.sequences.quant import dequantize, quantize
+from vmcache.sequences.quant import decode_rows, encode_rows, split_rows
 from vmcache.sequences.spec import KVSpec, check_kv
 from vmcache.sequences.stats import CacheStats, collect_stats
 from vmcache.sequences.swap import Swap
@@ -95,9 +95,10 @@ class SequenceCache(Transactions, PhysicalHooks):
         self._lens_tensor: torch.Tensor | None = None
         self.epoch = 0  # bumped whenever a length or a page table changes (owned here)
         self.step_plan = None  # per-step kernel metadata memo; owned by vmcache.kernels.plan
-        # fp32 [N_L, 2, N_KV] dequantization scales of FP8/INT8 K/V (None: stored as computed);
-        # the spec's, on the device for the kernels; never changed
-        self.kv_scales = spec.scales().to(device) if spec.quantized else None
+        # fp32 [N_L, 2, N_KV] head scales of FP8/INT8 K/V (None: stored as computed, or per
+        # token in each row); the spec's, on the device for the kernels; never changed
+        head = spec.quantized and spec.kv_granularity == "head"
+        self.kv_scales = spec.scales().to(device) if head else None
         self.plans_built = 0  # how many plans (device uploads) vmcache.kernels built
         self.cow_copies = 0  # pages copied on write since construction (owned by the cache)
         self.cow_bytes_copied = 0  # bytes those copies moved (used part of each page only)
@@ -301,18 +302,32 @@ class SequenceCache(Transactions, PhysicalHooks):
         self._free_slots.append(s)
 
     def _encode(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """K, V as stored: quantized with the layer's scales (FP8/INT8), else unchanged."""
-        if self.kv_scales is None:
-            return k, v
-        dt, sc = self.spec.storage_dtype, self.kv_scales[layer]
-        return quantize(k, sc[0], dt), quantize(v, sc[1], dt)
+        """K, V ``[n, N_KV, d_h]`` → stored rows ``[n, spec.row_elems]`` (quantized with the
+        layer's head scales or each token's own, FP8/INT8; else the same elements)."""
+        sp = self.spec
+        sc = (None, None) if self.kv_scales is None else self.kv_scales[layer]
+        return tuple(encode_rows(x, s, sp.storage_dtype, sp.row_elems) for x, s in zip((k, v), sc))
 
     def _decode(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Stored K, V in the compute dtype (dequantized copies for FP8/INT8)."""
-        if self.kv_scales is None:
-            return k, v
-        dt, sc = self.spec.dtype, self.kv_scales[layer]
-        return dequantize(k, sc[0], dt), dequantize(v, sc[1], dt)
+        """Stored rows ``[..., spec.row_elems]`` → K, V ``[..., N_KV, d_h]`` in the compute
+        dtype (zero-copy views unless quantized; dequantized copies for FP8/INT8)."""
+        sp = self.spec
+        sc = (None, None) if self.kv_scales is None else self.kv_scales[layer]
+        return tuple(decode_rows(x, s, sp.num_kv_heads, sp.head_dim, sp.dtype)
+                     for x, s in zip((k, v), sc))  # fmt: skip
+
+    def kv_scales_for(self, layer: int):
+        """What a kernel dequantizes ``layer``'s K/V with: fp32 ``[2, N_KV]`` head scales, or
+        per token the pair of fp32 views ``[..., N_KV]`` over K's and V's stored rows (shaped
+        as :meth:`_rows` less its last dim), or None when K/V are not quantized."""
+        layer = self._check_layer(layer)
+        if self.kv_scales is not None:
+            return self.kv_scales[layer]
+        if not self.spec.quantized:
+            return None
+        sp = self.spec
+        return tuple(split_rows(self._rows(layer, kv), sp.num_kv_heads, sp.head_dim)[1]
+                     for kv in (0, 1))  # fmt: skip
 
     def _check_write(self, layer, s, start, k, v) -> tuple[int, int, int]:
         """Validate a write; returns (layer, sequence, token count)."""

@@ -24,10 +24,16 @@ class PhysicalHooks:
     def _tables_of_layer(self, layer: int) -> list[int]:
         raise NotImplementedError
 
-    def _store(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _rows(self, layer: int, kv: int) -> torch.Tensor:
+        """The stored rows of ``layer``'s K (``kv`` 0) or V (1): ``[max_seqs, max_seq_len, R]``
+        (VMKVCache) or ``[num_blocks, B, R]`` (PagedKVCache), R = ``spec.row_elems``."""
         raise NotImplementedError
 
-    def _load(self, layer: int, s: int, positions: torch.Tensor):  # K, V [n, N_KV, d_h] copies
+    def _store(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stored rows ``[n, R]`` of K and V written at positions ``start…start+n``."""
+        raise NotImplementedError
+
+    def _load(self, layer: int, s: int, positions: torch.Tensor):  # stored rows [n, R] copies
         raise NotImplementedError
 
     def _wire(self, s: int, t: int, j0: int, length: int):  # a swap.Wire over the pages

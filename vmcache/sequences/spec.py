@@ -2,6 +2,9 @@
 
     M_KV(L) = 2 · N_L · N_KV · d_h · L · b        (K and V, every layer, L tokens)
 
+(plus 2 · N_L · round_up(4 · N_KV, 16) · L bytes of per-token scales with
+``kv_granularity="token"``).
+
 Every figure in the docs, tests and benchmarks comes from these properties. b is the bytes of
 the *storage* dtype: ``kv_dtype`` (FP8 or INT8: b = 1, see :mod:`vmcache.sequences.quant`)
 when set, else the compute ``dtype``.
@@ -20,7 +23,7 @@ from typing import Any
 
 import torch
 
-from vmcache.sequences.quant import Q_MAX
+from vmcache.sequences.quant import GRANULARITIES, Q_MAX, SCALE_ALIGN
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -35,6 +38,7 @@ class KVSpec:
     layer_windows: tuple[int | None, ...] | None = None  # per layer: None full, W sliding
     kv_dtype: torch.dtype | None = None  # K/V storage: None = dtype; float8_e4m3fn/e5m2, int8
     kv_scales: tuple[float, ...] | None = None  # [layer][K, V][KV head] flattened; None = 1.0
+    kv_granularity: str = "head"  # "head": the static kv_scales; "token": per token, in its row
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -73,6 +77,16 @@ class KVSpec:
         if kv is not None and kv != self.dtype and kv not in Q_MAX:
             raise ValueError(f"KVSpec.kv_dtype must be None, the dtype, or one of "
                              f"{sorted(map(str, Q_MAX))}, got {kv!r}")  # fmt: skip
+        if self.kv_granularity not in GRANULARITIES:
+            raise ValueError(f"KVSpec.kv_granularity must be one of {GRANULARITIES}, got "
+                             f"{self.kv_granularity!r}")  # fmt: skip
+        if self.kv_granularity == "token":
+            if not self.quantized:
+                raise ValueError("KVSpec.kv_granularity='token' needs a quantized kv_dtype")
+            if self.kv_scales is not None:
+                raise ValueError("per-token scales are computed as tokens are written: "
+                                 "kv_scales must be None with kv_granularity='token'")  # fmt: skip
+            return
         if self.kv_scales is None:
             if kv == torch.int8:
                 raise ValueError("int8 K/V needs kv_scales (INT8 is uniform: calibrate them, "
@@ -122,9 +136,25 @@ class KVSpec:
         return self.q_heads // self.num_kv_heads
 
     @property
+    def scale_bytes_per_token_per_layer(self) -> int:
+        """Bytes of per-token scales one token's K (or V) row carries in one layer:
+        4 · N_KV rounded up to 16 with ``kv_granularity="token"``, else 0."""
+        if self.kv_granularity != "token":
+            return 0
+        return -(-4 * self.num_kv_heads // SCALE_ALIGN) * SCALE_ALIGN
+
+    @property
     def bytes_per_token_per_layer(self) -> int:
-        """Bytes of K (or of V) of one token in one layer: N_KV · d_h · b."""
-        return self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """Bytes of K (or of V) of one token in one layer: N_KV · d_h · b, plus its scales
+        (:attr:`scale_bytes_per_token_per_layer`)."""
+        data = self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return data + self.scale_bytes_per_token_per_layer
+
+    @property
+    def row_elems(self) -> int:
+        """Storage-dtype elements of one stored row (one token, layer, K or V; see
+        :mod:`vmcache.sequences.quant`): N_KV · d_h, plus the scale bytes when per token."""
+        return self.bytes_per_token_per_layer // self.dtype_bytes
 
     @property
     def bytes_per_token(self) -> int:
@@ -182,20 +212,24 @@ class KVSpec:
     # --- constructors -------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str, dtype: torch.dtype = torch.bfloat16,
-               kv_dtype: torch.dtype | None = None) -> KVSpec:  # fmt: skip
+               kv_dtype: torch.dtype | None = None,
+               kv_granularity: str = "head") -> KVSpec:  # fmt: skip
         try:
             layers, kv_heads, head_dim, q_heads = _PRESETS[name.lower()]
         except (KeyError, AttributeError):
             raise ValueError(
                 f"unknown KVSpec preset {name!r}; expected one of {sorted(_PRESETS)}"
             ) from None
-        return cls(layers, kv_heads, head_dim, dtype, q_heads, kv_dtype=kv_dtype)
+        return cls(layers, kv_heads, head_dim, dtype, q_heads, kv_dtype=kv_dtype,
+                   kv_granularity=kv_granularity)  # fmt: skip
 
     @classmethod
     def from_hf_config(cls, config: Any, dtype: torch.dtype | None = None,
-                       kv_dtype: torch.dtype | None = None, kv_scales=None) -> KVSpec:  # fmt: skip
+                       kv_dtype: torch.dtype | None = None, kv_scales=None,
+                       kv_granularity: str = "head") -> KVSpec:  # fmt: skip
         """Read a transformers config (Llama, Mistral, Qwen2, ... and their text sub-configs);
-        ``kv_dtype`` / ``kv_scales``: quantized K/V storage (see the fields)."""
+        ``kv_dtype`` / ``kv_scales`` / ``kv_granularity``: quantized K/V storage (see the
+        fields)."""
         if hasattr(config, "get_text_config"):
             config = config.get_text_config()
         try:
@@ -218,7 +252,8 @@ class KVSpec:
             if dtype is None:
                 dtype = torch.float32
         return cls(layers, int(kv_heads), int(head_dim), dtype, q_heads,
-                   _layer_windows(config, layers), kv_dtype, kv_scales)  # fmt: skip
+                   _layer_windows(config, layers), kv_dtype, kv_scales,
+                   kv_granularity)  # fmt: skip
 
 
 def check_kv(spec: KVSpec, device: torch.device, k: Any, v: Any) -> int:
