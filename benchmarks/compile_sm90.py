@@ -50,14 +50,17 @@ SHAPES = {
     "d96-gqa": (32, 8, 96, 32),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# quantized K/V (compute bf16, storage FP8 / INT8: loaded as bytes, dequantized in registers)
+# quantized K/V (compute bf16, storage FP8 / INT8: loaded as bytes, dequantized in registers);
+# "-token": per-token scales, read from each token's row (granularity "token")
 KV_DTYPES = {"bf16/fp8e4m3": torch.float8_e4m3fn, "bf16/fp8e5m2": torch.float8_e5m2,
-             "bf16/int8": torch.int8}  # fmt: skip
+             "bf16/int8": torch.int8, "bf16/int8-token": torch.int8,
+             "bf16/fp8e4m3-token": torch.float8_e4m3fn}  # fmt: skip
 MODES = ("paged", "layer_major", "token_major")
 QUICK = (
     [("llama-3-8b", "bf16", m) for m in MODES]
     + [("d96-gqa", "fp32", "token_major")]
     + [("llama-3-8b", "bf16/fp8e4m3", "paged"), ("d96-gqa", "bf16/int8", "layer_major")]
+    + [("llama-3-8b", "bf16/int8-token", "token_major")]
 )
 
 
@@ -106,7 +109,7 @@ def decode_launches(cache, mode: str, seqs: list[int], layer: int = 0) -> list:
         k, v, table, block = cache.k_pool(layer), cache.v_pool(layer), p.tables, cache.block_size
     else:
         k, v, table, block = cache.k_cache(layer), cache.v_cache(layer), p.slots, 1
-    scales = None if cache.kv_scales is None else cache.kv_scales[layer]
+    scales = cache.kv_scales_for(layer)
     _, runs = triton_decode.launches(q, k, v, table, p.lens, max_len=p.max_kv,
                                      paged=mode == "paged", block=block,
                                      window=layer_window(cache, layer),
@@ -137,10 +140,10 @@ def ptxas_report(ptx: str, arch: int) -> dict:
 
 def compile_one(shape: str, dtype: str, mode: str, arch: int) -> list[dict]:
     layers, hk, d, hq = SHAPES[shape]
-    kv = KV_DTYPES.get(dtype)
-    scales = None if kv is None else (1.0,) * (2 * layers * hk)
+    kv, per_token = KV_DTYPES.get(dtype), dtype.endswith("-token")
+    scales = None if kv is None or per_token else (1.0,) * (2 * layers * hk)
     spec = KVSpec(layers, hk, d, DTYPES[dtype.split("/")[0]], num_q_heads=hq, kv_dtype=kv,
-                  kv_scales=scales)  # fmt: skip
+                  kv_scales=scales, kv_granularity="token" if per_token else "head")  # fmt: skip
     cache, seqs = build(mode, spec)
     try:
         runs = decode_launches(cache, mode, seqs, layer=1)
@@ -196,7 +199,7 @@ def run(cases, arch: int = 90) -> list[dict]:
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="the CI subset (4 cases)")
+    ap.add_argument("--quick", action="store_true", help="the CI subset (7 cases)")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--out", default=None, help="write compile_sm<arch>.json here")
     ap.add_argument(

@@ -40,7 +40,7 @@ def test_quick_subset_compiles_for_sm90_without_spills(tmp_path):
     kernels = {r["kernel"] for r in rows}
     assert kernels == {"_decode_partial", "_combine"}
     assert {r["mode"] for r in rows} == {"paged", "layer_major", "token_major"}
-    assert {"bf16/fp8e4m3", "bf16/int8"} <= {r["dtype"] for r in rows}  # FP8/INT8 K/V
+    assert {"bf16/fp8e4m3", "bf16/int8", "bf16/int8-token"} <= {r["dtype"] for r in rows}
     _check_rows(rows)
 
 
@@ -56,7 +56,16 @@ def test_committed_grid_covers_every_shape_dtype_and_mode():
     doc = json.load(open(COMMITTED))
     rows = doc["rows"]
     shapes = ("llama-3-8b", "llama-3.2-1b", "d96-mha", "d96-gqa")
-    dtypes = ("bf16", "fp16", "fp32", "bf16/fp8e4m3", "bf16/fp8e5m2", "bf16/int8")
+    dtypes = (
+        "bf16",
+        "fp16",
+        "fp32",
+        "bf16/fp8e4m3",
+        "bf16/fp8e5m2",
+        "bf16/int8",
+        "bf16/int8-token",
+        "bf16/fp8e4m3-token",
+    )
     want = set(itertools.product(shapes, dtypes, ("paged", "layer_major", "token_major")))
     got = {(r["shape"], r["dtype"], r["mode"]) for r in rows}
     assert got == want
