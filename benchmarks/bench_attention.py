@@ -1,5 +1,9 @@
 """Decode A/B: contiguous kernels on vmcache memory vs the same kernel on an ordinary tensor
 (the upper bound), Triton paged, and the torch reference; latency and effective bandwidth.
+FP8 and INT8 K/V (``[fp8]``: e4m3, head scales; ``[int8-token]``: per-token scales) run the
+same decode on twins of both caches holding the same K/V: ``vs_bf16`` is their time over the
+same impl's at the compute dtype (on a GPU, Triton reading half the bytes; on the CPU, SDPA over
+dequantized copies, which costs more than it saves).
 
     python benchmarks/bench_attention.py [--device cpu|cuda] [--quick]
 
@@ -8,6 +12,8 @@ runs only in its interpreter, whose timings mean nothing, so the CPU grid times 
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from common import parse_args, save, table, time_repeats
@@ -73,7 +79,49 @@ def run_point(dev, spec, batch, ctx, iters) -> list[dict]:
             # the ratio's effect against the runs' own spread (both timings' min–max)
             noise = max((x["us_max"] - x["us_min"]) / x["us"] for x in (r, plain))
             r["spread_note"] = "spread > effect" if noise > abs(r["vs_plain"] - 1) else ""
+    rows += quantized_rows(dev, spec, batch, ctx, iters, q, k_plain, v_plain, rows)
     vm.close()
+    return rows
+
+
+QUANT = {"fp8": (torch.float8_e4m3fn, "head"), "int8-token": (torch.int8, "token")}
+
+
+def quantized_rows(dev, spec, batch, ctx, iters, q, k_plain, v_plain, base_rows) -> list[dict]:
+    """The FP8 / INT8 twins: the cache's own decode path over quantized K/V, and its time
+    over the same impl's on the compute-dtype caches (``vs_bf16``)."""
+    impl_vm, impl_pg = ("triton", "triton") if dev.type == "cuda" else ("sdpa", "torch")
+    names = {"vm": f"contiguous/{impl_vm} on vmcache", "paged": "paged/triton"
+             if dev.type == "cuda" else "paged/torch (gather+sdpa)"}  # fmt: skip
+    base = {r["impl"]: r["us"] for r in base_rows}
+    rows = []
+    for tag, (kv_dtype, granularity) in QUANT.items():
+        qspec = dataclasses.replace(spec, kv_dtype=kv_dtype, kv_granularity=granularity,
+                                    kv_scales=(0.04,) * (2 * spec.num_layers *
+                                                         spec.num_kv_heads)
+                                    if kv_dtype == torch.int8 and granularity == "head"
+                                    else None)  # fmt: skip
+        max_len = ctx + 1
+        vm = VMKVCache(qspec, batch, max_len, device=dev,
+                       page_size=None if dev.type == "cuda" else 1 << 20)  # fmt: skip
+        pg = PagedKVCache(qspec, num_blocks=batch * -(-max_len // 16), block_size=16,
+                          device=dev, max_seq_len=max_len, max_seqs=batch)  # fmt: skip
+        for kind, c, impl in (("vm", vm, impl_vm), ("paged", pg, impl_pg)):
+            ids = []
+            for b in range(batch):
+                s = c.new_sequence()
+                c.grow(s, ctx)
+                c.write(0, s, 0, k_plain[b, :ctx], v_plain[b, :ctx])
+                ids.append(s)
+            t = time_repeats(lambda c=c, ids=ids, i=impl: kernels.decode(c, 0, q, ids, impl=i),
+                             dev, repeats=5, iters=iters)  # fmt: skip
+            us = t["median"] * 1e6
+            kv_bytes = batch * ctx * 2 * qspec.bytes_per_token_per_layer
+            rows.append({"impl": f"{names[kind]} [{tag}]", "batch": batch, "context": ctx,
+                         "us": us, "us_min": t["min"] * 1e6, "us_max": t["max"] * 1e6,
+                         "repeats": 5, "GB_s": kv_bytes / t["median"] / 1e9,
+                         "vs_bf16": us / base[names[kind]]})  # fmt: skip
+        vm.close()
     return rows
 
 
@@ -115,7 +163,7 @@ def main(argv=None):
     rows = []
     for b, c in grid:
         rows += run_point(dev, spec, b, c, iters)
-    print(table(rows, ["impl", "batch", "context", "us", "GB_s", "vs_plain"]))
+    print(table(rows, ["impl", "batch", "context", "us", "GB_s", "vs_plain", "vs_bf16"]))
     path = save("bench_attention", dev, rows, {"spec": str(spec)}, out_dir=args.out)
     png = plot(rows, path.with_suffix(".png"))
     print(f"wrote {path}" + (f" and {png}" if png else ""))

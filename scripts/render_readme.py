@@ -146,6 +146,14 @@ def kernels(name, doc) -> str:
                           + [f"{r['vs_plain']:.2f}" + (" (spread > effect)"
                                                        if r.get("spread_note") else "")
                              for r in ratios]])  # fmt: skip
+    quant = [r for r in rows if "vs_bf16" in r]
+    if quant:
+        names = list(dict.fromkeys(r["impl"] for r in quant))
+        qby = {(r["impl"], r["batch"], r["context"]): r["vs_bf16"] for r in quant}
+        out += "\n" + md(["quantized K/V: time vs the same impl at the compute dtype"]
+                         + [f"batch {b} × {c}" for b, c in pts],
+                         [[i] + [f"{qby[i, b, c]:.2f}" if (i, b, c) in qby else "–"
+                                 for b, c in pts] for i in names])  # fmt: skip
     return out + "\n" + source(name, doc)
 
 

@@ -41,3 +41,20 @@ def test_radix_rows_hit_whole_2_mib_pages():
         assert by[cache, False]["prefix_hit_tokens"] == 0
         assert by[cache, True]["prefix_hit_tokens"] > 0
         assert by[cache, True]["prefill_tokens"] < by[cache, False]["prefill_tokens"]
+
+
+def test_quantized_kv_runs_both_caches_and_its_radix_rows_hit_whole_rows():
+    """--kv-dtype int8-token: per-token scales make a row 80 bytes here (2 KV heads × 32 +
+    16), which no 4 KiB page divides; the prefix rows' VM page grows to lcm(4096, 80)."""
+    setup = compute.Setup(CPU)
+    rows = compute.run(CPU, 4, [100.0], [2], repeats=1, setup=setup, kv="int8-token")
+    assert {r["cache"] for r in rows} == {"vmcache", "paged"}
+    assert all(r["kv_dtype"] == "int8-token" and r["tok_per_s"] > 0 for r in rows)
+    _, spec = compute.model_and_spec(CPU, "int8-token")
+    assert spec.bytes_per_token_per_layer == 80 and setup.page_for(spec, prefix=True) == 20480
+    by = {
+        (r["cache"], r["prefix_caching"]): r for r in compute.run_prefix(CPU, 3, 4, kv="int8-token")
+    }
+    assert (
+        by["vmcache", True]["prefix_hit_tokens"] > 0 and by["paged", True]["prefix_hit_tokens"] > 0
+    )

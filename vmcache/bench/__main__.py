@@ -12,7 +12,8 @@ tailed trace arriving open-loop (Poisson) at each of --rates.
 
 COMPUTE MODE runs the engine with a small random Llama (transformers) over VMKVCache and
 PagedKVCache at several KV budgets and at --compute-rates requests/s: measured tokens/s and
-TTFT / TPOT percentiles, median of --repeats runs with the spread (min–max).
+TTFT / TPOT percentiles, median of --repeats runs with the spread (min–max). --kv-dtype fp8
+(or fp8-token, int8-token) stores both caches' K/V quantized: run it beside auto to compare.
 
 TRACES (--traces): enterprise, long, parallel (n = 4), beam (width 4), shared (2,000-token
 system prompt), multiturn (4 turns), heavy (lognormal prompts <= 4k, outputs <= 3k); see
@@ -119,13 +120,14 @@ def run_compute(args, dev: torch.device) -> list[dict]:
     print(f"\n== compute mode: engine + small random Llama on {dev} ==")
     rows = compute.run(dev, args.compute_requests, _floats(args.compute_rates),
                        [int(b) for b in _floats(args.budgets)], args.repeats,
-                       sizing_progress("compute"))  # fmt: skip
+                       sizing_progress("compute"), kv=args.kv_dtype)  # fmt: skip
     print(table(rows, ["cache", "budget_requests", "rate_rps", "tok_per_s", "ttft_p50_s",
                        "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "preempt_swap",
                        "spread_note"]))  # fmt: skip
     n = args.compute_requests
     print(f"\n-- radix rows, compute mode: {n} requests sharing a system prompt --")
-    radix = compute.run_prefix(dev, n, max(2, n // 3), sizing_progress("radix"))
+    radix = compute.run_prefix(dev, n, max(2, n // 3), sizing_progress("radix"),
+                               kv=args.kv_dtype)  # fmt: skip
     print(table(radix, ["cache", "prefix_caching", "prefill_tokens", "prefix_hit_tokens",
                         "prefix_waits", "tok_per_s", "max_running"]))  # fmt: skip
     return rows + [{"scenario": "shared_prompt", **r} for r in radix]
@@ -172,6 +174,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--compute-rates", default="2,8,32", help="arrival rates, req/s (2,8,32)")
     c.add_argument("--budgets", default="8", help="KV budgets, in longest requests held (8)")
     c.add_argument("--repeats", type=int, default=3)
+    c.add_argument("--kv-dtype", default="auto",
+                   choices=["auto", *(k for k in sizing.KV_STORAGES if k)],
+                   help="K/V storage: the model's dtype (auto), or FP8 / INT8 (fp8: e4m3 with "
+                   "head scales; -token: per-token scales)")  # fmt: skip
     c.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="small everything (CI, the GPU check)")
     ap.add_argument("--seed", type=int, default=0)

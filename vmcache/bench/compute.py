@@ -12,6 +12,8 @@ rows spans two full pages, so prefix caching can hit whatever the page size.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 
 import torch
@@ -82,20 +84,27 @@ class Setup:
         tables = 2 * spec.num_layers if self.layout == "layer_major" else 2
         return tables, spec.bytes_per_token // tables
 
-    def vm_bytes(self, spec: KVSpec, tokens: int) -> int:
-        """Bytes VMKVCache maps for one sequence of ``tokens`` tokens (whole pages)."""
-        tables, row = self._tables(spec)
-        return tables * -(-tokens * row // self.page_size) * self.page_size
+    def page_for(self, spec: KVSpec, prefix: bool = False) -> int:
+        """The VM page: the backend's, or with prefix caching the least multiple of it that
+        holds whole token rows (per-token scales lengthen a row past a power of two)."""
+        row = self._tables(spec)[1]
+        return math.lcm(self.page_size, row) if prefix else self.page_size
 
-    def tokens_per_page(self, spec: KVSpec) -> int:
-        return self.page_size // self._tables(spec)[1]
+    def vm_bytes(self, spec: KVSpec, tokens: int, prefix: bool = False) -> int:
+        """Bytes VMKVCache maps for one sequence of ``tokens`` tokens (whole pages)."""
+        (tables, row), page = self._tables(spec), self.page_for(spec, prefix)
+        return tables * -(-tokens * row // page) * page
+
+    def tokens_per_page(self, spec: KVSpec, prefix: bool = False) -> int:
+        return self.page_for(spec, prefix) // self._tables(spec)[1]
 
     def make_cache(self, kind: str, spec: KVSpec, budget: int, max_seqs: int,
                    prefix: bool = False, max_seq_len: int = MAX_SEQ_LEN):  # fmt: skip
         if kind == "vmcache":
             return VMKVCache(spec, max_seqs, max_seq_len, backend=self.backend_factory(),
-                             own_backend=True, page_size=self.page_size, pool_bytes=budget,
-                             layout=self.layout, prefix_caching=prefix)  # fmt: skip
+                             own_backend=True, page_size=self.page_for(spec, prefix),
+                             pool_bytes=budget, layout=self.layout,
+                             prefix_caching=prefix)  # fmt: skip
         return PagedKVCache(spec, pool_bytes=budget, block_size=16, device=self.device,
                             max_seq_len=max_seq_len, max_seqs=max_seqs,
                             prefix_caching=prefix)  # fmt: skip
@@ -114,16 +123,30 @@ def _once(model, setup, spec, kind, budget, reqs, rate, seed) -> dict:
             **{k: lat[k] for k in METRICS[1:]}}  # fmt: skip
 
 
-def run(device: torch.device, num_requests: int, rates: list[float], budgets_requests: list[int],
-        repeats: int = 3, progress=None, setup: Setup | None = None):  # fmt: skip
-    """Both caches at budgets of ``budgets_requests`` longest requests (VM bytes) each, the
-    requests arriving open-loop (Poisson) at each rate; ``repeats`` runs per point, the two
-    caches interleaved so drift hits both, reported as median with min and max. Tokens/s is
-    generated tokens over the span from the first arrival to the last finish."""
-    setup = setup or Setup(device)
+def model_and_spec(device: torch.device, kv: str = "auto"):
+    """The small model, and the KVSpec its caches get: K/V in its dtype (``kv`` "auto"), or
+    stored as one of sizing's :data:`~vmcache.bench.sizing.KV_STORAGES` ("fp8", ...)."""
+    from vmcache.bench.sizing import KV_STORAGES
+
     model = small_model(device)
     model.generation_config.eos_token_id = None
     spec = KVSpec.from_hf_config(model.config, next(model.parameters()).dtype)
+    if kv != "auto":
+        kv_dtype, granularity = KV_STORAGES[kv]
+        spec = dataclasses.replace(spec, kv_dtype=kv_dtype, kv_granularity=granularity)
+    return model, spec
+
+
+def run(device: torch.device, num_requests: int, rates: list[float], budgets_requests: list[int],
+        repeats: int = 3, progress=None, setup: Setup | None = None,
+        kv: str = "auto"):  # fmt: skip
+    """Both caches at budgets of ``budgets_requests`` longest requests (VM bytes) each, the
+    requests arriving open-loop (Poisson) at each rate; ``repeats`` runs per point, the two
+    caches interleaved so drift hits both, reported as median with min and max. Tokens/s is
+    generated tokens over the span from the first arrival to the last finish. ``kv``: the
+    K/V storage (see :func:`model_and_spec`)."""
+    setup = setup or Setup(device)
+    model, spec = model_and_spec(device, kv)
     reqs = requests(num_requests)
     longest = max(len(r.prompt) + r.params.max_new_tokens for r in reqs)
     for kind in ("vmcache", "paged"):  # warm up (first-call costs) once per cache
@@ -143,7 +166,7 @@ def run(device: torch.device, num_requests: int, rates: list[float], budgets_req
             for kind, rs in runs.items():
                 row = {"cache": kind, "budget_requests": n, "budget_bytes": budget,
                        "rate_rps": rate, "repeats": repeats, "page_bytes": setup.page_size,
-                       "vm_layout": setup.layout}  # fmt: skip
+                       "vm_layout": setup.layout, "kv_dtype": kv}  # fmt: skip
                 for m in METRICS:
                     sp = spread([r[m] for r in rs])
                     row.update({m: sp["median"], f"{m}_min": sp["min"], f"{m}_max": sp["max"]})
@@ -164,19 +187,17 @@ def run(device: torch.device, num_requests: int, rates: list[float], budgets_req
 
 
 def run_prefix(device: torch.device, num_requests: int, budget_requests: int, progress=None,
-               setup: Setup | None = None):  # fmt: skip
+               setup: Setup | None = None, kv: str = "auto"):  # fmt: skip
     """The radix rows in compute mode: the same shared-prompt requests with and without
     prefix caching, on both caches: prompt tokens computed, tokens/s. The system prompt is
     192 tokens or two VM pages, whichever is longer, so whole pages can be shared; requests
     admitted together wait a step for the one prefilling it (``prefix_waits``)."""
     setup = setup or Setup(device)
-    model = small_model(device)
-    model.generation_config.eos_token_id = None
-    spec = KVSpec.from_hf_config(model.config, next(model.parameters()).dtype)
-    system_len = max(192, 2 * setup.tokens_per_page(spec))
+    model, spec = model_and_spec(device, kv)
+    system_len = max(192, 2 * setup.tokens_per_page(spec, prefix=True))
     reqs = shared_requests(num_requests, system_len)
     longest = max(len(r.prompt) + r.params.max_new_tokens for r in reqs)
-    budget = budget_requests * setup.vm_bytes(spec, longest)
+    budget = budget_requests * setup.vm_bytes(spec, longest, prefix=True)
     rows = []
     for kind in ("vmcache", "paged"):
         for prefix in (False, True):
@@ -184,7 +205,8 @@ def run_prefix(device: torch.device, num_requests: int, budget_requests: int, pr
             engine = Engine(model, kv)
             out = engine.run(reqs)
             d = engine.stats.as_dict()
-            rows.append({"cache": kind, "prefix_caching": prefix, "requests": len(out), **{
+            rows.append({"cache": kind, "prefix_caching": prefix, "requests": len(out),
+                         "kv_dtype": kv, **{
                 k: d[k] for k in ("prefill_tokens", "prefix_hit_tokens", "prefix_waits",
                                   "tok_per_s", "elapsed_s", "max_running")}})  # fmt: skip
             if progress is not None:
