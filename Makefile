@@ -64,8 +64,10 @@ bench-tiers: $(STAMP)
 bench-spec: $(STAMP)
 	$(PY) -m vmcache.bench --mode spec
 
-# FP8 / INT8 K/V: capacity (sizing, Llama-3-8B) and accuracy against BF16 K/V
+# FP8 / INT8 K/V: capacity (sizing, Llama-3-8B) and accuracy against BF16 K/V, with
+# transformers' QuantizedCache (quanto backend) as the anchor
 bench-quant: $(STAMP)
+	$(PIP) install -q -e '.[quant-anchor]'
 	$(PY) -m vmcache.bench --mode quant
 
 # the result tables of README.md and docs/results.md from the committed JSON (tests/test_readme_results.py checks them)
