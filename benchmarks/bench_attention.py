@@ -24,27 +24,33 @@ from vmcache.paged_fallback import PagedKVCache
 from vmcache import KVSpec, VMKVCache, kernels
 
 
-def run_point(dev, spec, batch, ctx, iters) -> list[dict]:
+def filled_caches(dev, spec, batch, ctx, k, v):
+    """A VMKVCache and a PagedKVCache each holding ``batch`` sequences of ``ctx`` tokens with
+    K/V ``k[b, :ctx]``, ``v[b, :ctx]`` in layer 0; returns (vm, paged, their sequence ids)."""
     max_len = ctx + 1
-    vm = VMKVCache(
-        spec, batch, max_len, device=dev, page_size=None if dev.type == "cuda" else 1 << 20
-    )
+    vm = VMKVCache(spec, batch, max_len, device=dev,
+                   page_size=None if dev.type == "cuda" else 1 << 20)  # fmt: skip
     pg = PagedKVCache(spec, num_blocks=batch * -(-max_len // 16), block_size=16, device=dev,
                       max_seq_len=max_len, max_seqs=batch)  # fmt: skip
-    # the upper bound: the same [S, L, H, D] layout in one ordinary torch allocation
-    k_plain = torch.randn(batch, max_len, spec.num_kv_heads, spec.head_dim, device=dev).to(
-        spec.dtype
-    )
-    v_plain = torch.randn_like(k_plain)
     seqs = []
     for c in (vm, pg):
         ids = []
         for b in range(batch):
             s = c.new_sequence()
             c.grow(s, ctx)
-            c.write(0, s, 0, k_plain[b, :ctx], v_plain[b, :ctx])
+            c.write(0, s, 0, k[b, :ctx], v[b, :ctx])
             ids.append(s)
         seqs.append(ids)
+    return vm, pg, seqs
+
+
+def run_point(dev, spec, batch, ctx, iters) -> list[dict]:
+    # the upper bound: the same [S, L, H, D] layout in one ordinary torch allocation
+    k_plain = torch.randn(batch, ctx + 1, spec.num_kv_heads, spec.head_dim, device=dev).to(
+        spec.dtype
+    )
+    v_plain = torch.randn_like(k_plain)
+    vm, pg, seqs = filled_caches(dev, spec, batch, ctx, k_plain, v_plain)
     q = torch.randn(batch, spec.q_heads, spec.head_dim, device=dev).to(spec.dtype)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
     slots = torch.arange(batch, dtype=torch.int32, device=dev)
@@ -96,23 +102,9 @@ def quantized_rows(dev, spec, batch, ctx, iters, q, k_plain, v_plain, base_rows)
     base = {r["impl"]: r["us"] for r in base_rows}
     rows = []
     for tag, (kv_dtype, granularity) in QUANT.items():
-        qspec = dataclasses.replace(spec, kv_dtype=kv_dtype, kv_granularity=granularity,
-                                    kv_scales=(0.04,) * (2 * spec.num_layers *
-                                                         spec.num_kv_heads)
-                                    if kv_dtype == torch.int8 and granularity == "head"
-                                    else None)  # fmt: skip
-        max_len = ctx + 1
-        vm = VMKVCache(qspec, batch, max_len, device=dev,
-                       page_size=None if dev.type == "cuda" else 1 << 20)  # fmt: skip
-        pg = PagedKVCache(qspec, num_blocks=batch * -(-max_len // 16), block_size=16,
-                          device=dev, max_seq_len=max_len, max_seqs=batch)  # fmt: skip
-        for kind, c, impl in (("vm", vm, impl_vm), ("paged", pg, impl_pg)):
-            ids = []
-            for b in range(batch):
-                s = c.new_sequence()
-                c.grow(s, ctx)
-                c.write(0, s, 0, k_plain[b, :ctx], v_plain[b, :ctx])
-                ids.append(s)
+        qspec = dataclasses.replace(spec, kv_dtype=kv_dtype, kv_granularity=granularity)
+        vm, pg, ids_of = filled_caches(dev, qspec, batch, ctx, k_plain, v_plain)
+        for kind, c, impl, ids in zip(("vm", "paged"), (vm, pg), (impl_vm, impl_pg), ids_of):
             t = time_repeats(lambda c=c, ids=ids, i=impl: kernels.decode(c, 0, q, ids, impl=i),
                              dev, repeats=5, iters=iters)  # fmt: skip
             us = t["median"] * 1e6

@@ -6,8 +6,9 @@ How: Triton's runtime asks its *active driver* for the device, the stream and th
 A stand-in driver answers ``GPUTarget("cuda", 90, 32)`` (and nothing else: it cannot launch),
 so ``kernel.warmup(...)`` specialises the arguments and compiles them through Triton's bundled
 ``ptxas`` exactly as a launch on an H200 would: the same constexprs, the same alignment
-attributes. The arguments come from ``vmcache.kernels.triton_decode.launches`` called on real
-caches laid out as on the GPU (2 MiB pages, the real layer counts) over the CPU host backend.
+attributes. The arguments come from ``vmcache.kernels.triton_decode.launches`` and
+``triton_prefill.launches`` called on real caches laid out as on the GPU (2 MiB pages, the
+real layer counts) over the CPU host backend.
 
     TRITON_INTERPRET=0 python benchmarks/compile_sm90.py [--quick] [--arch 90] [--out DIR]
 
@@ -33,7 +34,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
-from vmcache.kernels import triton_decode  # noqa: E402
+from vmcache.kernels import triton_decode, triton_prefill  # noqa: E402
 from vmcache.kernels.common import layer_window  # noqa: E402
 from vmcache.kernels.plan import plan  # noqa: E402
 from vmcache.paged_fallback import PagedKVCache  # noqa: E402
@@ -99,21 +100,38 @@ def build(mode: str, spec: KVSpec, max_len: int = 5000):
     return cache, seqs
 
 
+def _views(cache, mode: str, p, layer: int):
+    if mode == "paged":
+        return cache.k_pool(layer), cache.v_pool(layer), p.tables, cache.block_size
+    return cache.k_cache(layer), cache.v_cache(layer), p.slots, 1
+
+
 def decode_launches(cache, mode: str, seqs: list[int], layer: int = 0) -> list:
     """The kernel launches ``kernels.decode`` makes for ``seqs`` (one query each) at
     ``layer``: the library's own plan and launch code, nothing rebuilt here."""
     spec = cache.spec
     p = plan(cache, seqs, [1] * len(seqs), layer=layer)
     q = torch.zeros(len(seqs), spec.q_heads, spec.head_dim, dtype=spec.dtype)
-    if mode == "paged":
-        k, v, table, block = cache.k_pool(layer), cache.v_pool(layer), p.tables, cache.block_size
-    else:
-        k, v, table, block = cache.k_cache(layer), cache.v_cache(layer), p.slots, 1
-    scales = cache.kv_scales_for(layer)
+    k, v, table, block = _views(cache, mode, p, layer)
     _, runs = triton_decode.launches(q, k, v, table, p.lens, max_len=p.max_kv,
                                      paged=mode == "paged", block=block,
                                      window=layer_window(cache, layer),
-                                     kv_scales=scales)  # fmt: skip
+                                     kv_scales=cache.kv_scales_for(layer))  # fmt: skip
+    return runs
+
+
+def prefill_launches(cache, mode: str, seqs: list[int], layer: int = 0) -> list:
+    """The launch ``kernels.prefill(..., impl="triton")`` makes for ``seqs``, each bringing
+    its last min(len, 5) tokens as queries."""
+    spec = cache.spec
+    q_lens = [min(cache.seq_len(s), 5) for s in seqs]
+    p = plan(cache, seqs, q_lens, layer=layer)
+    q = torch.zeros(sum(q_lens), spec.q_heads, spec.head_dim, dtype=spec.dtype)
+    k, v, table, block = _views(cache, mode, p, layer)
+    _, runs = triton_prefill.launches(q, k, v, table, p.lens, p.starts, max_q=p.max_q,
+                                      paged=mode == "paged", block=block,
+                                      window=layer_window(cache, layer),
+                                      kv_scales=cache.kv_scales_for(layer))  # fmt: skip
     return runs
 
 
@@ -146,7 +164,7 @@ def compile_one(shape: str, dtype: str, mode: str, arch: int) -> list[dict]:
                   kv_scales=scales, kv_granularity="token" if per_token else "head")  # fmt: skip
     cache, seqs = build(mode, spec)
     try:
-        runs = decode_launches(cache, mode, seqs, layer=1)
+        runs = decode_launches(cache, mode, seqs, 1) + prefill_launches(cache, mode, seqs, 1)
         rows = []
         for kernel, grid, args, kwargs in runs:
             t0 = time.perf_counter()
@@ -172,15 +190,16 @@ def compilations_over_growth(mode: str, arch: int = 90) -> dict:
     spec = KVSpec(2, 8, 128, torch.bfloat16, num_q_heads=32, layer_windows=(300, None))
     cache, seqs = build(mode, spec)
     try:
-        kernels = [triton_decode._decode_partial, triton_decode._combine]
+        kernels = [triton_decode._decode_partial, triton_decode._combine, triton_prefill._prefill]
         before = [len(k.device_caches[0][0]) for k in kernels]
         for n in (1, 15, 16, 17, 255, 1023, 1024, 1025, 2049, 4999):
             for s in seqs:
                 cache.grow(s, n - cache.seq_len(s)) if n > cache.seq_len(s) else None
             for layer in (0, 1):
+                batch = seqs[: 1 + n % 2]
                 for kernel, grid, args, kwargs in decode_launches(
-                    cache, mode, seqs[: 1 + n % 2], layer
-                ):
+                    cache, mode, batch, layer
+                ) + prefill_launches(cache, mode, batch, layer):
                     kernel.warmup(*args, grid=grid, **kwargs)
         return {k.fn.__name__: len(k.device_caches[0][0]) - b for k, b in zip(kernels, before)}
     finally:

@@ -13,7 +13,9 @@ row at or past a sequence's length.
 
    VMKVCache pads rows to lcm(page, token row), so L_row is a whole number of tokens for
    every head_dim, layer count and layout.
-3. our Triton kernel (stride addressing, int64 offsets) on CUDA.
+3. our Triton kernels (stride addressing, int64 offsets) on CUDA: decode, and prefill
+   (:mod:`.triton_prefill`); the only fused path for FP8/INT8 K/V, which FlashAttention
+   cannot read.
 4. SDPA once per sequence on ``K[s, :len]`` views (CPU; always correct). On the CPU under
    ``TRITON_INTERPRET=1`` the Triton kernel is available after it, for tests (``impl=``).
 
@@ -26,12 +28,12 @@ import functools
 import math
 
 import torch
-from vmcache.kernels import triton_decode
+from vmcache.kernels import triton_decode, triton_prefill
 from vmcache.kernels.common import attend_cache_views, layer_window
 from vmcache.kernels.plan import plan
 
 IMPLS = ("flash_attn", "aten_fa2", "triton", "sdpa")
-PREFILL_IMPLS = ("aten_fa2", "sdpa")
+PREFILL_IMPLS = ("aten_fa2", "triton", "sdpa")
 
 
 @functools.cache
@@ -132,15 +134,26 @@ def decode(cache, layer, q, seq_ids, scale=None, impl=None):
 
 def prefill(cache, layer, q, seq_ids, q_lens, scale=None, impl=None):
     """q packed ``[Σ q_lens, N_Q, d_h]``; causal over the cached prefix plus the new tokens.
-    FP8/INT8 K/V: SDPA over dequantized copies (FA2 reads no FP8 K/V; no Triton prefill)."""
+    Default: aten FA2 where it runs, else our Triton prefill on CUDA (FP8/INT8 K/V too), else
+    SDPA per sequence (dequantized copies for FP8/INT8)."""
     quantized = cache.spec.quantized
     if impl is None:
-        impl = "aten_fa2" if "aten_fa2" in available_impls(q, quantized) else "sdpa"
-    if quantized and impl != "sdpa":
-        raise ValueError(f"impl {impl!r} cannot read FP8/INT8 K/V; use 'sdpa'")
+        usable = available_impls(q, quantized)
+        impl = "aten_fa2" if "aten_fa2" in usable else "triton" if q.is_cuda and (
+            "triton" in usable) else "sdpa"  # fmt: skip
+    if impl not in PREFILL_IMPLS:
+        raise ValueError(f"unknown contiguous prefill impl {impl!r}; expected one of "
+                         f"{PREFILL_IMPLS}")  # fmt: skip
+    if quantized and impl == "aten_fa2":
+        raise ValueError(f"impl {impl!r} cannot read FP8/INT8 K/V; use 'triton' or 'sdpa'")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if impl == "aten_fa2":
         return _aten_fa2(cache, layer, q, seq_ids, list(q_lens), scale)
     if impl == "sdpa":
         return attend_cache_views(cache, layer, q, seq_ids, q_lens, scale)
-    raise ValueError(f"unknown contiguous prefill impl {impl!r}; expected one of {PREFILL_IMPLS}")
+    p = plan(cache, seq_ids, list(q_lens), layer=layer)
+    return triton_prefill.prefill(
+        q, cache.k_cache(layer), cache.v_cache(layer), p.slots, p.lens, p.starts,
+        max_q=p.max_q, paged=False, block=1, scale=scale, window=layer_window(cache, layer),
+        kv_scales=cache.kv_scales_for(layer),
+    )  # fmt: skip

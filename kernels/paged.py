@@ -1,8 +1,9 @@
-"""Attention over PagedKVCache: Triton split-K paged decode; prefill gathers per sequence."""
+"""Attention over PagedKVCache: Triton split-K paged decode and Triton paged prefill on CUDA
+(both read the blocks in place); on the CPU, a gather per sequence and SDPA."""
 
 from __future__ import annotations
 
-from vmcache.kernels import triton_decode
+from vmcache.kernels import triton_decode, triton_prefill
 from vmcache.kernels.common import attend_cache_views, layer_window
 from vmcache.kernels.plan import plan
 
@@ -24,6 +25,17 @@ def decode(cache, layer: int, q, seq_ids: list[int], scale=None, impl=None):
 
 
 def prefill(cache, layer, q, seq_ids, q_lens, scale=None, impl=None):
-    if impl not in (None, "torch"):
-        raise ValueError(f"unknown paged prefill impl {impl!r}; expected 'torch'")
-    return attend_cache_views(cache, layer, q, seq_ids, q_lens, scale)
+    """q packed ``[Σ q_lens, N_Q, d_h]``. impl: None (auto: "triton" on CUDA), "triton",
+    "torch" (gather + SDPA per sequence)."""
+    if impl is None:  # interpreted Triton on the CPU is for tests (impl="triton"), never default
+        impl = "triton" if q.is_cuda else "torch"
+    if impl == "triton":
+        p = plan(cache, seq_ids, list(q_lens), layer=layer)
+        return triton_prefill.prefill(
+            q, cache.k_pool(layer), cache.v_pool(layer), p.tables, p.lens, p.starts,
+            max_q=p.max_q, paged=True, block=cache.block_size, scale=scale,
+            window=layer_window(cache, layer), kv_scales=cache.kv_scales_for(layer),
+        )  # fmt: skip
+    if impl == "torch":
+        return attend_cache_views(cache, layer, q, seq_ids, q_lens, scale)
+    raise ValueError(f"unknown paged prefill impl {impl!r}; expected 'triton' or 'torch'")

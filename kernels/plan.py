@@ -9,6 +9,7 @@ layer uploads or synchronises:
            + cache.epoch                          PagedKVCache: block tables move on CoW/grow
     slots  [B] int32      sequence ids (VMKVCache rows, block-table rows)
     lens   [B] int32      kv lengths, batch order
+    starts [B+1] int32    cumulative q lengths, batch order (the Triton prefill's rows of q)
     tables [B, W] int32   PagedKVCache block tables (W = the longest table)
     varlen: sequences sorted by slot (aten FA2 needs a monotonic cu_k):
     perm   [Σq] int32     q_sorted = q[perm];  out = out_sorted[inv]
@@ -31,6 +32,7 @@ class StepPlan:
     max_kv: int
     slots: torch.Tensor
     lens: torch.Tensor
+    starts: torch.Tensor
     tables: torch.Tensor | None
     perm: torch.Tensor | None
     inv: torch.Tensor | None
@@ -57,7 +59,10 @@ def plan(cache, seq_ids: list[int], q_lens: list[int], *, varlen: bool = False,
     if old is None or old.key != key:
         memo = {k: p for k, p in memo.items() if p.key == key}  # another step: drop its plans
     b = len(seq_ids)
-    parts: dict[str, list[int]] = {"slots": list(seq_ids), "lens": kv_lens}
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    parts: dict[str, list[int]] = {"slots": list(seq_ids), "lens": kv_lens, "starts": starts}
     width = 0
     if paged:
         t = variant
@@ -67,9 +72,6 @@ def plan(cache, seq_ids: list[int], q_lens: list[int], *, varlen: bool = False,
     if varlen:
         l_row = variant
         order = sorted(range(b), key=lambda i: seq_ids[i])
-        starts = [0]
-        for n in q_lens:
-            starts.append(starts[-1] + n)
         perm = [t for i in order for t in range(starts[i], starts[i] + q_lens[i])]
         inv = [0] * len(perm)
         for pos, t in enumerate(perm):
@@ -97,8 +99,8 @@ def plan(cache, seq_ids: list[int], q_lens: list[int], *, varlen: bool = False,
     if paged:
         views["tables"] = views["tables"].view(b, width)
     p = StepPlan(key, max(q_lens), max(kv_lens), views["slots"], views["lens"],
-                 views.get("tables"), views.get("perm"), views.get("inv"), views.get("cu_q"),
-                 views.get("cu_k"), views.get("used_k"))  # fmt: skip
+                 views["starts"], views.get("tables"), views.get("perm"), views.get("inv"),
+                 views.get("cu_q"), views.get("cu_k"), views.get("used_k"))  # fmt: skip
     memo[variant] = p
     cache.step_plan = memo
     cache.plans_built += 1

@@ -197,13 +197,7 @@ def launches(q, k, v, table, lens, *, max_len, paged, block, scale=None,
     the sm_90 compile test compiles exactly these. Arguments as in :func:`decode`."""
     b, hq, d = q.shape
     hk = k.shape[2]
-    if hq % hk:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hk})")
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("the last (head_dim) dimension of q, k and v must be contiguous")
-    if block < 1 or (paged and block & (block - 1)):
-        raise ValueError(f"block size must be a power of two, got {block}")
-    quant, ks, vs = _check_scales(q, k, v, kv_scales)
+    quant, ks, vs = check_args(q, k, v, block, paged, window, kv_scales)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     g, d_pad = hq // hk, max(16, triton.next_power_of_2(d))
     tile = TILE
@@ -212,9 +206,6 @@ def launches(q, k, v, table, lens, *, max_len, paged, block, scale=None,
     warps = 8 if q.dtype == torch.float32 else 4
     if part_tokens % tile:
         raise ValueError(f"part_tokens ({part_tokens}) must be a multiple of {tile}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                               or window < 1):  # fmt: skip
-        raise ValueError(f"window must be None or a positive int, got {window!r}")
     span = max_len if window is None else min(max_len, window)  # tokens one program reads
     num_parts = num_partitions(span, part_tokens)
     dev = q.device
@@ -233,7 +224,7 @@ def launches(q, k, v, table, lens, *, max_len, paged, block, scale=None,
          lens if vs is None else vs, scale, num_parts, window or FULL,
          q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
          v.stride(0), v.stride(1), v.stride(2),
-         *(x.stride(i) if quant == 2 else 0 for x in (ks, vs) for i in (0, 1)),
+         *scale_strides(quant, ks, vs),
          table.stride(0)),
         dict(G=g, G_PAD=max(G_MIN, triton.next_power_of_2(g)), D=d, D_PAD=d_pad, TILE=tile,
              BLOCK=block, PART_TILES=part_tokens // tile, PAGED=paged, PRECISION=precision,
@@ -245,6 +236,26 @@ def launches(q, k, v, table, lens, *, max_len, paged, block, scale=None,
         dict(D=d, D_PAD=d_pad, P_CHUNK=P_CHUNK),
     )  # fmt: skip
     return out, [partial, combine]
+
+
+def check_args(q, k, v, block, paged, window, kv_scales):
+    """Validate a launch's tensors (either kernel); returns :func:`_check_scales`'s triple."""
+    hq, hk = q.shape[-2], k.shape[2]
+    if hq % hk:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hk})")
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("the last (head_dim) dimension of q, k and v must be contiguous")
+    if block < 1 or (paged and block & (block - 1)):
+        raise ValueError(f"block size must be a power of two, got {block}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):  # fmt: skip
+        raise ValueError(f"window must be None or a positive int, got {window!r}")
+    return _check_scales(q, k, v, kv_scales)
+
+
+def scale_strides(quant: int, ks, vs) -> list[int]:
+    """The per-token scale views' (sequence or block, token) strides; zeros otherwise."""
+    return [x.stride(i) if quant == 2 else 0 for x in (ks, vs) for i in (0, 1)]
 
 
 def _check_scales(q, k, v, kv_scales):

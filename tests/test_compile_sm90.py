@@ -38,7 +38,7 @@ def test_quick_subset_compiles_for_sm90_without_spills(tmp_path):
     assert doc["arch"] == 90
     rows = doc["rows"]
     kernels = {r["kernel"] for r in rows}
-    assert kernels == {"_decode_partial", "_combine"}
+    assert kernels == {"_decode_partial", "_combine", "_prefill"}
     assert {r["mode"] for r in rows} == {"paged", "layer_major", "token_major"}
     assert {"bf16/fp8e4m3", "bf16/int8", "bf16/int8-token"} <= {r["dtype"] for r in rows}
     _check_rows(rows)
@@ -75,13 +75,14 @@ def test_committed_grid_covers_every_shape_dtype_and_mode():
 
 def test_a_growing_decode_compiles_each_kernel_once():
     """Lengths 1 → 4,999 (1 to 5 split-K partitions), batch 1 ↔ 2, block tables 1 → 313
-    wide: every kernel is compiled at most once per addressing mode (1–5 s each on a GPU)."""
+    wide, prefills of 1 to 5 queries: every kernel is compiled at most once per addressing
+    mode (1–5 s each on a GPU)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     res = subprocess.run([sys.executable, SCRIPT, "--growth"], env=env, capture_output=True,
                          text=True, timeout=600)  # fmt: skip
     assert res.returncode == 0, res.stderr[-4000:]
     counts = json.loads(res.stdout.strip().splitlines()[-1])
     assert set(counts) == {"paged", "layer_major", "token_major"}
-    assert counts["paged"] == {"_decode_partial": 1, "_combine": 1}
+    assert counts["paged"] == {"_decode_partial": 1, "_combine": 1, "_prefill": 1}
     for mode, per_kernel in counts.items():
         assert all(n <= 1 for n in per_kernel.values()), (mode, per_kernel)

@@ -115,9 +115,9 @@ def _fill(kind, spec):
 
 
 def _every_impl(cache, kind, seqs, written, q_lens, dtype, windows=(None, None)) -> set:
-    """Decode with every impl available here and prefill (``q_lens`` queries each) on layers
+    """Decode and prefill (``q_lens`` queries each) with every impl available here on layers
     0 and 1 (sliding ``windows[layer]``, None = full) against the reference over what the
-    test wrote; returns the decode impls that ran."""
+    test wrote; returns the impls that ran (prefill's as "prefill/<impl>")."""
     hq, hd = cache.spec.q_heads, cache.spec.head_dim
     q = torch.randn(len(seqs), hq, hd, device="cuda").to(dtype)
     qp = torch.randn(sum(q_lens), hq, hd, device="cuda").to(dtype)
@@ -131,13 +131,28 @@ def _every_impl(cache, kind, seqs, written, q_lens, dtype, windows=(None, None))
             out = kernels.decode(cache, layer, q, seqs, impl=impl).float().cpu()
             torch.testing.assert_close(out, ref, **TOL[dtype], msg=f"decode {impl} L{layer}")
             ran.add(impl)
-        out = kernels.prefill(cache, layer, qp, seqs, q_lens).float().cpu()
-        start = 0
-        for s, ql in zip(seqs, q_lens):
-            ref_p = dense_attention(qp[start : start + ql].cpu().float(),
-                                    *(t.float() for t in written[s, layer]), window=w)  # fmt: skip
-            torch.testing.assert_close(out[start : start + ql], ref_p, **TOL[dtype])
-            start += ql
+        pre = (
+            ["triton", "torch"]
+            if kind == "paged"
+            else [
+                i
+                for i in contiguous.PREFILL_IMPLS
+                if i in (*contiguous.available_impls(qp), "sdpa")
+            ]
+        )
+        for impl in pre:
+            out = kernels.prefill(cache, layer, qp, seqs, q_lens, impl=impl).float().cpu()
+            start = 0
+            for s, ql in zip(seqs, q_lens):
+                ref_p = dense_attention(
+                    qp[start : start + ql].cpu().float(),
+                    *(t.float() for t in written[s, layer]),
+                    window=w,
+                )
+                torch.testing.assert_close(out[start : start + ql], ref_p, **TOL[dtype],
+                                           msg=f"prefill {impl} L{layer}")  # fmt: skip
+                start += ql
+            ran.add(f"prefill/{impl}")
     return ran
 
 
@@ -148,9 +163,9 @@ def test_decode_and_prefill_every_gpu_impl(kind, dtype):
     cache, seqs, written = _fill(kind, spec)
     ran = _every_impl(cache, kind, seqs, written, [1, 3, 16, 17, 100, 1, 2, 5, 64, 1, 200], dtype)
     if torch.cuda.get_device_capability()[0] >= 8:
-        assert "triton" in ran
+        assert {"triton", "prefill/triton"} <= ran
         if kind != "paged" and dtype != torch.float32:
-            assert "aten_fa2" in ran  # the primary contiguous path on sm_80+
+            assert {"aten_fa2", "prefill/aten_fa2"} <= ran  # the primary contiguous path
     cache.close()
 
 

@@ -1,7 +1,8 @@
 """FP8 / INT8 K/V on the GPU (H200: FP8 native): the compiled Triton decode against the
 reference over what each cache stores, with head and per-token scales, over lengths on and
-past page edges and several split-K partitions; SDPA prefill over dequantized copies; the
-FlashAttention impls refused; and the engine over FP8 on both caches. Skipped without a GPU."""
+past page edges and several split-K partitions; the Triton prefill (the default) and SDPA over
+dequantized copies; the FlashAttention impls refused; and the engine over FP8 on both caches.
+Skipped without a GPU."""
 
 import pytest
 import torch
@@ -73,18 +74,19 @@ def test_compiled_quantized_decode_matches_the_reference(kind, kv_dtype, granula
 
 @pytest.mark.parametrize("granularity", ["head", "token"])
 @pytest.mark.parametrize("kind", ["vm", "paged"])
-def test_quantized_prefill_runs_sdpa_over_dequantized_copies(kind, granularity):
+def test_quantized_prefill_reads_the_bytes_in_triton_and_dequantizes_for_sdpa(kind, granularity):
     spec = _spec(torch.float8_e4m3fn, granularity)
     cache, seqs = _fill(kind, spec, [5, 600, 2049])
     q_lens = [3, 17, 64]
     q = torch.randn(sum(q_lens), 32, 128, device="cuda").to(torch.bfloat16)
-    out = kernels.prefill(cache, 1, q, seqs, q_lens).float()
-    start = 0
-    for s, n in zip(seqs, q_lens):
-        k, v = cache.kv(1, s)
-        want = dense_attention(q[start : start + n].float(), k.float(), v.float())
-        torch.testing.assert_close(out[start : start + n], want, **TOL)
-        start += n
+    for impl in ("triton", "torch" if kind == "paged" else "sdpa", None):
+        out = kernels.prefill(cache, 1, q, seqs, q_lens, impl=impl).float()
+        start = 0
+        for s, n in zip(seqs, q_lens):
+            k, v = cache.kv(1, s)
+            want = dense_attention(q[start : start + n].float(), k.float(), v.float())
+            torch.testing.assert_close(out[start : start + n], want, **TOL, msg=str(impl))
+            start += n
     cache.close()
 
 

@@ -80,22 +80,27 @@ def test_quantized_decode_matches_the_reference(kind, group, head_dim, kv_dtype,
     cache.close()
 
 
-@pytest.mark.parametrize("granularity", ["head", "token"])
+@pytest.mark.parametrize(
+    "kv_dtype,granularity",
+    [(FP8[0], "head"), (torch.int8, "head"), (FP8[0], "token"), (torch.int8, "token")],
+)
 @pytest.mark.parametrize("kind", KINDS)
-def test_quantized_prefill_and_reads_dequantize(kind, granularity):
-    spec = quant_spec(torch.float8_e4m3fn, 2, 64, granularity=granularity)
+def test_quantized_prefill_and_reads_dequantize(kind, kv_dtype, granularity):
+    spec = quant_spec(kv_dtype, 2, 64, granularity=granularity)
     cache = make(kind, spec)
     seqs, held = fill(cache, [5, 40, 17])
     k, v = cache.kv(0, seqs[1])
     assert k.dtype == spec.dtype and torch.equal(k, held[seqs[1], 0][0])
     q_lens = [2, 7, 1]
     q = torch.randn(sum(q_lens), spec.q_heads, 64)
-    out = kernels.prefill(cache, 0, q, seqs, q_lens)
-    start = 0
-    for s, n in zip(seqs, q_lens):
-        want = dense_attention(q[start : start + n], *held[s, 0])
-        torch.testing.assert_close(out[start : start + n], want, rtol=1e-4, atol=1e-5)
-        start += n
+    for impl in ("triton", "torch" if kind == "paged" else "sdpa"):
+        out = kernels.prefill(cache, 0, q, seqs, q_lens, impl=impl)
+        start = 0
+        for s, n in zip(seqs, q_lens):
+            want = dense_attention(q[start : start + n], *held[s, 0])
+            torch.testing.assert_close(out[start : start + n], want, rtol=1e-4, atol=1e-5,
+                                       msg=impl)  # fmt: skip
+            start += n
     if kind != "paged":  # the contiguous side's FlashAttention impls read no FP8 K/V
         with pytest.raises(ValueError, match="FP8/INT8"):
             kernels.prefill(cache, 0, q, seqs, q_lens, impl="aten_fa2")

@@ -1,7 +1,8 @@
 """Sliding-window attention on both caches against the plain reference: decode (Triton
-split-K, SDPA / gather) and prefill, after the window gave pages back, so a kernel that read
-a released page or a key outside the window fails here (the host backend faults on unmapped
-reads; the reference is computed from what the test wrote, not from the cache).
+split-K, SDPA / gather) and prefill (Triton, SDPA / gather), after the window gave pages back,
+so a kernel that read a released page or a key outside the window fails here (the host
+backend faults on unmapped reads; the reference is computed from what the test wrote, not
+from the cache).
 
 Sizes: head_dim 64 at fp32 is 512 B a token row, 8 tokens a 4 KiB VM page; paged blocks of 8.
 Windows: 5 (its boundary falls inside a page), 8 (exactly one page), 300 (longer than every
@@ -74,8 +75,9 @@ def test_windowed_decode_and_prefill_match_the_reference(kind, window):
         for s, ql in zip(seqs, q_lens):
             want.append(dense_attention(qp[at : at + ql], *written[s, layer], window=w))
             at += ql
-        got = kernels.prefill(cache, layer, qp, seqs, q_lens)
-        torch.testing.assert_close(got, torch.cat(want), **TOL)
+        for impl in ("triton", "torch" if kind == "paged" else "sdpa"):
+            got = kernels.prefill(cache, layer, qp, seqs, q_lens, impl=impl)
+            torch.testing.assert_close(got, torch.cat(want), **TOL, msg=f"prefill {impl}")
     cache.check_invariants()
     cache.close()
 

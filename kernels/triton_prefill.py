@@ -1,0 +1,191 @@
+"""Triton prefill over either cache: causal attention of packed new tokens to everything their
+sequence holds (its cached prefix and themselves), reading K/V where they live.
+
+Program (b, m, hq) handles sequence b, query block m (BLOCK_M of its new tokens) and query
+head hq (its KV head h = hq // G); it walks key tiles with an online softmax, as the decode
+kernel does, and writes its rows of the packed output. The new tokens are the last q_len of
+the sequence's kv_len, so query row i sits at position p_i = kv_len − q_len + i and sees keys
+(p_i − W, p_i] (W = ∞ without a sliding window):
+
+    keys:   0 ............ lo ......................... p_first ... p_last | kv_len
+    block m's rows:                                     [ p_first … p_last ]
+    tiles:                 | lo … lo+TILE | ... | the last tile, masked at p_last + 1 |
+                           lo = max(0, p_first − W + 1): nothing before it is read
+
+    q rows of b: starts[b] … starts[b+1]   (packed q and out [Σ q_lens, N_Q, d_h])
+
+Addressing and quantized K/V (QUANT 1 head scales, 2 per-token scales from each token's row)
+are the decode kernel's (see :mod:`vmcache.kernels.triton_decode`). Lengths, windows and the
+batch are runtime arguments; the grid's query blocks come from the plan's host ``max_q``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+from vmcache.kernels.triton_decode import FULL, check_args, scale_strides
+
+# (query rows a program holds, keys per loop iteration, warps) by q's dtype: fp32 dots run on
+# FMA units: 64-row tiles spill, and 8 warps over 32 × 32 do not (benchmarks/compile_sm90.py)
+CONFIG = {torch.float32: (32, 32, 8), torch.float16: (64, 64, 4), torch.bfloat16: (64, 64, 4)}
+
+
+@triton.jit(do_not_specialize=["scale", "window", "stride_tb"])
+def _prefill(
+    Q, K, V, OUT, TABLE, LENS, STARTS, K_SCALE, V_SCALE, scale, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kseq, stride_ktok, stride_kh,
+    stride_vseq, stride_vtok, stride_vh,
+    stride_ksseq, stride_kstok, stride_vsseq, stride_vstok,
+    stride_tb,
+    G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    TILE: tl.constexpr, BLOCK: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, QUANT: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    mb = tl.program_id(1)
+    hq = tl.program_id(2)
+    h = hq // G
+    q_start = tl.load(STARTS + b)
+    q_len = tl.load(STARTS + b + 1) - q_start
+    if mb * BLOCK_M < q_len:
+        if QUANT == 1:
+            scale = scale * tl.load(K_SCALE + h)
+        kv_len = tl.load(LENS + b)
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D_PAD)
+        offs_t = tl.arange(0, TILE)
+        m_mask = offs_m < q_len
+        d_mask = offs_d < D
+        p_q = kv_len - q_len + offs_m  # each row's position
+        rows = (q_start + offs_m).to(tl.int64)
+        q_ptr = Q + rows[:, None] * stride_qt + hq * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptr, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        first = kv_len - q_len + mb * BLOCK_M
+        hi = tl.minimum(first + BLOCK_M, kv_len)  # one past the block's last position
+        lo = tl.maximum(first - window + 1, 0)
+        m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        row_k = tl.zeros([TILE], dtype=tl.int64)
+        row_v = tl.zeros([TILE], dtype=tl.int64)
+        row_ks = tl.zeros([TILE], dtype=tl.int64)
+        row_vs = tl.zeros([TILE], dtype=tl.int64)
+        if not PAGED:
+            slot = tl.load(TABLE + b.to(tl.int64) * stride_tb).to(tl.int64)
+            row_k += slot * stride_kseq
+            row_v += slot * stride_vseq
+            row_ks += slot * stride_ksseq
+            row_vs += slot * stride_vsseq
+        for tile in range(0, tl.cdiv(hi - lo, TILE)):
+            pos = lo + tile * TILE + offs_t
+            t_mask = pos < hi
+            if PAGED:
+                tab = TABLE + b.to(tl.int64) * stride_tb + pos // BLOCK
+                blk = tl.load(tab, mask=t_mask, other=0).to(tl.int64)
+                in_blk = (pos % BLOCK).to(tl.int64)
+                k_off = blk * stride_kseq + in_blk * stride_ktok
+                v_off = blk * stride_vseq + in_blk * stride_vtok
+                ks_off = blk * stride_ksseq + in_blk * stride_kstok
+                vs_off = blk * stride_vsseq + in_blk * stride_vstok
+            else:
+                k_off = row_k + pos.to(tl.int64) * stride_ktok
+                v_off = row_v + pos.to(tl.int64) * stride_vtok
+                ks_off = row_ks + pos.to(tl.int64) * stride_kstok
+                vs_off = row_vs + pos.to(tl.int64) * stride_vstok
+            kv_mask = t_mask[:, None] & d_mask[None, :]
+            k = tl.load(K + k_off[:, None] + h * stride_kh + offs_d[None, :], mask=kv_mask,
+                        other=0.0)  # fmt: skip
+            if QUANT:
+                k = k.to(tl.float32).to(q.dtype)
+            if DOT_FP32:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, TILE]
+            if QUANT == 2:
+                s = s * tl.load(K_SCALE + ks_off + h, mask=t_mask, other=0.0)[None, :]
+            seen = (pos[None, :] <= p_q[:, None]) & (pos[None, :] > p_q[:, None] - window)
+            s = tl.where(seen & t_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            pexp = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pexp, axis=1)
+            v = tl.load(V + v_off[:, None] + h * stride_vh + offs_d[None, :], mask=kv_mask,
+                        other=0.0)  # fmt: skip
+            if QUANT:
+                v = v.to(tl.float32).to(q.dtype)
+            if DOT_FP32:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None]
+            if QUANT == 2:
+                pexp = pexp * tl.load(V_SCALE + vs_off + h, mask=t_mask, other=0.0)[None, :]
+            acc = tl.dot(pexp.to(v.dtype), v, acc, input_precision=PRECISION)
+            m_i = m_new
+        if QUANT == 1:
+            acc = acc * tl.load(V_SCALE + h)
+        out = acc / tl.where(m_mask, l_i, 1.0)[:, None]  # rows past q_len: never stored
+        o_ptr = OUT + rows[:, None] * stride_ot + hq * stride_oh + offs_d[None, :]
+        tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def launches(q, k, v, table, lens, starts, *, max_q, paged, block, scale=None, window=None,
+             kv_scales=None):  # fmt: skip
+    """The kernel launch of :func:`prefill`, as ``(out, [(kernel, grid, args, kwargs)])``;
+    the sm_90 compile test compiles exactly this. Arguments as in :func:`prefill`."""
+    n, hq, d = q.shape
+    quant, ks, vs = check_args(q, k, v, block, paged, window, kv_scales)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    g, d_pad = hq // k.shape[2], max(16, triton.next_power_of_2(d))
+    b = lens.shape[0]
+    out = torch.empty_like(q)
+    table = table if table.dim() == 2 else table.view(-1, 1)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    # the interpreter's 16-bit tl.dot is wrong on the CPU (see triton_decode): fp32 dots there
+    dot_fp32 = isinstance(_prefill, InterpretedFunction) and q.dtype != torch.float32
+    block_m, tile, warps = CONFIG.get(q.dtype, CONFIG[torch.float32])
+    run = (
+        _prefill, (b, triton.cdiv(max(max_q, 1), block_m), hq),
+        (q, k, v, out, table, lens, starts, lens if ks is None else ks,
+         lens if vs is None else vs, scale, window or FULL,
+         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+         *scale_strides(quant, ks, vs), table.stride(0)),
+        dict(G=g, D=d, D_PAD=d_pad, BLOCK_M=block_m, TILE=tile, BLOCK=block, PAGED=paged,
+             PRECISION=precision, DOT_FP32=dot_fp32, QUANT=quant, num_warps=warps),
+    )  # fmt: skip
+    return out, [run]
+
+
+def prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    table: torch.Tensor,
+    lens: torch.Tensor,
+    starts: torch.Tensor,
+    *,
+    max_q: int,
+    paged: bool,
+    block: int,
+    scale: float | None = None,
+    window: int | None = None,
+    kv_scales=None,
+) -> torch.Tensor:
+    """Causal prefill. q: packed ``[Σ q_lens, N_Q, d_h]``; starts: ``[B+1]`` int32 (sequence
+    b's queries are rows ``starts[b] … starts[b+1]``), lens: ``[B]`` int32 kv lengths (each
+    ≥ its q_len: the queries' own K/V already written), both on q's device; ``max_q``: a host
+    int ≥ every q_len (sizes the grid; no device read). k, v, table, block, window and
+    kv_scales as in :func:`vmcache.kernels.triton_decode.decode`. Returns q's shape and dtype.
+    """
+    out, runs = launches(q, k, v, table, lens, starts, max_q=max_q, paged=paged, block=block,
+                         scale=scale, window=window, kv_scales=kv_scales)  # fmt: skip
+    if q.shape[0] == 0:
+        return out
+    for kernel, grid, args, kwargs in runs:
+        kernel[grid](*args, **kwargs)
+    return out

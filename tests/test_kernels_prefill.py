@@ -1,0 +1,86 @@
+"""The Triton prefill (under TRITON_INTERPRET=1 here) on every cache against the plain
+reference over what the test wrote: packed queries of awkward lengths (1, a block boundary of
+64 crossed, several query blocks, a whole fresh prompt) over cached prefixes, GQA ratios 1–8,
+head sizes 64 and 96, fp32 and bf16; and the dispatch's choices."""
+
+import pytest
+import torch
+from test_kernels import KINDS, SHAPES, TOL, WRITTEN, fill, make
+from vmcache.kernels import contiguous, triton_prefill
+from vmcache.kernels.reference import dense_attention
+
+from vmcache import KVSpec, kernels
+
+LENS = [1, 15, 16, 17, 130, 257]
+Q_LENS = [1, 15, 3, 17, 65, 130]  # 65: one row past a query block; 130: three blocks
+
+
+def reference(cache, layer, q, seqs, q_lens):
+    out, at = [], 0
+    for s, n in zip(seqs, q_lens):
+        out.append(dense_attention(q[at : at + n], *WRITTEN[id(cache), s, layer]))
+        at += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group,head_dim", SHAPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_triton_prefill_matches_the_reference(kind, group, head_dim, dtype):
+    spec = KVSpec(2, 2, head_dim, dtype, num_q_heads=2 * group)
+    cache = make(kind, spec)
+    seqs = fill(cache, LENS)
+    q = torch.randn(sum(Q_LENS), spec.q_heads, head_dim).to(dtype)
+    out = kernels.prefill(cache, 1, q, seqs, Q_LENS, impl="triton")
+    assert out.shape == q.shape and out.dtype == dtype
+    want = reference(cache, 1, q, seqs, Q_LENS)
+    torch.testing.assert_close(out.float(), want.float(), **TOL[dtype])
+    cache.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_triton_prefill_of_whole_prompts_equals_the_per_sequence_path(kind):
+    """q_len = kv_len (fresh prompts, the engine's first chunk): every key is a query's own."""
+    spec = KVSpec(1, 2, 64, torch.float32, num_q_heads=4)
+    cache = make(kind, spec)
+    lens = [3, 64, 100]
+    seqs = fill(cache, lens)
+    q = torch.randn(sum(lens), 4, 64)
+    torch.testing.assert_close(
+        kernels.prefill(cache, 0, q, seqs, lens, impl="triton"),
+        kernels.prefill(cache, 0, q, seqs, lens),  # the CPU default: SDPA / gather
+        rtol=1e-4, atol=1e-5,
+    )  # fmt: skip
+    cache.close()
+
+
+def test_the_launch_checks_its_arguments_and_sizes_its_grid():
+    q = torch.zeros(10, 4, 64)
+    k = v = torch.zeros(2, 32, 2, 64)
+    lens = torch.tensor([5, 8], dtype=torch.int32)
+    starts = torch.tensor([0, 3, 10], dtype=torch.int32)
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    out, ((kernel, grid, _, kw),) = triton_prefill.launches(
+        q, k, v, slots, lens, starts, max_q=7, paged=False, block=1
+    )
+    assert out.shape == q.shape and grid == (2, 1, 4) and kw["G"] == 2
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        triton_prefill.launches(torch.zeros(10, 3, 64), k, v, slots, lens, starts, max_q=7,
+                                paged=False, block=1)  # fmt: skip
+    with pytest.raises(ValueError, match="window"):
+        triton_prefill.launches(q, k, v, slots, lens, starts, max_q=7, paged=False, block=1,
+                                window=0)  # fmt: skip
+    with pytest.raises(TypeError, match="share a dtype"):
+        triton_prefill.launches(q.double(), k, v, slots, lens, starts, max_q=7, paged=False,
+                                block=1)  # fmt: skip
+
+
+def test_prefill_dispatch_names_its_impls():
+    spec = KVSpec(1, 2, 64, torch.float32, num_q_heads=4)
+    cache = make("vm", spec)
+    seqs = fill(cache, [4])
+    q = torch.randn(2, 4, 64)
+    assert contiguous.PREFILL_IMPLS == ("aten_fa2", "triton", "sdpa")
+    with pytest.raises(ValueError, match="unknown contiguous prefill impl"):
+        kernels.prefill(cache, 0, q, seqs, [2], impl="flash_attn")
+    cache.close()
