@@ -46,12 +46,19 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+from vmcache.kernels.triton_tiles import (
+    FULL,
+    check_args,
+    load_tile,
+    scale_strides,
+    softmax_step,
+    tile_rows,
+)
 
 TILE = 64  # tokens per loop iteration
 PART_TOKENS = 1024  # tokens per split-K partition
 P_CHUNK = 16  # partitions the combine merges per iteration
 G_MIN = 16  # tl.dot needs at least 16 rows
-FULL = 2**31 - 1  # the window argument of full attention
 
 
 @triton.jit(do_not_specialize=["scale", "num_parts", "stride_tb", "window"])
@@ -89,62 +96,37 @@ def _decode_partial(
     n_tiles = tl.cdiv(seq_len - lo, TILE)  # tiles start at lo: nothing before it is read
     first = p * PART_TILES
     last = tl.minimum(first + PART_TILES, n_tiles)
-    row_k = tl.zeros([TILE], dtype=tl.int64)
-    row_v = tl.zeros([TILE], dtype=tl.int64)
-    row_ks = tl.zeros([TILE], dtype=tl.int64)
-    row_vs = tl.zeros([TILE], dtype=tl.int64)
-    if not PAGED:
-        slot = tl.load(TABLE + b.to(tl.int64) * stride_tb).to(tl.int64)
-        row_k += slot * stride_kseq
-        row_v += slot * stride_vseq
-        row_ks += slot * stride_ksseq
-        row_vs += slot * stride_vsseq
     for tile in range(first, last):
         pos = lo + tile * TILE + offs_t
         t_mask = pos < seq_len
-        if PAGED:
-            tab = TABLE + b.to(tl.int64) * stride_tb + pos // BLOCK
-            blk = tl.load(tab, mask=t_mask, other=0).to(tl.int64)
-            in_blk = (pos % BLOCK).to(tl.int64)
-            k_off = blk * stride_kseq + in_blk * stride_ktok
-            v_off = blk * stride_vseq + in_blk * stride_vtok
-            ks_off = blk * stride_ksseq + in_blk * stride_kstok
-            vs_off = blk * stride_vsseq + in_blk * stride_vstok
-        else:
-            k_off = row_k + pos.to(tl.int64) * stride_ktok
-            v_off = row_v + pos.to(tl.int64) * stride_vtok
-            ks_off = row_ks + pos.to(tl.int64) * stride_kstok
-            vs_off = row_vs + pos.to(tl.int64) * stride_vstok
+        row, tok = tile_rows(TABLE, b, pos, t_mask, stride_tb, BLOCK, PAGED)
         kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + k_off[:, None] + h * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if QUANT:
-            k = k.to(tl.float32).to(q.dtype)  # dequantized in registers (scale folded in)
-        if DOT_FP32:
-            k = k.to(tl.float32)
+        k = load_tile(K + h * stride_kh, row * stride_kseq + tok * stride_ktok, offs_d, kv_mask,
+                      q, QUANT, DOT_FP32)  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G_PAD, TILE] fp32
         if QUANT == 2:
-            s = s * tl.load(K_SCALE + ks_off + h, mask=t_mask, other=0.0)[None, :]
+            ks = tl.load(
+                K_SCALE + row * stride_ksseq + tok * stride_kstok + h, mask=t_mask, other=0.0
+            )
+            s = s * ks[None, :]
         s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        pexp = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pexp, axis=1)
-        v = tl.load(V + v_off[:, None] + h * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if QUANT:
-            v = v.to(tl.float32).to(q.dtype)
-        if DOT_FP32:
-            v = v.to(tl.float32)
+        m_new, alpha, pexp, l_i = softmax_step(s, m_i, l_i)
+        v = load_tile(V + h * stride_vh, row * stride_vseq + tok * stride_vtok, offs_d, kv_mask,
+                      q, QUANT, DOT_FP32)  # fmt: skip
         acc = acc * alpha[:, None]
         if QUANT == 2:
-            pexp = pexp * tl.load(V_SCALE + vs_off + h, mask=t_mask, other=0.0)[None, :]
+            vs = tl.load(
+                V_SCALE + row * stride_vsseq + tok * stride_vstok + h, mask=t_mask, other=0.0
+            )
+            pexp = pexp * vs[None, :]
         acc = tl.dot(pexp.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_new
     if QUANT == 1:
         acc = acc * tl.load(V_SCALE + h)
-    row = (b * (G * tl.num_programs(1)) + qh).to(tl.int64) * num_parts + p
-    tl.store(M_OUT + row, m_i, mask=g_mask)
-    tl.store(L_OUT + row, l_i, mask=g_mask)
-    o_ptr = O_OUT + row[:, None] * D_PAD + offs_d[None, :]
+    out_row = (b * (G * tl.num_programs(1)) + qh).to(tl.int64) * num_parts + p
+    tl.store(M_OUT + out_row, m_i, mask=g_mask)
+    tl.store(L_OUT + out_row, l_i, mask=g_mask)
+    o_ptr = O_OUT + out_row[:, None] * D_PAD + offs_d[None, :]
     tl.store(o_ptr, acc, mask=g_mask[:, None] & d_mask[None, :])
 
 
@@ -236,48 +218,6 @@ def launches(q, k, v, table, lens, *, max_len, paged, block, scale=None,
         dict(D=d, D_PAD=d_pad, P_CHUNK=P_CHUNK),
     )  # fmt: skip
     return out, [partial, combine]
-
-
-def check_args(q, k, v, block, paged, window, kv_scales):
-    """Validate a launch's tensors (either kernel); returns :func:`_check_scales`'s triple."""
-    hq, hk = q.shape[-2], k.shape[2]
-    if hq % hk:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hk})")
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("the last (head_dim) dimension of q, k and v must be contiguous")
-    if block < 1 or (paged and block & (block - 1)):
-        raise ValueError(f"block size must be a power of two, got {block}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                               or window < 1):  # fmt: skip
-        raise ValueError(f"window must be None or a positive int, got {window!r}")
-    return _check_scales(q, k, v, kv_scales)
-
-
-def scale_strides(quant: int, ks, vs) -> list[int]:
-    """The per-token scale views' (sequence or block, token) strides; zeros otherwise."""
-    return [x.stride(i) if quant == 2 else 0 for x in (ks, vs) for i in (0, 1)]
-
-
-def _check_scales(q, k, v, kv_scales):
-    """(QUANT, K's scales, V's scales) for a launch: 0 unquantized, 1 per head, 2 per token."""
-    if kv_scales is None:
-        if not (q.dtype == k.dtype == v.dtype):
-            raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-        return 0, None, None
-    if k.dtype != v.dtype or k.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):
-        raise TypeError(f"quantized K/V must both be float8 or int8, got {k.dtype}, {v.dtype}")
-    if isinstance(kv_scales, torch.Tensor):
-        if tuple(kv_scales.shape) != (2, k.shape[2]) or kv_scales.dtype != torch.float32:
-            raise TypeError(f"head kv_scales must be fp32 [2, {k.shape[2]}], got "
-                            f"{kv_scales.dtype} {list(kv_scales.shape)}")  # fmt: skip
-        return 1, kv_scales[0], kv_scales[1]
-    ks, vs = kv_scales
-    for x, ref in ((ks, k), (vs, v)):
-        if (not isinstance(x, torch.Tensor) or x.dtype != torch.float32
-                or tuple(x.shape) != tuple(ref.shape[:3]) or x.stride(-1) != 1):  # fmt: skip
-            raise TypeError(f"per-token kv_scales must be fp32 {list(ref.shape[:3])} views with "
-                            f"a contiguous last dim, got {getattr(x, 'shape', x)}")  # fmt: skip
-    return 2, ks, vs
 
 
 def decode(

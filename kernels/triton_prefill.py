@@ -27,7 +27,14 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
-from vmcache.kernels.triton_decode import FULL, check_args, scale_strides
+from vmcache.kernels.triton_tiles import (
+    FULL,
+    check_args,
+    load_tile,
+    scale_strides,
+    softmax_step,
+    tile_rows,
+)
 
 # (query rows a program holds, keys per loop iteration, warps) by q's dtype: fp32 dots run on
 # FMA units: 64-row tiles spill, and 8 warps over 32 × 32 do not (benchmarks/compile_sm90.py)
@@ -73,57 +80,30 @@ def _prefill(
         m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-        row_k = tl.zeros([TILE], dtype=tl.int64)
-        row_v = tl.zeros([TILE], dtype=tl.int64)
-        row_ks = tl.zeros([TILE], dtype=tl.int64)
-        row_vs = tl.zeros([TILE], dtype=tl.int64)
-        if not PAGED:
-            slot = tl.load(TABLE + b.to(tl.int64) * stride_tb).to(tl.int64)
-            row_k += slot * stride_kseq
-            row_v += slot * stride_vseq
-            row_ks += slot * stride_ksseq
-            row_vs += slot * stride_vsseq
         for tile in range(0, tl.cdiv(hi - lo, TILE)):
             pos = lo + tile * TILE + offs_t
             t_mask = pos < hi
-            if PAGED:
-                tab = TABLE + b.to(tl.int64) * stride_tb + pos // BLOCK
-                blk = tl.load(tab, mask=t_mask, other=0).to(tl.int64)
-                in_blk = (pos % BLOCK).to(tl.int64)
-                k_off = blk * stride_kseq + in_blk * stride_ktok
-                v_off = blk * stride_vseq + in_blk * stride_vtok
-                ks_off = blk * stride_ksseq + in_blk * stride_kstok
-                vs_off = blk * stride_vsseq + in_blk * stride_vstok
-            else:
-                k_off = row_k + pos.to(tl.int64) * stride_ktok
-                v_off = row_v + pos.to(tl.int64) * stride_vtok
-                ks_off = row_ks + pos.to(tl.int64) * stride_kstok
-                vs_off = row_vs + pos.to(tl.int64) * stride_vstok
+            row, tok = tile_rows(TABLE, b, pos, t_mask, stride_tb, BLOCK, PAGED)
             kv_mask = t_mask[:, None] & d_mask[None, :]
-            k = tl.load(K + k_off[:, None] + h * stride_kh + offs_d[None, :], mask=kv_mask,
-                        other=0.0)  # fmt: skip
-            if QUANT:
-                k = k.to(tl.float32).to(q.dtype)
-            if DOT_FP32:
-                k = k.to(tl.float32)
+            k = load_tile(K + h * stride_kh, row * stride_kseq + tok * stride_ktok, offs_d,
+                          kv_mask, q, QUANT, DOT_FP32)  # fmt: skip
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, TILE]
             if QUANT == 2:
-                s = s * tl.load(K_SCALE + ks_off + h, mask=t_mask, other=0.0)[None, :]
+                ks = tl.load(
+                    K_SCALE + row * stride_ksseq + tok * stride_kstok + h, mask=t_mask, other=0.0
+                )
+                s = s * ks[None, :]
             seen = (pos[None, :] <= p_q[:, None]) & (pos[None, :] > p_q[:, None] - window)
             s = tl.where(seen & t_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            pexp = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pexp, axis=1)
-            v = tl.load(V + v_off[:, None] + h * stride_vh + offs_d[None, :], mask=kv_mask,
-                        other=0.0)  # fmt: skip
-            if QUANT:
-                v = v.to(tl.float32).to(q.dtype)
-            if DOT_FP32:
-                v = v.to(tl.float32)
+            m_new, alpha, pexp, l_i = softmax_step(s, m_i, l_i)
+            v = load_tile(V + h * stride_vh, row * stride_vseq + tok * stride_vtok, offs_d,
+                          kv_mask, q, QUANT, DOT_FP32)  # fmt: skip
             acc = acc * alpha[:, None]
             if QUANT == 2:
-                pexp = pexp * tl.load(V_SCALE + vs_off + h, mask=t_mask, other=0.0)[None, :]
+                vs = tl.load(
+                    V_SCALE + row * stride_vsseq + tok * stride_vstok + h, mask=t_mask, other=0.0
+                )
+                pexp = pexp * vs[None, :]
             acc = tl.dot(pexp.to(v.dtype), v, acc, input_precision=PRECISION)
             m_i = m_new
         if QUANT == 1:
