@@ -29,6 +29,17 @@ def strict_host(granularity=4096, inner=None):
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
 # the same shape, layer 0 an 8-token sliding window, layer 1 full attention (hybrid)
 WINDOWED = KVSpec(2, 2, 16, torch.float32, layer_windows=(8, None))
+# the same shape stored as INT8 with per-token scales: 48-byte rows (32 + 16 of scales), which
+# no 4 KiB page divides, so tokens straddle VM pages
+INT8_TOKEN = KVSpec(2, 2, 16, torch.float32, kv_dtype=torch.int8, kv_granularity="token")
+
+
+def int8_token_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """What an INT8 per-token cache gives back for ``x`` [..., N_KV, d_h], computed here from
+    the scale rule (amax / 127 per token and head, round to nearest): the tests' oracle."""
+    s = (x.abs().amax(-1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (x / s.unsqueeze(-1)).clamp(-127.0, 127.0).round().to(torch.int8)
+    return q.float() * s.unsqueeze(-1)
 
 
 def vm(pages=64, layout="layer_major", spec=SPEC, **kw):

@@ -34,6 +34,7 @@ class CacheMachine(RuleBasedStateMachine):
     windows = (None, None)  # per layer: a sliding window W, or None
     rollback = 0  # the cache's rollback_tokens
     tokens_per_page = 1
+    stored = staticmethod(lambda x: x)  # what the cache gives back for written K/V x
 
     def __init__(self):
         super().__init__()
@@ -99,9 +100,9 @@ class CacheMachine(RuleBasedStateMachine):
         val = self._value(n)
         for layer in range(2):
             self.c.write(layer, s, 0, val[:, 0], val[:, 1])
-        self.shadow[s] = [val.clone(), val.clone()]
+        self.shadow[s] = [self.stored(val), self.stored(val)]
         (kid,) = self.c.fork(s, 1)
-        self.shadow[kid] = [val.clone(), val.clone()]
+        self.shadow[kid] = [self.stored(val), self.stored(val)]
         self.top[s] = self.top[kid] = n
 
     @precondition(lambda self: len(self.shadow) < 5)  # a full slot table comes from fork
@@ -166,7 +167,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         if not self.attempt("write", lambda: self.c.write(layer, s, start, val[:, 0], val[:, 1])):
             return
-        self.shadow[s][layer][start : start + n] = val
+        self.shadow[s][layer][start : start + n] = self.stored(val)
 
     @precondition(lambda self: self.shadow)
     @rule(data=st.data(), n=st.integers(1, 3))
@@ -244,7 +245,7 @@ class CacheMachine(RuleBasedStateMachine):
             if not self.attempt("write", lambda layer=layer: self.c.write(
                     layer, s, before, val[:, 0], val[:, 1])):  # fmt: skip
                 continue
-            self.shadow[s][layer][before:] = val
+            self.shadow[s][layer][before:] = self.stored(val)
         self.dirty.add(s)
         self.seen["speculate"] += 1
         if not any(self.windows or ()) and k and data.draw(st.booleans()):
@@ -288,7 +289,7 @@ class CacheMachine(RuleBasedStateMachine):
         ):
             return
         for s in group:
-            self.shadow[s][layer][start : start + n] = val
+            self.shadow[s][layer][start : start + n] = self.stored(val)
 
     @precondition(lambda self: self.shadow)
     @rule(data=st.data())
@@ -337,10 +338,18 @@ class CacheMachine(RuleBasedStateMachine):
 POOLS = {"vm": {"pages": 16}, "vm_token_major": {"pages": 14}, "paged": {"blocks": 10}}
 
 
+# INT8 per-token rows of 48 B: a 160-token sequence needs 8 VM pages (both layouts) or 10
+# blocks of 3 KiB; these pools run out
+QUANT_POOLS = {"vm": {"pages": 7}, "vm_token_major": {"pages": 6}, "paged": {"blocks": 10}}
+
+
 def _machine_class(name):
-    base = name.removesuffix("_window")
+    base = name.removesuffix("_window").removesuffix("_int8_token")
     attrs = {"name": name}
     kw = dict(max_seqs=6, max_seq_len=160, **POOLS[base])
+    if name.endswith("_int8_token"):  # tokens straddle VM pages; scales travel in each row
+        kw.update(spec=caches.INT8_TOKEN, **QUANT_POOLS[base])
+        attrs["stored"] = staticmethod(caches.int8_token_roundtrip)
     if name.endswith("_window"):  # layer 0 slides over 8 tokens, a rollback margin of 5
         kw.update(spec=caches.WINDOWED, rollback_tokens=5)
         # room for sequences long enough to leave the window (VM: 32 tokens a page)
@@ -365,9 +374,13 @@ TestPagedMachine = _machine("paged")
 TestVMWindowMachine = _machine("vm_window", 25)
 TestVMTokenMajorWindowMachine = _machine("vm_token_major_window", 25)
 TestPagedWindowMachine = _machine("paged_window", 25)
+TestVMInt8TokenMachine = _machine("vm_int8_token", 25)
+TestVMTokenMajorInt8TokenMachine = _machine("vm_token_major_int8_token", 25)
+TestPagedInt8TokenMachine = _machine("paged_int8_token", 25)
 
 
-@pytest.mark.parametrize("name", sorted(POOLS) + [f"{n}_window" for n in sorted(POOLS)])
+@pytest.mark.parametrize("name", sorted(POOLS) + [f"{n}_{v}" for v in ("window", "int8_token")
+                                                  for n in sorted(POOLS)])  # fmt: skip
 def test_the_machines_reach_the_states_they_claim(name):
     """A fixed-seed run of each machine reaches pool exhaustion (not only a full slot
     table), copy-on-write splits and swap round trips: the machines can fail there."""
