@@ -1,7 +1,8 @@
-"""FP8 / INT8 K/V in the attention kernels: the Triton decode (dequantizing in registers, under
-TRITON_INTERPRET=1 here) and the SDPA path (dequantized views) on every cache against the plain
-reference over what the cache stores (quantize, then dequantize, of what the test wrote), over
-awkward lengths, GQA ratios and head sizes; and the FlashAttention impls refuse FP8 K/V."""
+"""FP8 / INT8 K/V in the attention kernels: the Triton decode and prefill (dequantizing in
+registers, under TRITON_INTERPRET=1 here) and the SDPA path (dequantized views) on every cache,
+with head and per-token scales, against the plain reference over what the cache stores
+(quantize, then dequantize, of what the test wrote by its own scale rule), over awkward lengths,
+GQA ratios and head sizes; and the FlashAttention impls refuse FP8 K/V."""
 
 import pytest
 import torch
