@@ -100,9 +100,9 @@ class CacheMachine(RuleBasedStateMachine):
         val = self._value(n)
         for layer in range(2):
             self.c.write(layer, s, 0, val[:, 0], val[:, 1])
-        self.shadow[s] = [self.stored(val), self.stored(val)]
+        self.shadow[s] = [self.stored(val).clone() for _ in range(2)]  # one tensor each
         (kid,) = self.c.fork(s, 1)
-        self.shadow[kid] = [self.stored(val), self.stored(val)]
+        self.shadow[kid] = [self.stored(val).clone() for _ in range(2)]
         self.top[s] = self.top[kid] = n
 
     @precondition(lambda self: len(self.shadow) < 5)  # a full slot table comes from fork
