@@ -35,7 +35,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from vmcache.kernels import triton_decode, triton_prefill  # noqa: E402
-from vmcache.kernels.common import layer_window  # noqa: E402
+from vmcache.kernels.common import layer_window, packed_trees  # noqa: E402
 from vmcache.kernels.plan import plan  # noqa: E402
 from vmcache.paged_fallback import PagedKVCache  # noqa: E402
 
@@ -120,18 +120,27 @@ def decode_launches(cache, mode: str, seqs: list[int], layer: int = 0) -> list:
     return runs
 
 
-def prefill_launches(cache, mode: str, seqs: list[int], layer: int = 0) -> list:
+def prefill_launches(cache, mode: str, seqs: list[int], layer: int = 0,
+                     tree: bool = False) -> list:  # fmt: skip
     """The launch ``kernels.prefill(..., impl="triton")`` makes for ``seqs``, each bringing
-    its last min(len, 5) tokens as queries."""
+    its last min(len, 5) tokens as queries; ``tree``: the first sequence's queries a token
+    tree (two chains), as ``kernels.attend(masks=...)`` launches on CUDA."""
     spec = cache.spec
     q_lens = [min(cache.seq_len(s), 5) for s in seqs]
-    p = plan(cache, seqs, q_lens, layer=layer)
+    masks = [None] * len(seqs)
+    if tree:
+        n = q_lens[0]
+        masks[0] = torch.ones(n, n, dtype=torch.bool).tril()
+        masks[0][n - 1, : n - 1] = False  # the last token: a second chain off the history
+    flags, packed = packed_trees(masks)
+    p = plan(cache, seqs, q_lens, layer=layer, trees=flags)
     q = torch.zeros(sum(q_lens), spec.q_heads, spec.head_dim, dtype=spec.dtype)
     k, v, table, block = _views(cache, mode, p, layer)
     _, runs = triton_prefill.launches(q, k, v, table, p.lens, p.starts, max_q=p.max_q,
                                       paged=mode == "paged", block=block,
                                       window=layer_window(cache, layer),
-                                      kv_scales=cache.kv_scales_for(layer))  # fmt: skip
+                                      kv_scales=cache.kv_scales_for(layer), tree_masks=packed,
+                                      mask_starts=p.mask_starts)  # fmt: skip
     return runs
 
 
@@ -165,11 +174,15 @@ def compile_one(shape: str, dtype: str, mode: str, arch: int) -> list[dict]:
     cache, seqs = build(mode, spec)
     try:
         runs = decode_launches(cache, mode, seqs, 1) + prefill_launches(cache, mode, seqs, 1)
+        runs += [(k, g, a, {**kw, "tree": True}) for k, g, a, kw in
+                 prefill_launches(cache, mode, seqs, 1, tree=True)]  # fmt: skip
         rows = []
         for kernel, grid, args, kwargs in runs:
+            kwargs = dict(kwargs)
+            name = kernel.fn.__name__ + (" (tree)" if kwargs.pop("tree", False) else "")
             t0 = time.perf_counter()
             compiled = kernel.warmup(*args, grid=grid, **kwargs)
-            rows.append({"kernel": kernel.fn.__name__, "shape": shape, "dtype": dtype,
+            rows.append({"kernel": name, "shape": shape, "dtype": dtype,
                          "mode": mode, "head_dim": d, "gqa_group": hq // hk, "arch": arch,
                          "shared_bytes": compiled.metadata.shared,
                          "num_warps": compiled.metadata.num_warps,

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 from vmcache.kernels import contiguous, paged
-from vmcache.kernels.common import attend_cache_views, check_inputs, layer_window
+from vmcache.kernels.common import (
+    MAX_TREE_TOKENS,
+    attend_cache_views,
+    check_inputs,
+    layer_window,
+)
 
 
 def _module(cache):
@@ -40,13 +45,15 @@ def attend(cache, layer: int, q, seq_ids, q_lens, scale=None, impl=None,
 
     ``masks[i]`` (token trees): None for a causal sequence, or bool ``[q_lens[i], q_lens[i]]``,
     row j true at the tree tokens query j sees (itself and its ancestors; see
-    :func:`~vmcache.kernels.common.tree_mask`). Tree sequences run SDPA with that explicit
-    mask (torch's memory-efficient kernel on CUDA) on the cache's own views; the others
-    take the usual kernels, packed apart:
+    :func:`~vmcache.kernels.common.tree_mask`). On CUDA (or with ``impl="triton"``) the
+    whole step is one Triton prefill that reads each tree's mask (causal rows for the
+    others); elsewhere, or with ``softcap``, tree sequences run SDPA with that explicit mask
+    on the cache's own views and the others take the usual kernels, packed apart:
 
         q:      | a (causal) | T (tree) | b (causal) |
-        kernel: | a          |            b          |    prefill/decode, one call
-        sdpa:              | T + its mask |               one call per tree
+        triton: | a            T + its mask     b    |    one call, every sequence
+        else:   | a          |            b          |    prefill/decode, one call
+                             | T + its mask |             SDPA, one call per tree
     """
     if masks is not None and any(m is not None for m in masks):
         return _attend_trees(cache, layer, q, seq_ids, q_lens, scale, impl, softcap, masks)
@@ -73,6 +80,10 @@ def _attend_trees(cache, layer, q, seq_ids, q_lens, scale, impl, softcap, masks)
                              f"{list(m.shape)}")  # fmt: skip
     if layer_window(cache, layer) is not None:
         raise ValueError("token trees are not supported on sliding-window layers")
+    small = all(m is None or m.shape[0] <= MAX_TREE_TOKENS for m in masks)
+    if softcap is None and (impl == "triton" or (impl is None and q.is_cuda and small)):
+        return _module(cache).prefill(cache, layer, q, seq_ids, q_lens, scale=scale,
+                                      impl="triton", masks=masks)  # fmt: skip
     starts = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
     rows = [torch.arange(starts[i], starts[i + 1]) for i in range(len(q_lens))]
     tree = [i for i, m in enumerate(masks) if m is not None]

@@ -73,6 +73,30 @@ def tree_mask(ancestors: torch.Tensor, kv_len: int) -> torch.Tensor:
     return mask
 
 
+MAX_TREE_TOKENS = 32  # a tree's ancestor rows are 32-bit words in the Triton prefill
+
+
+def packed_trees(masks):
+    """(a flag per sequence, int32 ``[Σ q_len of the trees]``: each tree query's ancestors as
+    a bit field, bit j set where it sees the tree's token j, trees in batch order) for the
+    Triton prefill, from ``masks`` (None or bool ``[q_len, q_len]`` each, q_len <=
+    :data:`MAX_TREE_TOKENS`; on q's device: computed there); (None, None) without trees."""
+    if masks is None or all(m is None for m in masks):
+        return None, None
+    flags = tuple(m is not None for m in masks)
+    rows = []
+    for m in masks:
+        if m is not None:
+            n = m.shape[1]
+            if n > MAX_TREE_TOKENS:
+                raise ValueError(f"a tree of {n} tokens has no Triton path (at most "
+                                 f"{MAX_TREE_TOKENS}); use impl='sdpa' / 'torch'")  # fmt: skip
+            bits = torch.arange(n, device=m.device, dtype=torch.int64)
+            rows.append((m.to(torch.int64) << bits).sum(1))
+    # bit 31 set is a negative int32 (two's complement): the same 32 bits the kernel tests
+    return flags, torch.cat(rows).to(torch.int32)
+
+
 def sdpa_per_sequence(
     q: torch.Tensor,
     q_lens: Sequence[int],

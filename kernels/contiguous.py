@@ -29,7 +29,7 @@ import math
 
 import torch
 from vmcache.kernels import triton_decode, triton_prefill
-from vmcache.kernels.common import attend_cache_views, layer_window
+from vmcache.kernels.common import attend_cache_views, layer_window, packed_trees
 from vmcache.kernels.plan import plan
 
 IMPLS = ("flash_attn", "aten_fa2", "triton", "sdpa")
@@ -132,10 +132,11 @@ def decode(cache, layer, q, seq_ids, scale=None, impl=None):
     )  # fmt: skip
 
 
-def prefill(cache, layer, q, seq_ids, q_lens, scale=None, impl=None):
+def prefill(cache, layer, q, seq_ids, q_lens, scale=None, impl=None, masks=None):
     """q packed ``[Σ q_lens, N_Q, d_h]``; causal over the cached prefix plus the new tokens.
     Default: aten FA2 where it runs, else our Triton prefill on CUDA (FP8/INT8 K/V too), else
-    SDPA per sequence (dequantized copies for FP8/INT8)."""
+    SDPA per sequence (dequantized copies for FP8/INT8). ``masks`` (token trees, Triton
+    only): see :func:`vmcache.kernels.api.attend`."""
     quantized = cache.spec.quantized
     if impl is None:
         usable = available_impls(q, quantized)
@@ -151,9 +152,10 @@ def prefill(cache, layer, q, seq_ids, q_lens, scale=None, impl=None):
         return _aten_fa2(cache, layer, q, seq_ids, list(q_lens), scale)
     if impl == "sdpa":
         return attend_cache_views(cache, layer, q, seq_ids, q_lens, scale)
-    p = plan(cache, seq_ids, list(q_lens), layer=layer)
+    trees, packed = packed_trees(masks)
+    p = plan(cache, seq_ids, list(q_lens), layer=layer, trees=trees)
     return triton_prefill.prefill(
         q, cache.k_cache(layer), cache.v_cache(layer), p.slots, p.lens, p.starts,
         max_q=p.max_q, paged=False, block=1, scale=scale, window=layer_window(cache, layer),
-        kv_scales=cache.kv_scales_for(layer),
+        kv_scales=cache.kv_scales_for(layer), tree_masks=packed, mask_starts=p.mask_starts,
     )  # fmt: skip

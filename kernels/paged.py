@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from vmcache.kernels import triton_decode, triton_prefill
-from vmcache.kernels.common import attend_cache_views, layer_window
+from vmcache.kernels.common import attend_cache_views, layer_window, packed_trees
 from vmcache.kernels.plan import plan
 
 
@@ -24,17 +24,20 @@ def decode(cache, layer: int, q, seq_ids: list[int], scale=None, impl=None):
     raise ValueError(f"unknown paged decode impl {impl!r}; expected 'triton' or 'torch'")
 
 
-def prefill(cache, layer, q, seq_ids, q_lens, scale=None, impl=None):
+def prefill(cache, layer, q, seq_ids, q_lens, scale=None, impl=None, masks=None):
     """q packed ``[Σ q_lens, N_Q, d_h]``. impl: None (auto: "triton" on CUDA), "triton",
-    "torch" (gather + SDPA per sequence)."""
+    "torch" (gather + SDPA per sequence). ``masks`` (token trees, Triton only): see
+    :func:`vmcache.kernels.api.attend`."""
     if impl is None:  # interpreted Triton on the CPU is for tests (impl="triton"), never default
         impl = "triton" if q.is_cuda else "torch"
     if impl == "triton":
-        p = plan(cache, seq_ids, list(q_lens), layer=layer)
+        trees, packed = packed_trees(masks)
+        p = plan(cache, seq_ids, list(q_lens), layer=layer, trees=trees)
         return triton_prefill.prefill(
             q, cache.k_pool(layer), cache.v_pool(layer), p.tables, p.lens, p.starts,
             max_q=p.max_q, paged=True, block=cache.block_size, scale=scale,
             window=layer_window(cache, layer), kv_scales=cache.kv_scales_for(layer),
+            tree_masks=packed, mask_starts=p.mask_starts,
         )  # fmt: skip
     if impl == "torch":
         return attend_cache_views(cache, layer, q, seq_ids, q_lens, scale)

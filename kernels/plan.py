@@ -16,6 +16,9 @@ layer uploads or synchronises:
     cu_q   [B+1] int32    cumulative q lengths, sorted order
     cu_k   [B+1] int32    slot · L_row (each row's first token in the flat layer view)
     used_k [B] int32      kv lengths, sorted order (seqused_k)
+    trees: token-tree steps (``trees`` flags per sequence):
+    mask_starts [B] int32 each tree's first row in the step's packed ancestor rows (one
+                          32-bit word a query, trees in batch order); −1 for a causal one
 """
 
 from __future__ import annotations
@@ -39,19 +42,22 @@ class StepPlan:
     cu_q: torch.Tensor | None
     cu_k: torch.Tensor | None
     used_k: torch.Tensor | None
+    mask_starts: torch.Tensor | None = None
 
 
 def plan(cache, seq_ids: list[int], q_lens: list[int], *, varlen: bool = False,
-         layer: int = 0) -> StepPlan:  # fmt: skip
+         layer: int = 0, trees: tuple[bool, ...] | None = None) -> StepPlan:  # fmt: skip
     """The step's plan for ``seq_ids`` (validated by the caller) with ``q_lens`` queries each,
     for the layers that share ``layer``'s block table (PagedKVCache) or row size (VMKVCache);
-    ``varlen`` adds the sorted varlen metadata (aten FA2). Every field is a view of one int32
-    buffer, uploaded in one copy. Cached on the cache (``cache.step_plan``, a dict by table /
-    row size, owned here); counted in ``cache.plans_built``."""
+    ``varlen`` adds the sorted varlen metadata (aten FA2), ``trees`` (a flag per sequence)
+    the token trees' mask offsets (the Triton prefill's tree masks). Every field is a view of
+    one int32 buffer, uploaded in one copy. Cached on the cache (``cache.step_plan``, a dict
+    by table / row size, owned here); counted in ``cache.plans_built``."""
     kv_lens = [cache._lens[s] for s in seq_ids]
     paged = hasattr(cache, "block_tables")
     variant = cache.table_of_layer(layer) if paged else cache.layer_row_tokens(layer)
-    key = (tuple(seq_ids), tuple(q_lens), tuple(kv_lens), cache.epoch if paged else 0)
+    key = (tuple(seq_ids), tuple(q_lens), tuple(kv_lens), cache.epoch if paged else 0,
+           tuple(trees) if trees else ())  # fmt: skip
     memo = cache.step_plan if isinstance(cache.step_plan, dict) else {}
     old = memo.get(variant)
     if old is not None and old.key == key and (old.perm is not None or not varlen):
@@ -63,6 +69,11 @@ def plan(cache, seq_ids: list[int], q_lens: list[int], *, varlen: bool = False,
     for n in q_lens:
         starts.append(starts[-1] + n)
     parts: dict[str, list[int]] = {"slots": list(seq_ids), "lens": kv_lens, "starts": starts}
+    if trees:
+        at, parts["mask_starts"] = 0, []
+        for tree, n in zip(trees, q_lens):
+            parts["mask_starts"].append(at if tree else -1)
+            at += n if tree else 0
     width = 0
     if paged:
         t = variant
@@ -100,7 +111,8 @@ def plan(cache, seq_ids: list[int], q_lens: list[int], *, varlen: bool = False,
         views["tables"] = views["tables"].view(b, width)
     p = StepPlan(key, max(q_lens), max(kv_lens), views["slots"], views["lens"],
                  views["starts"], views.get("tables"), views.get("perm"), views.get("inv"),
-                 views.get("cu_q"), views.get("cu_k"), views.get("used_k"))  # fmt: skip
+                 views.get("cu_q"), views.get("cu_k"), views.get("used_k"),
+                 views.get("mask_starts"))  # fmt: skip
     memo[variant] = p
     cache.step_plan = memo
     cache.plans_built += 1

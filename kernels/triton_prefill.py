@@ -45,7 +45,7 @@ CONFIG = {torch.float32: (32, 32, 8), torch.float16: (64, 32, 4), torch.bfloat16
 
 @triton.jit(do_not_specialize=["scale", "window", "stride_tb"])
 def _prefill(
-    Q, K, V, OUT, TABLE, LENS, STARTS, K_SCALE, V_SCALE, scale, window,
+    Q, K, V, OUT, TABLE, LENS, STARTS, K_SCALE, V_SCALE, MASK, MASK_STARTS, scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kseq, stride_ktok, stride_kh,
     stride_vseq, stride_vtok, stride_vh,
@@ -53,7 +53,7 @@ def _prefill(
     stride_tb,
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     TILE: tl.constexpr, BLOCK: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr, QUANT: tl.constexpr,
+    DOT_FP32: tl.constexpr, QUANT: tl.constexpr, TREE: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     mb = tl.program_id(1)
@@ -82,6 +82,10 @@ def _prefill(
         m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        if TREE:  # each row's ancestors among the new tokens, a 32-bit word (bit j: token j)
+            m0 = tl.load(MASK_STARTS + b)
+            is_tree = (offs_m * 0 + m0) >= 0
+            anc = tl.load(MASK + m0 + offs_m, mask=m_mask & is_tree, other=0)
         for tile in range(0, tl.cdiv(hi - lo, TILE)):
             pos = lo + tile * TILE + offs_t
             t_mask = pos < hi
@@ -96,6 +100,10 @@ def _prefill(
                 )
                 s = s * ks[None, :]
             seen = (pos[None, :] <= p_q[:, None]) & (pos[None, :] > p_q[:, None] - window)
+            if TREE:  # a tree's queries see the history and their ancestors among its tokens
+                j = pos - (kv_len - q_len)  # the key's index among the new tokens
+                bit = (anc[:, None] >> tl.maximum(j, 0)[None, :]) & 1
+                seen = tl.where(is_tree[:, None], (j < 0)[None, :] | (bit != 0), seen)
             s = tl.where(seen & t_mask[None, :], s, float("-inf"))
             m_new, alpha, pexp, l_i = softmax_step(s, m_i, l_i)
             v = load_tile(V + h * stride_vh, row * stride_vseq + tok * stride_vtok, offs_d,
@@ -116,7 +124,7 @@ def _prefill(
 
 
 def launches(q, k, v, table, lens, starts, *, max_q, paged, block, scale=None, window=None,
-             kv_scales=None):  # fmt: skip
+             kv_scales=None, tree_masks=None, mask_starts=None):  # fmt: skip
     """The kernel launch of :func:`prefill`, as ``(out, [(kernel, grid, args, kwargs)])``;
     the sm_90 compile test compiles exactly this. Arguments as in :func:`prefill`."""
     n, hq, d = q.shape
@@ -124,6 +132,9 @@ def launches(q, k, v, table, lens, starts, *, max_q, paged, block, scale=None, w
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     g, d_pad = hq // k.shape[2], max(16, triton.next_power_of_2(d))
     b = lens.shape[0]
+    tree = tree_masks is not None
+    if tree and (window is not None or mask_starts is None or tree_masks.dtype != torch.int32):
+        raise ValueError("token trees need int32 ancestor rows, their mask_starts, no window")
     out = torch.empty_like(q)
     table = table if table.dim() == 2 else table.view(-1, 1)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -133,12 +144,13 @@ def launches(q, k, v, table, lens, starts, *, max_q, paged, block, scale=None, w
     run = (
         _prefill, (b, triton.cdiv(max(max_q, 1), block_m), hq),
         (q, k, v, out, table, lens, starts, lens if ks is None else ks,
-         lens if vs is None else vs, scale, window or FULL,
+         lens if vs is None else vs, tree_masks if tree else lens,
+         mask_starts if tree else lens, scale, window or FULL,
          q.stride(0), q.stride(1), out.stride(0), out.stride(1),
          k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
          *scale_strides(quant, ks, vs), table.stride(0)),
         dict(G=g, D=d, D_PAD=d_pad, BLOCK_M=block_m, TILE=tile, BLOCK=block, PAGED=paged,
-             PRECISION=precision, DOT_FP32=dot_fp32, QUANT=quant, num_warps=warps),
+             PRECISION=precision, DOT_FP32=dot_fp32, QUANT=quant, TREE=tree, num_warps=warps),
     )  # fmt: skip
     return out, [run]
 
@@ -157,15 +169,22 @@ def prefill(
     scale: float | None = None,
     window: int | None = None,
     kv_scales=None,
+    tree_masks: torch.Tensor | None = None,
+    mask_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal prefill. q: packed ``[Σ q_lens, N_Q, d_h]``; starts: ``[B+1]`` int32 (sequence
     b's queries are rows ``starts[b] … starts[b+1]``), lens: ``[B]`` int32 kv lengths (each
     ≥ its q_len: the queries' own K/V already written), both on q's device; ``max_q``: a host
     int ≥ every q_len (sizes the grid; no device read). k, v, table, block, window and
-    kv_scales as in :func:`vmcache.kernels.triton_decode.decode`. Returns q's shape and dtype.
+    kv_scales as in :func:`vmcache.kernels.triton_decode.decode`. Token trees (q_len <= 32):
+    ``tree_masks`` int32 ``[Σ q_len of the trees]`` (a query's ancestors as a bit field: bit
+    j where it sees the tree's new token j; :func:`~vmcache.kernels.common.packed_trees`) and
+    ``mask_starts`` ``[B]`` int32 (a tree's first row, −1 for a causal sequence): a tree's
+    query sees the whole history and its ancestors. Returns q's shape and dtype.
     """
     out, runs = launches(q, k, v, table, lens, starts, max_q=max_q, paged=paged, block=block,
-                         scale=scale, window=window, kv_scales=kv_scales)  # fmt: skip
+                         scale=scale, window=window, kv_scales=kv_scales,
+                         tree_masks=tree_masks, mask_starts=mask_starts)  # fmt: skip
     if q.shape[0] == 0:
         return out
     for kernel, grid, args, kwargs in runs:

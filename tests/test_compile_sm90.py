@@ -38,7 +38,7 @@ def test_quick_subset_compiles_for_sm90_without_spills(tmp_path):
     assert doc["arch"] == 90
     rows = doc["rows"]
     kernels = {r["kernel"] for r in rows}
-    assert kernels == {"_decode_partial", "_combine", "_prefill"}
+    assert kernels == {"_decode_partial", "_combine", "_prefill", "_prefill (tree)"}
     assert {r["mode"] for r in rows} == {"paged", "layer_major", "token_major"}
     assert {"bf16/fp8e4m3", "bf16/int8", "bf16/int8-token"} <= {r["dtype"] for r in rows}
     _check_rows(rows)

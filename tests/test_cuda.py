@@ -332,3 +332,27 @@ def test_prefix_tiers_round_trip_gpu_pages(kind, tmp_path):
     c.free(s)
     c.check_invariants()
     c.close()
+
+
+@pytest.mark.parametrize("kind", ["vm", "vm_token_major", "paged"])
+def test_token_trees_run_in_the_triton_prefill_and_match_sdpa(kind):
+    """A step mixing a token tree (three chains), a causal chunk and a decode row: the CUDA
+    default (one Triton prefill reading the tree's ancestor bits) against SDPA with the
+    explicit mask, per sequence."""
+    spec = KVSpec(2, 8, 128, torch.bfloat16, num_q_heads=32)
+    cache, seqs, _ = _fill(kind, spec)
+    parents = [-1, 0, 1, 0, 3, 0, 5]
+    anc = torch.zeros(7, 7, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        anc[i, i] = True
+        if p >= 0:
+            anc[i] |= anc[p]
+    picked = seqs[3:7]  # lengths 64, 65, 511, 512
+    q_lens = [3, 7, 1, 7]
+    masks = [None, anc.cuda(), None, anc.cuda()]
+    q = torch.randn(sum(q_lens), 32, 128, device="cuda").to(torch.bfloat16)
+    fast = kernels.attend(cache, 0, q, picked, q_lens, masks=masks).float()
+    slow = kernels.attend(cache, 0, q, picked, q_lens, masks=masks,
+                          impl="torch" if kind == "paged" else "sdpa").float()  # fmt: skip
+    torch.testing.assert_close(fast, slow, **TOL[torch.bfloat16])
+    cache.close()

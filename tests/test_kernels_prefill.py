@@ -84,3 +84,68 @@ def test_prefill_dispatch_names_its_impls():
     with pytest.raises(ValueError, match="unknown contiguous prefill impl"):
         kernels.prefill(cache, 0, q, seqs, [2], impl="flash_attn")
     cache.close()
+
+
+def ancestors(parents):
+    """bool [n, n]: row i true at i and its ancestors (parents[i] < i, −1 for a root)."""
+    n = len(parents)
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        anc[i, i] = True
+        if p >= 0:
+            anc[i] |= anc[p]
+    return anc
+
+
+def masked_reference(q, k, v, keep):
+    """Attention of q [n, N_Q, d] over k, v [L, N_KV, d] where ``keep`` [n, L] allows."""
+    g = q.shape[1] // k.shape[1]
+    kf, vf = k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
+    s = torch.einsum("qhd,khd->hqk", q.float() / q.shape[-1] ** 0.5, kf)
+    s = s.masked_fill(~keep, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), vf)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_triton_prefill_reads_token_tree_masks(kind):
+    """One call for a step that mixes trees (three chains; a lone root), a causal chunk and a
+    decode row: each tree query sees the history and its ancestors only, like SDPA's path."""
+    spec = KVSpec(2, 2, 64, torch.float32, num_q_heads=8)
+    cache = make(kind, spec)
+    trees = {1: [-1, 0, 1, 0, 3, 0, 5], 3: [-1]}  # sequence index -> parents
+    lens, q_lens = [17, 40, 9, 30], [3, 7, 1, 1]
+    seqs = fill(cache, lens)
+    masks = [ancestors(trees[i]) if i in trees else None for i in range(4)]
+    q = torch.randn(sum(q_lens), 8, 64)
+    out = kernels.attend(cache, 1, q, seqs, q_lens, impl="triton", masks=masks)
+    sdpa = kernels.attend(cache, 1, q, seqs, q_lens, masks=masks)  # the CPU path
+    at = 0
+    for i, (s, n, length) in enumerate(zip(seqs, q_lens, lens)):
+        k, v = WRITTEN[id(cache), s, 1]
+        keep = torch.ones(n, length, dtype=torch.bool)
+        keep[:, length - n :] = masks[i] if masks[i] is not None else torch.ones(n, n).tril() > 0
+        want = masked_reference(q[at : at + n], k, v, keep)
+        torch.testing.assert_close(out[at : at + n], want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(sdpa[at : at + n], want, rtol=1e-4, atol=1e-5)
+        at += n
+    # a sibling's key changes nothing for the other chains' queries: chains do not mix
+    k, v = WRITTEN[id(cache), seqs[1], 1]
+    k2 = k.clone()
+    k2[-1] += 100.0  # the last token of the third chain
+    cache.write(1, seqs[1], 0, k2, v)
+    again = kernels.attend(cache, 1, q, seqs, q_lens, impl="triton", masks=masks)
+    rows = slice(3, 3 + 5)  # the tree's tokens 0-4: none has token 6 as an ancestor
+    torch.testing.assert_close(again[rows], out[rows], rtol=0, atol=0)
+    assert not torch.allclose(again[3 + 6], out[3 + 6])
+    cache.close()
+
+
+def test_tree_rows_are_32_bit_words_and_larger_trees_take_sdpa():
+    from vmcache.kernels.common import packed_trees
+
+    anc = ancestors([-1] + list(range(31)))  # one chain of 32: row 31 sees every token
+    flags, rows = packed_trees([None, anc])
+    assert flags == (False, True) and rows.dtype == torch.int32 and rows.shape == (32,)
+    assert rows[0] == 1 and rows[31] == -1  # all 32 bits set (two's complement)
+    with pytest.raises(ValueError, match="at most 32"):
+        packed_trees([ancestors([-1] + list(range(32)))])
