@@ -57,16 +57,23 @@ def attend(cache, layer: int, q, seq_ids, q_lens, scale=None, impl=None,
     """
     if masks is not None and any(m is not None for m in masks):
         return _attend_trees(cache, layer, q, seq_ids, q_lens, scale, impl, softcap, masks)
+    if softcap is not None and impl not in (None, "sdpa", "torch"):
+        raise ValueError(f"impl {impl!r} has no logit soft-capping; use None or 'torch'")
+    _module(cache)
+    q_lens = [int(x) for x in q_lens]
+    seq_ids = check_inputs(cache, layer, q, seq_ids, q_lens)
+    return _run(cache, layer, q, seq_ids, q_lens, scale, impl, softcap)
+
+
+def _run(cache, layer, q, seq_ids, q_lens, scale, impl, softcap):
+    """:func:`attend` on inputs already checked: the per-sequence torch path with
+    ``softcap``, else decode when every sequence brings one token, else prefill."""
     if softcap is not None:
-        if impl not in (None, "sdpa", "torch"):
-            raise ValueError(f"impl {impl!r} has no logit soft-capping; use None or 'torch'")
-        _module(cache)
-        q_lens = [int(x) for x in q_lens]
-        seq_ids = check_inputs(cache, layer, q, seq_ids, q_lens)
         return attend_cache_views(cache, layer, q, seq_ids, q_lens, scale, softcap)
-    if all(int(n) == 1 for n in q_lens):
-        return decode(cache, layer, q, seq_ids, scale=scale, impl=impl)
-    return prefill(cache, layer, q, seq_ids, q_lens, scale=scale, impl=impl)
+    mod = _module(cache)
+    if all(n == 1 for n in q_lens):
+        return mod.decode(cache, layer, q, seq_ids, scale=scale, impl=impl)
+    return mod.prefill(cache, layer, q, seq_ids, q_lens, scale=scale, impl=impl)
 
 
 def _attend_trees(cache, layer, q, seq_ids, q_lens, scale, impl, softcap, masks):
@@ -95,6 +102,6 @@ def _attend_trees(cache, layer, q, seq_ids, q_lens, scale, impl, softcap, masks)
                                    [masks[i] for i in tree])  # fmt: skip
     if rest:
         pick = torch.cat([rows[i] for i in rest]).to(q.device)
-        out[pick] = attend(cache, layer, q[pick], [seq_ids[i] for i in rest],
-                           [q_lens[i] for i in rest], scale, impl, softcap)  # fmt: skip
+        out[pick] = _run(cache, layer, q[pick], [seq_ids[i] for i in rest],
+                         [q_lens[i] for i in rest], scale, impl, softcap)  # fmt: skip
     return out
