@@ -86,7 +86,38 @@ def run_point(dev, spec, batch, ctx, iters) -> list[dict]:
             noise = max((x["us_max"] - x["us_min"]) / x["us"] for x in (r, plain))
             r["spread_note"] = "spread > effect" if noise > abs(r["vs_plain"] - 1) else ""
     rows += quantized_rows(dev, spec, batch, ctx, iters, q, k_plain, v_plain, rows)
+    rows += prefill_rows(dev, spec, batch, ctx, iters, vm, pg, seqs)
     vm.close()
+    return rows
+
+
+PREFILL_CHUNK = 128  # queries a sequence brings in the prefill rows (its last positions)
+
+
+def prefill_rows(dev, spec, batch, ctx, iters, vm, pg, seqs) -> list[dict]:
+    """A chunked prefill of the last :data:`PREFILL_CHUNK` positions of every sequence over
+    its whole context: aten FA2 and our Triton prefill on the VM cache, the Triton prefill
+    and the gather on the paged one (``vs_fa2``: time over aten FA2's)."""
+    n = min(PREFILL_CHUNK, ctx)
+    qp = torch.randn(batch * n, spec.q_heads, spec.head_dim, device=dev).to(spec.dtype)
+    impls = {"vm": [i for i in contiguous.PREFILL_IMPLS
+                    if i == "sdpa" or (dev.type == "cuda" and i in
+                                       contiguous.available_impls(qp))],
+             "paged": ["triton", "torch"] if dev.type == "cuda" else ["torch"]}  # fmt: skip
+    rows = []
+    for kind, c, ids in (("vm", vm, seqs[0]), ("paged", pg, seqs[1])):
+        for impl in impls[kind]:
+            t = time_repeats(lambda c=c, ids=ids, i=impl: kernels.prefill(
+                c, 0, qp, ids, [n] * batch, impl=i), dev, repeats=5, iters=iters)  # fmt: skip
+            name = (f"prefill {n}: contiguous/{impl} on vmcache" if kind == "vm" else
+                    f"prefill {n}: paged/{impl}")  # fmt: skip
+            rows.append({"impl": name, "batch": batch, "context": ctx, "op": "prefill",
+                         "us": t["median"] * 1e6, "us_min": t["min"] * 1e6,
+                         "us_max": t["max"] * 1e6, "repeats": 5})  # fmt: skip
+    fa2 = next((r["us"] for r in rows if "aten_fa2" in r["impl"]), None)
+    for r in rows:
+        if fa2 is not None and "triton" in r["impl"]:
+            r["vs_fa2"] = r["us"] / fa2
     return rows
 
 
