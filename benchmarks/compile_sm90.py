@@ -49,6 +49,7 @@ SHAPES = {
     "llama-3.2-1b": (16, 8, 64, 32),
     "d96-mha": (32, 32, 96, 32),
     "d96-gqa": (32, 8, 96, 32),
+    "gemma-2-9b": (42, 8, 256, 16),  # head_dim 256
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # quantized K/V (compute bf16, storage FP8 / INT8: loaded as bytes, dequantized in registers);

@@ -182,7 +182,9 @@ def launches(q, k, v, table, lens, *, max_len, paged, block, scale=None,
     quant, ks, vs = check_args(q, k, v, block, paged, window, kv_scales)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     g, d_pad = hq // hk, max(16, triton.next_power_of_2(d))
-    tile = TILE
+    # head_dim 256 (Gemma): 64-token tiles overflow the SM's shared memory at fp32 and spill
+    # with per-token scales; 32-token tiles fit (benchmarks/compile_sm90.py)
+    tile = TILE if d_pad <= 128 else TILE // 2
     # fp32 dots run on FMA units, not tensor cores: 8 warps keep them out of local memory
     # (4 warps spill ~1 KB per thread at head_dim 96; see benchmarks/compile_sm90.py)
     warps = 8 if q.dtype == torch.float32 else 4

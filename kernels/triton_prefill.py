@@ -36,11 +36,13 @@ from vmcache.kernels.triton_tiles import (
     tile_rows,
 )
 
-# (query rows a program holds, keys per loop iteration, warps) by q's dtype. fp32 dots run on
-# FMA units: 64-row tiles spill, 32 x 32 on 8 warps do not. At 16 bits, 64 x 64 tiles reach
-# the 255-register ceiling with per-token scales (and spilled in some builds); 64 x 32 keep
-# every case at <= 206 registers and 64 KiB of shared memory (benchmarks/compile_sm90.py)
-CONFIG = {torch.float32: (32, 32, 8), torch.float16: (64, 32, 4), torch.bfloat16: (64, 32, 4)}
+# (query rows a program holds, keys per loop iteration, warps) by q's dtype, for head_dim <= 128
+# and above. fp32 dots run on FMA units: 64-row tiles spill, 32 x 32 on 8 warps do not. At 16
+# bits, 64 x 64 tiles reached the 255-register ceiling with per-token scales (and spilled in
+# some builds); 64 x 32 keep every case at <= 206 registers. head_dim 256 (Gemma) needs 8
+# warps at 16 bits and 16 x 16 tiles at fp32 (benchmarks/compile_sm90.py)
+CONFIG = {torch.float32: ((32, 32, 8), (16, 16, 8)), torch.float16: ((64, 32, 4), (64, 32, 8)),
+          torch.bfloat16: ((64, 32, 4), (64, 32, 8))}  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["scale", "window", "stride_tb"])
@@ -140,7 +142,7 @@ def launches(q, k, v, table, lens, starts, *, max_q, paged, block, scale=None, w
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     # the interpreter's 16-bit tl.dot is wrong on the CPU (see triton_decode): fp32 dots there
     dot_fp32 = isinstance(_prefill, InterpretedFunction) and q.dtype != torch.float32
-    block_m, tile, warps = CONFIG.get(q.dtype, CONFIG[torch.float32])
+    block_m, tile, warps = CONFIG.get(q.dtype, CONFIG[torch.float32])[d_pad > 128]
     run = (
         _prefill, (b, triton.cdiv(max(max_q, 1), block_m), hq),
         (q, k, v, out, table, lens, starts, lens if ks is None else ks,

@@ -146,10 +146,12 @@ def summarise(out: str) -> dict:
 
 def compile_table(doc: dict) -> str:
     """benchmarks/results/compile_sm90.json as a table: per kernel and dtype, the worst case
-    over the shapes (Llama-3-8B, Llama-3.2-1B, head_dim 96 MHA and GQA) and addressing modes."""
+    over the shapes (Llama-3-8B, Llama-3.2-1B, head_dim 96 MHA and GQA, Gemma-2-9B's head_dim
+    256) and addressing modes."""
     lines = [f"Every Triton kernel compiled for sm_{doc['arch']} on the CPU (Triton "
              f"{doc['triton']}, the GPU image's; {doc['date']}) with the launch arguments "
-             "the library produces; `ptxas -v`, worst case over 4 shapes × 3 addressing modes:",
+             "the library produces; `ptxas -v`, worst case over "
+             f"{len({r['shape'] for r in doc['rows']})} shapes × 3 addressing modes:",
              "", "| kernel | dtype | max registers | spill bytes (stores + loads) | "
              "max shared memory |", "|---|---|---|---|---|"]  # fmt: skip
     groups: dict = {}

@@ -1,5 +1,5 @@
 """The Triton kernels compile for sm_90 (H200) on this CPU-only machine, with the launch
-arguments the library itself produces, and none spills registers at head_dim <= 128.
+arguments the library itself produces, and none spills registers (head_dim up to 256).
 
 The quick subset compiles here in a subprocess (``@triton.jit`` reads ``TRITON_INTERPRET`` at
 import, and the suite interprets); ``make compile-sm90`` compiles the whole grid into
@@ -24,8 +24,7 @@ def _check_rows(rows):
     assert rows, "nothing compiled"
     for r in rows:
         assert r["registers"] <= 255, r
-        if r["head_dim"] <= 128:
-            assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r  # head_dim 256 included
         assert r["shared_bytes"] <= 227 * 1024, r  # H100/H200 per-block limit
 
 
@@ -55,7 +54,7 @@ def test_committed_grid_covers_every_shape_dtype_and_mode():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     doc = json.load(open(COMMITTED))
     rows = doc["rows"]
-    shapes = ("llama-3-8b", "llama-3.2-1b", "d96-mha", "d96-gqa")
+    shapes = ("llama-3-8b", "llama-3.2-1b", "d96-mha", "d96-gqa", "gemma-2-9b")
     dtypes = (
         "bf16",
         "fp16",

@@ -149,3 +149,21 @@ def test_tree_rows_are_32_bit_words_and_larger_trees_take_sdpa():
     assert rows[0] == 1 and rows[31] == -1  # all 32 bits set (two's complement)
     with pytest.raises(ValueError, match="at most 32"):
         packed_trees([ancestors([-1] + list(range(32)))])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_head_dim_256_decodes_and_prefills_in_triton(kind):
+    """Gemma's head_dim: the kernels take smaller tiles there (shared memory, registers)."""
+    spec = KVSpec(1, 2, 256, torch.float32, num_q_heads=4)
+    cache = make(kind, spec)
+    lens, q_lens = [1, 40, 100], [1, 9, 33]
+    seqs = fill(cache, lens)
+    q = torch.randn(sum(q_lens), 4, 256)
+    out = kernels.prefill(cache, 0, q, seqs, q_lens, impl="triton")
+    torch.testing.assert_close(out, reference(cache, 0, q, seqs, q_lens), **TOL[torch.float32])
+    qd = torch.randn(3, 4, 256)
+    want = torch.stack([dense_attention(qd[i : i + 1], *WRITTEN[id(cache), s, 0])[0]
+                        for i, s in enumerate(seqs)])  # fmt: skip
+    torch.testing.assert_close(kernels.decode(cache, 0, qd, seqs, impl="triton"), want,
+                               **TOL[torch.float32])  # fmt: skip
+    cache.close()
