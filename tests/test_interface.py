@@ -336,10 +336,7 @@ class CacheMachine(RuleBasedStateMachine):
 # 128 B token rows, 4 KiB pages: a 160-token sequence needs 20 pages (VM, both layouts) or
 # 10 blocks (paged, B = 16); the pools hold 14-16 pages / 10 blocks, so they run out
 POOLS = {"vm": {"pages": 16}, "vm_token_major": {"pages": 14}, "paged": {"blocks": 10}}
-
-
-# INT8 per-token rows of 48 B: a 160-token sequence needs 8 VM pages (both layouts) or 10
-# blocks of 3 KiB; these pools run out
+# INT8 per-token rows of 48 B: 160 tokens need 8 VM pages (both layouts) or 10 3-KiB blocks
 QUANT_POOLS = {"vm": {"pages": 7}, "vm_token_major": {"pages": 6}, "paged": {"blocks": 10}}
 
 
