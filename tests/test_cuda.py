@@ -93,16 +93,16 @@ LENS = [1, 63, 64, 65, 511, 512, 513, 1023, 1024, 1025, 4097]
 TOL = {torch.float32: dict(rtol=2e-4, atol=2e-5), torch.bfloat16: dict(rtol=8e-3, atol=8e-3)}
 
 
-def _fill(kind, spec):
+def _fill(kind, spec, lens=LENS):
     if kind == "paged":
         cache = PagedKVCache(spec, num_blocks=4000, block_size=16, device="cuda",
-                             max_seq_len=4200, max_seqs=len(LENS))  # fmt: skip
+                             max_seq_len=4200, max_seqs=len(lens))  # fmt: skip
     else:
         layout = "token_major" if kind == "vm_token_major" else "layer_major"
-        cache = VMKVCache(spec, len(LENS), 4200, device="cuda", layout=layout)
+        cache = VMKVCache(spec, len(lens), 4200, device="cuda", layout=layout)
     written, seqs = {}, []
     g = torch.Generator(device="cuda").manual_seed(0)
-    for n in LENS:
+    for n in lens:
         s = cache.new_sequence()
         cache.grow(s, n)
         for layer in range(spec.num_layers):

@@ -7,6 +7,7 @@ Skipped without a GPU."""
 import pytest
 import torch
 from test_cuda import LENS
+from test_cuda import _fill as cuda_fill
 from vmcache.kernels import contiguous
 from vmcache.kernels.reference import dense_attention
 from vmcache.paged_fallback import PagedKVCache
@@ -30,25 +31,13 @@ def _spec(kv_dtype, granularity, layers=2):
 
 
 def _fill(kind, spec, lens=LENS):
-    if kind == "paged":
-        cache = PagedKVCache(spec, num_blocks=4000, block_size=16, device="cuda",
-                             max_seq_len=4200, max_seqs=len(lens))  # fmt: skip
-    else:
-        layout = "token_major" if kind == "vm_token_major" else "layer_major"
-        cache = VMKVCache(spec, len(lens), 4200, device="cuda", layout=layout)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    seqs = []
-    for n in lens:
-        s = cache.new_sequence()
-        cache.grow(s, n)
-        for layer in range(spec.num_layers):
-            k, v = (torch.randn(n, 8, 128, device="cuda", generator=g).to(torch.bfloat16)
-                    for _ in range(2))  # fmt: skip
-            cache.write(layer, s, 0, k, v)
-            held_k, _ = cache.kv(layer, s)  # what the cache stores, dequantized
-            step = 0.07 if spec.kv_dtype == torch.float8_e4m3fn else 0.14
-            assert (held_k.float() - k.float()).abs().max() <= step * k.float().abs().max()
-        seqs.append(s)
+    """test_cuda's caches and K/V over quantized storage; what each stores (dequantized) is
+    within one quantization step of what was written."""
+    cache, seqs, written = cuda_fill(kind, spec, lens)
+    step = 0.07 if spec.kv_dtype == torch.float8_e4m3fn else 0.14
+    for (s, layer), (k, _) in written.items():
+        held_k = cache.kv(layer, s)[0].float().cpu()
+        assert (held_k - k.float()).abs().max() <= step * k.float().abs().max()
     return cache, seqs
 
 
