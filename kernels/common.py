@@ -76,11 +76,34 @@ def tree_mask(ancestors: torch.Tensor, kv_len: int) -> torch.Tensor:
 MAX_TREE_TOKENS = 32  # a tree's ancestor rows are 32-bit words in the Triton prefill
 
 
+class TreeMasks(list):
+    """A step's token-tree masks (a list: None or bool ``[q_len, q_len]`` per sequence) that
+    packs its ancestor words once (:func:`packed_trees`): every layer of the step passes the
+    same object, so the Triton prefill of each layer reuses them. The masks must not change
+    while it is in use."""
+
+    def __init__(self, masks) -> None:
+        super().__init__(masks)
+        self._packed = None  # (flags, words), computed at the first layer (owned here)
+
+    def packed(self):
+        if self._packed is None:
+            self._packed = _pack_trees(self)
+        return self._packed
+
+
 def packed_trees(masks):
     """(a flag per sequence, int32 ``[Σ q_len of the trees]``: each tree query's ancestors as
     a bit field, bit j set where it sees the tree's token j, trees in batch order) for the
     Triton prefill, from ``masks`` (None or bool ``[q_len, q_len]`` each, q_len <=
-    :data:`MAX_TREE_TOKENS`; on q's device: computed there); (None, None) without trees."""
+    :data:`MAX_TREE_TOKENS`; on q's device: computed there); (None, None) without trees.
+    A :class:`TreeMasks` computes them once for all its layers."""
+    if isinstance(masks, TreeMasks):
+        return masks.packed()
+    return _pack_trees(masks)
+
+
+def _pack_trees(masks):
     if masks is None or all(m is None for m in masks):
         return None, None
     flags = tuple(m is not None for m in masks)

@@ -167,3 +167,13 @@ def test_head_dim_256_decodes_and_prefills_in_triton(kind):
     torch.testing.assert_close(kernels.decode(cache, 0, qd, seqs, impl="triton"), want,
                                **TOL[torch.float32])  # fmt: skip
     cache.close()
+
+
+def test_a_steps_tree_masks_are_packed_once_for_all_its_layers():
+    from vmcache.kernels.common import TreeMasks, packed_trees
+
+    masks = TreeMasks([None, ancestors([-1, 0, 0])])
+    first = packed_trees(masks)
+    assert packed_trees(masks) is first  # the same words, not packed again
+    assert first[0] == (False, True) and first[1].tolist() == [1, 3, 5]
+    assert packed_trees(list(masks))[1].tolist() == [1, 3, 5]  # a plain list: packed each call

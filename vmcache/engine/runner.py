@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from vmcache import kernels
 from vmcache.hf import ATTN_NAME, cache_keyword, stand_ins
+from vmcache.kernels.common import TreeMasks
 from vmcache.sequences.spec import KVSpec
 
 
@@ -139,7 +140,8 @@ class ModelRunner:
         offsets = [torch.arange(n) if m is None else m.sum(1) - 1 for m, n in zip(masks, q_lens)]
         on_device = [None if m is None else m.to(self.device) for m in masks]
         trees_here = any(m is not None for m in masks)
-        self.cache.plan(slots, starts, q_lens, on_device if trees_here else None)
+        # one object for every layer: the Triton prefill packs its ancestor words once a step
+        self.cache.plan(slots, starts, q_lens, TreeMasks(on_device) if trees_here else None)
         ids = torch.tensor([t for ts in tokens for t in ts], device=self.device)[None]
         pos = torch.cat([a + o for a, o in zip(starts, offsets)])
         pos = pos.to(self.device)[None]
