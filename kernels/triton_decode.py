@@ -40,17 +40,14 @@ count and the batch are runtime (``do_not_specialize``), so a growing decode nev
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from vmcache.kernels.triton_tiles import (
     FULL,
-    check_args,
     load_tile,
-    scale_strides,
+    prepare,
     softmax_step,
     tile_rows,
 )
@@ -179,12 +176,11 @@ def launches(q, k, v, table, lens, *, max_len, paged, block, scale=None,
     the sm_90 compile test compiles exactly these. Arguments as in :func:`decode`."""
     b, hq, d = q.shape
     hk = k.shape[2]
-    quant, ks, vs = check_args(q, k, v, block, paged, window, kv_scales)
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    g, d_pad = hq // hk, max(16, triton.next_power_of_2(d))
+    L = prepare(q, k, v, table, lens, block=block, paged=paged, window=window,
+                kv_scales=kv_scales, scale=scale)  # fmt: skip
     # head_dim 256 (Gemma): 64-token tiles overflow the SM's shared memory at fp32 and spill
     # with per-token scales; 32-token tiles fit (benchmarks/compile_sm90.py)
-    tile = TILE if d_pad <= 128 else TILE // 2
+    tile = TILE if L.d_pad <= 128 else TILE // 2
     # fp32 dots run on FMA units, not tensor cores: 8 warps keep them out of local memory
     # (4 warps spill ~1 KB per thread at head_dim 96; see benchmarks/compile_sm90.py)
     warps = 8 if q.dtype == torch.float32 else 4
@@ -195,29 +191,20 @@ def launches(q, k, v, table, lens, *, max_len, paged, block, scale=None,
     dev = q.device
     m = torch.empty((b, hq, num_parts), dtype=torch.float32, device=dev)
     lsum = torch.empty_like(m)
-    o = torch.empty((b, hq, num_parts, d_pad), dtype=torch.float32, device=dev)
+    o = torch.empty((b, hq, num_parts, L.d_pad), dtype=torch.float32, device=dev)
     out = torch.empty((b, hq, d), dtype=q.dtype, device=dev)
-    table = table if table.dim() == 2 else table.view(-1, 1)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    # Triton's interpreter computes 16-bit tl.dot wrongly on the CPU (3.6 and 3.9: errors of
-    # 1e10), so interpreted runs feed the dots fp32; compiled kernels use the native dtype.
-    dot_fp32 = isinstance(_decode_partial, InterpretedFunction) and q.dtype != torch.float32
     partial = (
         _decode_partial, (b, hk, num_parts),
-        (q, k, v, table, lens, m, lsum, o, lens if ks is None else ks,
-         lens if vs is None else vs, scale, num_parts, window or FULL,
-         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-         v.stride(0), v.stride(1), v.stride(2),
-         *scale_strides(quant, ks, vs),
-         table.stride(0)),
-        dict(G=g, G_PAD=max(G_MIN, triton.next_power_of_2(g)), D=d, D_PAD=d_pad, TILE=tile,
-             BLOCK=block, PART_TILES=part_tokens // tile, PAGED=paged, PRECISION=precision,
-             DOT_FP32=dot_fp32, QUANT=quant, num_warps=warps),
+        (q, k, v, L.table, lens, m, lsum, o, *L.scale_args, L.scale, num_parts,
+         window or FULL, q.stride(0), q.stride(1), *L.kv_args),
+        dict(G=L.g, G_PAD=max(G_MIN, triton.next_power_of_2(L.g)), D=d, D_PAD=L.d_pad,
+             TILE=tile, BLOCK=block, PART_TILES=part_tokens // tile, PAGED=paged,
+             PRECISION=L.precision, DOT_FP32=L.dot_fp32, QUANT=L.quant, num_warps=warps),
     )  # fmt: skip
     combine = (
         _combine, (b, hq),
         (m, lsum, o, out, out.stride(0), out.stride(1), num_parts),
-        dict(D=d, D_PAD=d_pad, P_CHUNK=P_CHUNK),
+        dict(D=d, D_PAD=L.d_pad, P_CHUNK=P_CHUNK),
     )  # fmt: skip
     return out, [partial, combine]
 

@@ -21,17 +21,13 @@ batch are runtime arguments; the grid's query blocks come from the plan's host `
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 from vmcache.kernels.triton_tiles import (
     FULL,
-    check_args,
     load_tile,
-    scale_strides,
+    prepare,
     softmax_step,
     tile_rows,
 )
@@ -130,29 +126,22 @@ def launches(q, k, v, table, lens, starts, *, max_q, paged, block, scale=None, w
     """The kernel launch of :func:`prefill`, as ``(out, [(kernel, grid, args, kwargs)])``;
     the sm_90 compile test compiles exactly this. Arguments as in :func:`prefill`."""
     n, hq, d = q.shape
-    quant, ks, vs = check_args(q, k, v, block, paged, window, kv_scales)
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    g, d_pad = hq // k.shape[2], max(16, triton.next_power_of_2(d))
+    L = prepare(q, k, v, table, lens, block=block, paged=paged, window=window,
+                kv_scales=kv_scales, scale=scale)  # fmt: skip
     b = lens.shape[0]
     tree = tree_masks is not None
     if tree and (window is not None or mask_starts is None or tree_masks.dtype != torch.int32):
         raise ValueError("token trees need int32 ancestor rows, their mask_starts, no window")
     out = torch.empty_like(q)
-    table = table if table.dim() == 2 else table.view(-1, 1)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    # the interpreter's 16-bit tl.dot is wrong on the CPU (see triton_decode): fp32 dots there
-    dot_fp32 = isinstance(_prefill, InterpretedFunction) and q.dtype != torch.float32
-    block_m, tile, warps = CONFIG.get(q.dtype, CONFIG[torch.float32])[d_pad > 128]
+    block_m, tile, warps = CONFIG.get(q.dtype, CONFIG[torch.float32])[L.d_pad > 128]
     run = (
         _prefill, (b, triton.cdiv(max(max_q, 1), block_m), hq),
-        (q, k, v, out, table, lens, starts, lens if ks is None else ks,
-         lens if vs is None else vs, tree_masks if tree else lens,
-         mask_starts if tree else lens, scale, window or FULL,
-         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-         *scale_strides(quant, ks, vs), table.stride(0)),
-        dict(G=g, D=d, D_PAD=d_pad, BLOCK_M=block_m, TILE=tile, BLOCK=block, PAGED=paged,
-             PRECISION=precision, DOT_FP32=dot_fp32, QUANT=quant, TREE=tree, num_warps=warps),
+        (q, k, v, out, L.table, lens, starts, *L.scale_args, tree_masks if tree else lens,
+         mask_starts if tree else lens, L.scale, window or FULL,
+         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *L.kv_args),
+        dict(G=L.g, D=d, D_PAD=L.d_pad, BLOCK_M=block_m, TILE=tile, BLOCK=block, PAGED=paged,
+             PRECISION=L.precision, DOT_FP32=L.dot_fp32, QUANT=L.quant, TREE=tree,
+             num_warps=warps),
     )  # fmt: skip
     return out, [run]
 

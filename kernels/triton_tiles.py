@@ -11,9 +11,13 @@ A tile's tokens ``pos`` live at (int64 offsets; loads masked by ``t_mask``):
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 FULL = 2**31 - 1  # the window argument of full attention
 
@@ -55,8 +59,25 @@ def softmax_step(s, m_i, l_i):
     return m_new, alpha, pexp, l_i * alpha + tl.sum(pexp, axis=1)
 
 
-def check_args(q, k, v, block, paged, window, kv_scales):
-    """Validate a launch's tensors (either kernel); returns :func:`_check_scales`'s triple."""
+@dataclass(frozen=True)
+class Launch:
+    """What both kernels' launches derive alike from their tensors (see :func:`prepare`)."""
+
+    quant: int  # QUANT: 0 unquantized, 1 head scales, 2 per-token scales
+    scale: float  # softmax scale
+    g: int  # query heads per KV head
+    d_pad: int  # head_dim padded to a power of two (>= 16)
+    table: torch.Tensor  # 2-D: [B, blocks] (paged) or [B, 1] slots
+    precision: str  # tl.dot's input_precision
+    dot_fp32: bool  # feed the dots fp32 (the interpreter's 16-bit tl.dot is wrong)
+    scale_args: tuple  # K_SCALE, V_SCALE (``placeholder`` where unused)
+    kv_args: tuple  # K's, V's and the scale views' strides, then the table's
+
+
+def prepare(q, k, v, table, placeholder, *, block, paged, window, kv_scales, scale) -> Launch:
+    """Validate a launch's tensors (either kernel) and derive what both kernels take alike:
+    the arguments after q's (and the output's) strides are ``kv_args``, in this order:
+    k (seq, tok, head), v (seq, tok, head), per-token scales (K seq, tok, V seq, tok), table."""
     hq, hk = q.shape[-2], k.shape[2]
     if hq % hk:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hk})")
@@ -67,12 +88,21 @@ def check_args(q, k, v, block, paged, window, kv_scales):
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window < 1):  # fmt: skip
         raise ValueError(f"window must be None or a positive int, got {window!r}")
-    return _check_scales(q, k, v, kv_scales)
-
-
-def scale_strides(quant: int, ks, vs) -> list[int]:
-    """The per-token scale views' (sequence or block, token) strides; zeros otherwise."""
-    return [x.stride(i) if quant == 2 else 0 for x in (ks, vs) for i in (0, 1)]
+    quant, ks, vs = _check_scales(q, k, v, kv_scales)
+    d = q.shape[-1]
+    table = table if table.dim() == 2 else table.view(-1, 1)
+    strides = [x.stride(i) if quant == 2 else 0 for x in (ks, vs) for i in (0, 1)]
+    return Launch(
+        quant=quant, scale=1.0 / math.sqrt(d) if scale is None else float(scale),
+        g=hq // hk, d_pad=max(16, triton.next_power_of_2(d)), table=table,
+        precision="ieee" if q.dtype == torch.float32 else "tf32",
+        # Triton's interpreter computes 16-bit tl.dot wrongly on the CPU (3.6 and 3.9: errors
+        # of 1e10), so interpreted runs feed the dots fp32; compiled kernels the native dtype
+        dot_fp32=isinstance(tile_rows, InterpretedFunction) and q.dtype != torch.float32,
+        scale_args=(placeholder if ks is None else ks, placeholder if vs is None else vs),
+        kv_args=(k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                 *strides, table.stride(0)),
+    )  # fmt: skip
 
 
 def _check_scales(q, k, v, kv_scales):
