@@ -44,6 +44,17 @@ def filled_caches(dev, spec, batch, ctx, k, v):
     return vm, pg, seqs
 
 
+def timed_row(name, fn, dev, iters, batch, ctx, kv_bytes=None, **extra) -> dict:
+    """``fn`` timed (5 repeats of ``iters`` calls): median µs with its min and max, and the
+    effective bandwidth over ``kv_bytes`` read when given."""
+    t = time_repeats(fn, dev, repeats=5, iters=iters)
+    row = {"impl": name, "batch": batch, "context": ctx, **extra, "us": t["median"] * 1e6,
+           "us_min": t["min"] * 1e6, "us_max": t["max"] * 1e6, "repeats": 5}  # fmt: skip
+    if kv_bytes is not None:
+        row["GB_s"] = kv_bytes / t["median"] / 1e9
+    return row
+
+
 def run_point(dev, spec, batch, ctx, iters) -> list[dict]:
     # the upper bound: the same [S, L, H, D] layout in one ordinary torch allocation
     k_plain = torch.randn(batch, ctx + 1, spec.num_kv_heads, spec.head_dim, device=dev).to(
@@ -70,12 +81,7 @@ def run_point(dev, spec, batch, ctx, iters) -> list[dict]:
     kvs = [(k_plain[b, :ctx], v_plain[b, :ctx]) for b in range(batch)]
     cands["contiguous/sdpa on torch.empty"] = lambda: sdpa_per_sequence(q, [1] * batch, kvs, None)
     cands["paged/torch (gather+sdpa)"] = lambda: kernels.decode(pg, 0, q, seqs[1], impl="torch")
-    rows = []
-    for name, fn in cands.items():
-        t = time_repeats(fn, dev, repeats=5, iters=iters)
-        rows.append({"impl": name, "batch": batch, "context": ctx, "us": t["median"] * 1e6,
-                     "us_min": t["min"] * 1e6, "us_max": t["max"] * 1e6, "repeats": 5,
-                     "GB_s": kv_bytes / t["median"] / 1e9})  # fmt: skip
+    rows = [timed_row(name, fn, dev, iters, batch, ctx, kv_bytes) for name, fn in cands.items()]
     base = {r["impl"].split(" on ")[0]: r["us"] for r in rows if r["impl"].endswith("torch.empty")}
     for r in rows:
         key = r["impl"].split(" on ")[0]
@@ -107,13 +113,10 @@ def prefill_rows(dev, spec, batch, ctx, iters, vm, pg, seqs) -> list[dict]:
     rows = []
     for kind, c, ids in (("vm", vm, seqs[0]), ("paged", pg, seqs[1])):
         for impl in impls[kind]:
-            t = time_repeats(lambda c=c, ids=ids, i=impl: kernels.prefill(
-                c, 0, qp, ids, [n] * batch, impl=i), dev, repeats=5, iters=iters)  # fmt: skip
             name = (f"prefill {n}: contiguous/{impl} on vmcache" if kind == "vm" else
                     f"prefill {n}: paged/{impl}")  # fmt: skip
-            rows.append({"impl": name, "batch": batch, "context": ctx, "op": "prefill",
-                         "us": t["median"] * 1e6, "us_min": t["min"] * 1e6,
-                         "us_max": t["max"] * 1e6, "repeats": 5})  # fmt: skip
+            fn = lambda c=c, ids=ids, i=impl: kernels.prefill(c, 0, qp, ids, [n] * batch, impl=i)
+            rows.append(timed_row(name, fn, dev, iters, batch, ctx, op="prefill"))
     fa2 = next((r["us"] for r in rows if "aten_fa2" in r["impl"]), None)
     for r in rows:
         if fa2 is not None and "triton" in r["impl"]:
@@ -136,14 +139,10 @@ def quantized_rows(dev, spec, batch, ctx, iters, q, k_plain, v_plain, base_rows)
         qspec = dataclasses.replace(spec, kv_dtype=kv_dtype, kv_granularity=granularity)
         vm, pg, ids_of = filled_caches(dev, qspec, batch, ctx, k_plain, v_plain)
         for kind, c, impl, ids in zip(("vm", "paged"), (vm, pg), (impl_vm, impl_pg), ids_of):
-            t = time_repeats(lambda c=c, ids=ids, i=impl: kernels.decode(c, 0, q, ids, impl=i),
-                             dev, repeats=5, iters=iters)  # fmt: skip
-            us = t["median"] * 1e6
+            fn = lambda c=c, ids=ids, i=impl: kernels.decode(c, 0, q, ids, impl=i)
             kv_bytes = batch * ctx * 2 * qspec.bytes_per_token_per_layer
-            rows.append({"impl": f"{names[kind]} [{tag}]", "batch": batch, "context": ctx,
-                         "us": us, "us_min": t["min"] * 1e6, "us_max": t["max"] * 1e6,
-                         "repeats": 5, "GB_s": kv_bytes / t["median"] / 1e9,
-                         "vs_bf16": us / base[names[kind]]})  # fmt: skip
+            row = timed_row(f"{names[kind]} [{tag}]", fn, dev, iters, batch, ctx, kv_bytes)
+            rows.append({**row, "vs_bf16": row["us"] / base[names[kind]]})
         vm.close()
     return rows
 
