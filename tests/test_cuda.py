@@ -341,12 +341,9 @@ def test_token_trees_run_in_the_triton_prefill_and_match_sdpa(kind):
     explicit mask, per sequence."""
     spec = KVSpec(2, 8, 128, torch.bfloat16, num_q_heads=32)
     cache, seqs, _ = _fill(kind, spec)
-    parents = [-1, 0, 1, 0, 3, 0, 5]
-    anc = torch.zeros(7, 7, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        anc[i, i] = True
-        if p >= 0:
-            anc[i] |= anc[p]
+    from test_kernels_prefill import ancestors
+
+    anc = ancestors([-1, 0, 1, 0, 3, 0, 5])  # three chains
     picked = seqs[3:7]  # lengths 64, 65, 511, 512
     q_lens = [3, 7, 1, 7]
     masks = [None, anc.cuda(), None, anc.cuda()]
