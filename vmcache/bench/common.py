@@ -105,9 +105,37 @@ def time_repeats(
             "repeats": repeats}  # fmt: skip
 
 
+PLAIN = (str, int, float, bool, type(None))
+
+
+def check_plain(value, where: str = "rows") -> None:
+    """Raise ``TypeError`` naming the first value under ``value`` that JSON cannot hold as it
+    is (a cache, a model, a tensor, a dtype): results are values, never live objects. Keys
+    must be strings; tuples count as lists.
+
+    >>> check_plain([{"kv_dtype": object()}])
+    Traceback (most recent call last):
+    TypeError: rows[0]['kv_dtype'] is a object, not a plain JSON value
+    """
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{where} has a key {k!r} of type {type(k).__name__}, not str")
+            check_plain(v, f"{where}[{k!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_plain(v, f"{where}[{i}]")
+    elif not isinstance(value, PLAIN):
+        raise TypeError(f"{where} is a {type(value).__name__}, not a plain JSON value")
+
+
 def save(name: str, device: torch.device, rows: list[dict], extra: dict | None = None,
          out_dir: Path | None = None) -> Path:  # fmt: skip
-    """Write ``{name}-{date}-{device}.json`` with the machine described; returns the path."""
+    """Write ``{name}-{date}-{device}.json`` with the machine described; returns the path.
+    Every row value and every ``extra`` value must be plain JSON (:func:`check_plain` names
+    the first that is not, before anything is written); the file is replaced atomically."""
+    check_plain(rows, "rows")
+    check_plain(extra or {}, "extra")
     out_dir = Path(out_dir or RESULTS)
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = device_name(device)
@@ -123,7 +151,10 @@ def save(name: str, device: torch.device, rows: list[dict], extra: dict | None =
         "rows": rows,
         **_portable(extra or {}),
     }
-    path.write_text(json.dumps(doc, indent=1))
+    text = json.dumps(doc, indent=1)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
     return path
 
 

@@ -201,8 +201,8 @@ def run_prefix(device: torch.device, num_requests: int, budget_requests: int, pr
     rows = []
     for kind in ("vmcache", "paged"):
         for prefix in (False, True):
-            kv = setup.make_cache(kind, spec, budget, 64, prefix, max_seq_len=longest)
-            engine = Engine(model, kv)
+            cache = setup.make_cache(kind, spec, budget, 64, prefix, max_seq_len=longest)
+            engine = Engine(model, cache)
             out = engine.run(reqs)
             d = engine.stats.as_dict()
             rows.append({"cache": kind, "prefix_caching": prefix, "requests": len(out),

@@ -136,9 +136,10 @@ def run_pair(mode: str, per_burst: int, period: float, bursts: int) -> dict:
             "budget_waits": sum(r["budget_waits"] for r in got.values())}  # fmt: skip
 
 
-def budget_rows(repeats: int, period: float, bursts: int) -> list[dict]:
+def budget_rows(repeats: int, period: float, bursts: int, loads=tuple(LOADS)) -> list[dict]:
     rows = []
-    for load, per_burst in LOADS.items():
+    for load in loads:
+        per_burst = LOADS[load]
         for mode in ("static halves", "shared"):
             runs = [run_pair(mode.split()[0], per_burst, period, bursts) for _ in range(repeats)]
             row = {"part": "budget", "mode": mode, "load": load, "requests_per_burst": per_burst}
@@ -185,10 +186,18 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="1 repeat, 2 bursts, 64-128 MiB")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--period", type=float, default=1.5, help="seconds between bursts")
+    ap.add_argument("--loads", default=",".join(map(str, LOADS)),
+                    help=f"load factors to run, some of {','.join(map(str, LOADS))}")  # fmt: skip
     add_out_arg(ap)
     args = ap.parse_args(argv)
+    try:
+        loads = [int(x) for x in args.loads.split(",") if x]
+    except ValueError:
+        loads = None
+    if not loads or any(x not in LOADS for x in loads):
+        ap.error(f"--loads takes some of {','.join(map(str, LOADS))}, got {args.loads!r}")
     reps = 1 if args.quick else args.repeats
-    rows = budget_rows(reps, args.period, 2 if args.quick else 4)
+    rows = budget_rows(reps, args.period, 2 if args.quick else 4, loads)
     rows += sleep_rows(reps if args.quick else 5, (64, 128) if args.quick else (64, 128, 256, 512))
     print(
         table(

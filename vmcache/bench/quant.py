@@ -186,7 +186,8 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    acc = [r for r in rows if r["kind"] == "accuracy"]
+    # a row whose anchor could not run (optimum-quanto missing) has no error to draw
+    acc = [r for r in rows if r["kind"] == "accuracy" and "logits_rel_err_median" in r]
     cap = [r for r in rows if r["kind"] == "capacity"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     axes[0].bar([r["storage"] for r in acc], [r["logits_rel_err_median"] for r in acc])

@@ -1,0 +1,109 @@
+"""The harness end to end, as `make bench` runs it, at a tiny scale: every section of the
+default path (sizing on all seven traces, the rate sweep, compute, the radix rows, the report,
+the save, the plots), and each other --mode through its save. Each run must exit cleanly,
+write JSON that loads back, and hold nothing but plain JSON values in its rows (a cache object
+in a row crashed `make bench` at its very end once: issue 32)."""
+
+import json
+
+import pytest
+import torch
+
+from vmcache.bench import traces
+from vmcache.bench.__main__ import main as bench_main
+from vmcache.bench.common import check_plain, save
+
+PLAIN = (str, int, float, bool, type(None))
+
+
+def _plain_everywhere(value, where="doc"):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            assert isinstance(k, str), f"{where}: key {k!r}"
+            _plain_everywhere(v, f"{where}[{k!r}]")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _plain_everywhere(v, f"{where}[{i}]")
+    else:
+        assert isinstance(value, PLAIN), f"{where} is a {type(value).__name__}"
+
+
+def _load_one(out_dir, name):
+    paths = sorted(out_dir.glob(f"{name}-*.json"))
+    assert len(paths) == 1, paths
+    doc = json.loads(paths[0].read_text())
+    assert doc["benchmark"] == name and doc["rows"]
+    _plain_everywhere(doc)
+    return doc, paths[0]
+
+
+# the default path's sections at a tiny scale: no --mode (both), every trace, one rate
+TINY_DEFAULT = ["--sample", "6", "--budget-gb", "1", "--rates", "8", "--jobs", "1",
+                "--compute-requests", "4", "--repeats", "1", "--compute-rates", "8",
+                "--budgets", "4"]  # fmt: skip
+
+
+def test_the_default_harness_path_runs_to_its_save(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    bench_main([*TINY_DEFAULT, "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    doc, path = _load_one(tmp_path, "ab")
+    rows = doc["rows"]
+    assert {r["trace"] for r in rows if "trace" in r} == set(traces.TRACES)
+    assert any(r.get("rate_rps") == 8.0 for r in rows if "trace" in r)  # the sweep
+    compute = [r for r in rows if r.get("mode") == "compute"]
+    radix = [r for r in compute if r.get("scenario") == "shared_prompt"]
+    assert {r["cache"] for r in compute} == {"vmcache", "paged"}
+    assert len(radix) == 4 and all(r["kv_dtype"] == "auto" for r in compute)
+    # the radix rows say what prefix caching saved: hits only where it is on
+    assert all((r["prefix_hit_tokens"] > 0) == r["prefix_caching"] for r in radix)
+    assert doc["args"]["mode"] == "both" and doc["wall_s"] > 0
+    assert "saved" in out and "verdict" in out
+    for suffix in ("waste", "latency", "compute"):  # the report's plots
+        assert path.with_name(f"{path.stem}-{suffix}.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "mode, extra",
+    [
+        ("spec", []),
+        ("quant", []),
+        ("tiers", []),
+        ("elastic", ["--loads", "1"]),
+        ("compute", ["--kv-dtype", "fp8"]),
+        ("sizing", []),
+    ],  # fmt: skip
+)
+def test_each_mode_runs_to_its_save(tmp_path, mode, extra):
+    argv = ["--mode", mode, "--quick", "--out", str(tmp_path), *extra]
+    if mode == "compute":
+        argv = ["--mode", mode, *TINY_DEFAULT, "--out", str(tmp_path), *extra]
+    elif mode == "sizing":
+        argv = ["--mode", mode, *TINY_DEFAULT, "--no-plot", "--out", str(tmp_path)]
+    bench_main(argv)
+    doc, path = _load_one(tmp_path, "ab" if mode in ("compute", "sizing") else mode)
+    if mode == "compute":
+        assert {r["kv_dtype"] for r in doc["rows"]} == {"fp8"}
+    if mode == "elastic":
+        assert {r["load"] for r in doc["rows"] if r["part"] == "budget"} == {1}
+
+
+def test_an_unknown_option_is_refused_outside_the_delegated_modes(tmp_path):
+    with pytest.raises(SystemExit):
+        bench_main(["--mode", "sizing", "--loads", "1", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        bench_main(["--mode", "elastic", "--loads", "3", "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())
+
+
+def test_save_names_the_field_that_is_not_a_value_and_writes_nothing(tmp_path):
+    rows = [{"cache": "vmcache", "tok_per_s": 1.0}, {"cache": "paged", "kv_dtype": torch.int8}]
+    with pytest.raises(TypeError, match=r"rows\[1\]\['kv_dtype'\] is a dtype"):
+        save("probe", torch.device("cpu"), rows, out_dir=tmp_path)
+    with pytest.raises(TypeError, match=r"extra\['args'\]\['t'\] is a Tensor"):
+        save("probe", torch.device("cpu"), rows[:1], {"args": {"t": torch.ones(1)}},
+             out_dir=tmp_path)  # fmt: skip
+    with pytest.raises(TypeError, match="key 3 of type int"):
+        check_plain({3: "x"})
+    assert not list(tmp_path.iterdir())
+    check_plain([{"a": [1, 2.5, None, True, ("t", "u")], "b": {"c": "d"}}])  # values pass
