@@ -15,7 +15,7 @@ OLD_STAMP := $(OLD)/.vmcache-installed
 # Without an NVIDIA GPU take the CPU build first, so no multi-GB CUDA build is pulled.
 CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q torch==2.13.0; fi
 
-.PHONY: bench bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant readme test test-newest test-oldest test-long coverage compile-sm90 lint \
+.PHONY: bench bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes readme test test-newest test-oldest test-long coverage compile-sm90 lint \
 	gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -69,6 +69,10 @@ bench-spec: $(STAMP)
 bench-quant: $(STAMP)
 	$(PIP) install -q -e '.[quant-anchor]'
 	$(PY) -m vmcache.bench --mode quant
+
+# prefix caching over every head shape: tokens a block, prompt shared, waste (bookkeeping only)
+bench-prefix-shapes: $(STAMP)
+	cd benchmarks && ../$(PY) bench_prefix_shapes.py
 
 # the result tables of README.md and docs/results.md from the committed JSON (tests/test_readme_results.py checks them)
 readme: $(STAMP)

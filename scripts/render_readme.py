@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its helper mod
 from readme_format import ROOT, f, md, newest, source  # noqa: E402
 from readme_round2 import elastic, handoff, tiers, window  # noqa: E402
 from readme_round3 import quant, quant_headline, spec  # noqa: E402
+from readme_round4 import prefix_shapes  # noqa: E402
 
 README = os.path.join(ROOT, "README.md")
 DOCS = [README, os.path.join(ROOT, "docs", "results.md")]  # the files with generated blocks
@@ -209,6 +210,7 @@ BLOCKS = {
     "spec": lambda: spec(*newest("spec-*.json")),
     "quant": lambda: quant(*newest("quant-*.json")),
     "quant-headline": lambda: quant_headline(*newest("quant-*.json")),
+    "prefix-shapes": lambda: prefix_shapes(*newest("prefix_shapes-*.json")),
 }
 
 

@@ -55,7 +55,7 @@ def append(c, s, tokens):
 
 
 def tpp(c):
-    return c.prefix.tokens_per_page
+    return c.prefix.tokens_per_block
 
 
 class PrefixMachine(RuleBasedStateMachine):

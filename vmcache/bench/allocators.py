@@ -221,7 +221,7 @@ class CacheAlloc:
     @property
     def prefix_page_tokens(self) -> int:
         """Tokens of one prefix-index entry (a full page of every table)."""
-        return self.kv.prefix.tokens_per_page
+        return self.kv.prefix.tokens_per_block
 
     def free_bytes(self) -> int:
         return self.kv.pool.num_free * self.kv.page_bytes

@@ -107,7 +107,7 @@ class Scheduler:
         kv = self.kv
         if kv.prefix is None:
             return False
-        page = kv.prefix.tokens_per_page
+        page = kv.prefix.tokens_per_block
         hit = kv.cached_prefix_tokens(seq.tokens, seq.req.salt)
         for a in self.running:
             if a.req.salt != seq.req.salt or a.generated:

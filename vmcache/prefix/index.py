@@ -1,12 +1,17 @@
 """Prefix index: full pages of K/V found again by their tokens, across requests.
 
-A chain of entries, one per full page of ``tokens_per_page`` tokens; an entry's key is
-(parent entry, the page's token ids, tenant salt), so a page is found only after the same
+A chain of entries, one per full block of ``tokens_per_block`` tokens; an entry's key is
+(parent entry, the block's token ids, tenant salt), so a block is found only after the same
 tokens *and* the same prefix before them, and never across salts:
 
-    "You are a helpful ... | ... assistant. User: | hi"      (pages of 4 tokens)
-     entry A -------------> entry B -------------> (tail: not a full page, not indexed)
-     pages (a0, a1, ...)    pages (b0, b1, ...)    one page per table (T tables)
+    "You are a helpful ... | ... assistant. User: | hi"      (blocks of 4 tokens)
+     entry A -------------> entry B -------------> (tail: not a full block, not indexed)
+     pages (a0, a1, ...)    pages (b0, b1, ...)    k pages per table (T tables)
+
+A block is the least run of whole pages that ends on a whole token: one page (k = 1) when a
+page holds whole tokens, else k = lcm(page, token row) / page pages (768-byte rows on 64 KiB
+pages: k = 3, 256 tokens), so any head shape can share its prefixes. An entry holds its k
+pages of table 0, then table 1's, ... (``pages_per_entry`` = T·k pages in all).
 
 Every entry holds one pool reference per page, so cached pages outlive the sequence that
 wrote them. Entries whose pages nobody else maps (refcount 1) are evictable, least recently
@@ -52,7 +57,7 @@ def whole_pages_shared(a: Iterable[int], b: Iterable[int], page: int) -> int:
 class _Entry:
     key: tuple
     parent: _Entry | None
-    pages: tuple[int, ...]  # one physical page per table
+    pages: tuple[int, ...]  # k physical pages per table, table by table
     children: int = 0
     last_used: int = 0
     alone: int = 0  # of its pages, those only the index holds (refcount 1)
@@ -83,8 +88,9 @@ class PrefixStats:
 @dataclass(eq=False)
 class PrefixIndex:
     pool: object
-    tokens_per_page: int
-    num_tables: int
+    tokens_per_block: int  # tokens one entry covers (its k pages per table end on a token)
+    pages_per_entry: int  # T·k: the pages of one block in every table
+    pages_per_table: int = 1  # k
     _entries: dict[tuple, _Entry] = field(default_factory=dict)
     _tick: int = 0
     _stats: PrefixStats = field(default_factory=PrefixStats)
@@ -102,28 +108,28 @@ class PrefixIndex:
 
     def _key(self, parent: _Entry | None, tokens: Sequence[int], j: int, salt) -> tuple:
         """Page ``j`` of ``tokens`` after ``parent``: exact, so no two prefixes collide."""
-        P = self.tokens_per_page
+        P = self.tokens_per_block
         return (id(parent), tuple(tokens[j * P : (j + 1) * P]), salt)
 
     def peek(self, tokens: Sequence[int], salt=None) -> int:
         """Tokens of ``tokens`` the index holds now (whole pages), touching nothing: no
         recency, no stats (for schedulers deciding whether to wait for a prefix)."""
         parent, j = None, 0
-        while j < len(tokens) // self.tokens_per_page:
+        while j < len(tokens) // self.tokens_per_block:
             e = self._entries.get(self._key(parent, tokens, j, salt))
             if e is None:
                 break
             parent, j = e, j + 1
         if self.tiers is not None:
-            j += len(self._held(parent, tokens, salt, j, len(tokens) // self.tokens_per_page))
-        return j * self.tokens_per_page
+            j += len(self._held(parent, tokens, salt, j, len(tokens) // self.tokens_per_block))
+        return j * self.tokens_per_block
 
     def match(self, tokens: Sequence[int], salt=None, max_pages: int | None = None) -> list[_Entry]:
         """The longest run of cached full pages (at most ``max_pages``) that starts
         ``tokens``, touched as used; with tiers, their next pages promoted if they hold them."""
         self._tick += 1
         found: list[_Entry] = []
-        n = len(tokens) // self.tokens_per_page
+        n = len(tokens) // self.tokens_per_block
         n = n if max_pages is None else min(n, max_pages)
         for j in range(n):
             e = self._entries.get(self._key(found[-1] if found else None, tokens, j, salt))
@@ -137,14 +143,14 @@ class PrefixIndex:
         st = self._stats
         st.lookups += 1
         st.lookup_tokens += len(tokens)
-        st.hit_tokens += len(found) * self.tokens_per_page
-        st.tier_hit_tokens += (len(found) - device) * self.tokens_per_page
+        st.hit_tokens += len(found) * self.tokens_per_block
+        st.tier_hit_tokens += (len(found) - device) * self.tokens_per_block
         return found
 
     def _held(self, parent, tokens, salt, j0: int, j1: int) -> list[bytes]:
         """Tier names of pages ``j0 ..`` of ``tokens`` (``parent`` holds page j0-1), as far
         as some tier holds them (no I/O; hashing stops at the first miss)."""
-        P, sb = self.tokens_per_page, salt_bytes(salt)
+        P, sb = self.tokens_per_block, salt_bytes(salt)
         d, out = parent.digest if parent is not None else self.root, []
         for j in range(j0, j1):
             d = page_digest(d, sb, tokens[j * P : (j + 1) * P])
@@ -157,7 +163,7 @@ class PrefixIndex:
         """Extend ``found`` by the pages the tiers hold next: fresh pages allocated (which may
         evict, i.e. demote, colder entries; ``found`` is pinned meanwhile), filled in one copy,
         indexed like inserted ones. No room or a corrupt tier file: fewer (or no) pages."""
-        T = self.num_tables
+        T = self.pages_per_entry
         parent = found[-1] if found else None
         digests = self._held(parent, tokens, salt, len(found), n)
         want = len(digests)
@@ -203,18 +209,19 @@ class PrefixIndex:
         return e
 
     def insert(self, tokens: Sequence[int], tables: Sequence[Sequence[int]], salt=None) -> int:
-        """Index the full pages of a sequence holding ``tokens`` in ``tables`` (T page lists);
-        pages already indexed keep their first copy. Returns the pages newly referenced."""
+        """Index the full blocks of a sequence holding ``tokens`` in ``tables`` (T page
+        lists); blocks already indexed keep their first copy. Returns the pages newly
+        referenced."""
         self._tick += 1
-        P = self.tokens_per_page
-        n = min(len(tokens) // P, min(len(t) for t in tables))
+        P, k = self.tokens_per_block, self.pages_per_table
+        n = min(len(tokens) // P, min(len(t) for t in tables) // k)
         new = 0
         parent = None
         for j in range(n):
             key = self._key(parent, tokens, j, salt)
             e = self._entries.get(key)
             if e is None:
-                pages = tuple(t[j] for t in tables)
+                pages = tuple(t[j * k + m] for t in tables for m in range(k))
                 self.pool.incref(pages)
                 digest = b""
                 if self.tiers is not None:
@@ -307,7 +314,7 @@ class PrefixIndex:
         try:
             if self.tiers is not None and entries:
                 data = self.read_pages(pages)
-                self.tiers.demote([e.digest for e in entries], data, self.num_tables)
+                self.tiers.demote([e.digest for e in entries], data, self.pages_per_entry)
         finally:
             self.pool.set_indexed(pages, False)
             self.pool.decref(pages)

@@ -23,28 +23,25 @@ def setup_prefix(c, prefix_caching: bool, prefix_tiers) -> None:
             f"(layers {list(c.spec.sliding_layers)}): a cached prefix would need the "
             "pages those layers release"
         )
-    u, P = c.groups[0].u, c.groups[0].P
-    if P % u:
-        raise ValueError(
-            f"prefix caching needs pages of whole tokens; {P} % {u} != 0 (a token row of {u} "
-            f"bytes; per-token K/V scales lengthen it): a page_size of {math.lcm(P, u)} works"
-        )
-    c.prefix = PrefixIndex(c.pool, P // u, c._T)
+    u, P = c.groups[0].u, c.groups[0].P  # a token's and a page's units in one table
+    k = math.lcm(P, u) // P  # pages per block: the least run of whole pages ending on a token
+    c.prefix = PrefixIndex(c.pool, k * P // u, c._T * k, k)
     c.pool.reclaimer = c.prefix
     if prefix_tiers is not None:
         bind_tiers(c, prefix_tiers)
 
 
 def attach_prefix(c, s: int, tokens: list[int]) -> None:
-    limit = c.max_seq_len // c.prefix.tokens_per_page
+    limit = c.max_seq_len // c.prefix.tokens_per_block
     entries = c.prefix.match(tokens, c._salts[s], max_pages=limit)
     if not entries:
         return
     (g,) = c.groups
-    rows = [[e.pages[i] for e in entries] for i in range(c._T)]
+    k = c.prefix.pages_per_table
+    rows = [[p for e in entries for p in e.pages[i * k : (i + 1) * k]] for i in range(c._T)]
     c._attach_row(s, g.ids, 0, rows)
     c.pool.incref([p for r in rows for p in r])
-    n = len(entries) * c.prefix.tokens_per_page
+    n = len(entries) * c.prefix.tokens_per_block
     g.open(s, rows)
     c._tokens[s] = list(tokens[:n])
     c._set_len(s, n)
@@ -64,15 +61,17 @@ def bind_tiers(c, tiers) -> None:
     ix = c.prefix
     layout = {"cache": type(c).__name__, "spec": repr(c.spec), "tables": c._T,
               "layout": getattr(c, "layout", None), "page_bytes": c.page_bytes,
-              "tokens_per_page": ix.tokens_per_page}  # fmt: skip
-    ix.root = tiers.bind(layout, c._T * c.page_bytes)
+              "tokens_per_page": ix.tokens_per_block}  # fmt: skip
+    if ix.pages_per_table > 1:  # (absent for one page a block: older tier files still match)
+        layout["pages_per_table"] = ix.pages_per_table
+    ix.root = tiers.bind(layout, ix.pages_per_entry * c.page_bytes)
     ix.tiers, ix.read_pages, ix.write_pages = tiers, c._read_pages, c._write_pages
 
 
 def tier_stats(c):
     """The prefix tiers' :class:`~vmcache.prefix.tiers.TierStats` (None without tiers)."""
     ix = c.prefix
-    return None if ix is None or ix.tiers is None else ix.tiers.stats(c._T)
+    return None if ix is None or ix.tiers is None else ix.tiers.stats(ix.pages_per_entry)
 
 
 def cached_prefix_tokens(c, tokens, salt=None) -> int:
