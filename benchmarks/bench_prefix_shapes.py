@@ -20,6 +20,7 @@ any machine.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 
@@ -88,16 +89,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     dims, heads = ((64, 80), (1, 2, 3)) if args.quick else (HEAD_DIMS, KV_HEADS)
     rows = []
-    for be in BACKENDS:
-        for lay in ("layer_major", "token_major"):
-            for d in dims:
-                for h in heads:
-                    for s in STORAGES:
-                        try:
-                            rows.append(one(d, h, s, lay, be))
-                        except (ValueError, TypeError) as exc:  # recorded: the verdict counts it
-                            rows.append({"head_dim": d, "kv_heads": h, "storage": s,
-                                         "layout": lay, "backend": be, "error": str(exc)})
+    grid = itertools.product(BACKENDS, ("layer_major", "token_major"), dims, heads, STORAGES)
+    for be, lay, d, h, st in grid:
+        try:
+            rows.append(one(d, h, st, lay, be))
+        except (ValueError, TypeError) as exc:  # recorded: the verdict counts it
+            where = {"head_dim": d, "kv_heads": h, "storage": st, "layout": lay, "backend": be}
+            rows.append({**where, "error": str(exc)})
     rows_ok = [r for r in rows if "error" not in r]
     print(table([r for r in rows_ok if r["kv_heads"] in (3, 8)],
                 ["backend", "layout", "head_dim", "kv_heads", "storage", "row_bytes",
