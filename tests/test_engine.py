@@ -140,9 +140,11 @@ def test_stop_token_ends_a_sequence(model):
     (req,) = requests([(12, 30)])
     first = Engine(model, make("vm", 100)).run([req])["r0"][0]
     stop = first[4]
-    params = SamplingParams(max_new_tokens=30, stop_token_id=stop)
-    out = Engine(model, make("vm", 100)).run([Request("s", req.prompt, params)])["s"][0]
+    params = SamplingParams(max_new_tokens=30, stop_token_ids=[stop])
+    engine = Engine(model, make("vm", 100))
+    out = engine.run([Request("s", req.prompt, params)])["s"][0]
     assert out == first[: first.index(stop) + 1]
+    assert engine.finish_reasons == {"s": ["stop"]}
 
 
 def test_bad_requests_raise_before_anything_changes(model):

@@ -209,6 +209,7 @@ def _admit(engine, arrival) -> None:
     rid = req.req_id
     if rid not in engine.outputs:
         engine.outputs[rid] = [None] * req.params.n
+        engine.finish_reasons[rid] = [None] * req.params.n
         engine.times[rid] = [time.perf_counter(), time.perf_counter(), None]
     for i, (index, tokens, generated, state) in enumerate(entries):
         seq = engine._seq(req, index, tokens)

@@ -66,6 +66,15 @@ class EngineStats:
         return d
 
 
+def model_eos_ids(model) -> frozenset[int]:
+    """The model's end-of-sequence ids: ``generation_config.eos_token_id`` (an int, a list,
+    or None: none)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([int(eos)] if isinstance(eos, int) else (int(t) for t in eos))
+
+
 class Engine:
     def __init__(self, model, cache, *, preemption: str = "recompute", victim: str = "last",
                  max_batch_tokens: int = 2048, map_ahead: bool = True,
@@ -76,7 +85,11 @@ class Engine:
         not use); None keeps every page it created. ``speculative``: draft tokens for every
         decoding sequence and verify them in the next step
         (:mod:`vmcache.engine.speculative`); a sliding-window cache must keep
-        ``rollback_tokens`` ≥ its ``k`` (a rejected draft is truncated away)."""
+        ``rollback_tokens`` ≥ its ``k`` (a rejected draft is truncated away).
+
+        Sequences stop at the model's end-of-sequence ids (:attr:`eos_token_ids`, read from
+        its ``generation_config`` here) unless a request says ``ignore_eos``; why each
+        finished is in :attr:`finish_reasons`."""
         if speculative is not None:
             if not isinstance(speculative, (NgramDrafter, DraftModel)):
                 raise TypeError(f"speculative must be an NgramDrafter or a DraftModel, got "
@@ -103,9 +116,11 @@ class Engine:
         self._stalled_since: float | None = None
         self.runner = ModelRunner(model, cache)
         self.vocab = model.config.get_text_config().vocab_size
+        self.eos_token_ids = model_eos_ids(model)  # stop ids of every request but ignore_eos
         self.scheduler = Scheduler(cache, preemption, victim, max_batch_tokens)
         self.stats = EngineStats()
         self.outputs: dict[str, list[list[int] | None]] = {}  # req_id -> n token lists
+        self.finish_reasons: dict[str, list[str | None]] = {}  # req_id -> "stop" / "length"
         self._pending_forks: dict[str, int] = {}  # req_id -> sequences still to create
         self.times: dict[str, list] = {}  # req_id -> [arrival, first token, finish] (perf_counter)
         # called with (seq, its forked siblings) once a prompt is prefilled and sampled, for
@@ -123,6 +138,9 @@ class Engine:
         if not prompt or not all(isinstance(t, int) and 0 <= t < self.vocab for t in prompt):
             raise ValueError(f"request {req.req_id!r}: prompt must be a non-empty list of token "
                              f"ids in [0, {self.vocab})")  # fmt: skip
+        if any(t >= self.vocab for t in req.params.stop_token_ids):
+            raise ValueError(f"request {req.req_id!r}: stop_token_ids must be below the "
+                             f"vocabulary size {self.vocab}")  # fmt: skip
         total = len(prompt) + req.params.max_new_tokens
         if total > self.kv.max_seq_len:
             raise ValueError(f"request {req.req_id!r}: {total} tokens exceed the cache's "
@@ -134,18 +152,21 @@ class Engine:
             raise ValueError(f"request {req.req_id!r}: {total} tokens need {peak} pages at "
                              f"once, the pool has {self.kv.pool.num_pages}")  # fmt: skip
         self.outputs[req.req_id] = [None] * req.params.n
+        self.finish_reasons[req.req_id] = [None] * req.params.n
         self.times[req.req_id] = [time.perf_counter() if arrival_s is None else arrival_s,
                                   None, None]  # fmt: skip
         self._pending_forks[req.req_id] = req.params.n - 1
         self.scheduler.waiting.append(self._seq(req, 0, prompt))
 
     def _seq(self, req: Request, index: int, tokens: list[int]) -> Seq:
-        g = torch.Generator().manual_seed(req.params.seed * 1_000_003 + index)
-        return Seq(req, index, list(tokens), g)
+        p = req.params
+        g = torch.Generator().manual_seed(p.seed * 1_000_003 + index)
+        stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
+        return Seq(req, index, list(tokens), g, stop_ids=stops)
 
     def _sample(self, logits: torch.Tensor, seq: Seq) -> int:
         p: SamplingParams = seq.req.params
-        return sample(logits, p.temperature, p.top_k, seq.generator)
+        return sample(logits, p.temperature, p.top_k, seq.generator, p.top_p, p.min_p)
 
     def _append(self, seq: Seq, token: int, in_tokens: bool = False) -> None:
         """``token`` generated for ``seq`` (``in_tokens``: an accepted draft, already at the
@@ -154,7 +175,10 @@ class Engine:
             seq.tokens.append(token)
         seq.generated.append(token)
         self.stats.generated_tokens += 1
-        if seq.done():
+        reason = seq.done()
+        if reason is not None:
+            seq.finish_reason = reason
+            self.finish_reasons[seq.req.req_id][seq.index] = reason
             self.kv.free(seq.slot)
             self.scheduler.running.remove(seq)
             seq.slot, seq.status = None, Status.FINISHED
@@ -235,7 +259,7 @@ class Engine:
             mapped += sum(kv.mapped_pages(kid) for kid, _ in kids)
             nodes, parents, rows, owner = tree.with_forks(nodes, parents, rows, kids, kid_rows)
         path, token = verify_tree(rows, nodes, parents, p.temperature, p.top_k, seq.generator,
-                                  q)  # fmt: skip
+                                  q, p.top_p, p.min_p)  # fmt: skip
         accepted = len(path)
         seq.spec_accepted = accepted if len(nodes) > 1 else seq.spec_accepted
         chains = parents.count(0)  # chains hang from the root
@@ -307,7 +331,7 @@ class Engine:
                 p = seq.req.params
                 if seq.draft:  # its length changes once the drafts are verified
                     continue
-                if p.stop_token_id is None and len(seq.generated) + 1 < p.max_new_tokens:
+                if len(seq.generated) + 1 < p.max_new_tokens:  # (a stop token frees it)
                     st.premapped_pages += self.kv.memory.reserve(seq.slot, 1)
             premap = time.perf_counter() - tp
         now = time.perf_counter()

@@ -12,24 +12,53 @@ import torch
 @dataclass(frozen=True)
 class SamplingParams:
     """``temperature == 0`` is greedy; ``n`` sequences share the prompt (forked after one
-    prefill); generation stops after ``max_new_tokens`` or at ``stop_token_id``."""
+    prefill). A sequence finishes after ``max_new_tokens`` (``"length"``) or on a stop token
+    (``"stop"``, the token kept as its last): one of ``stop_token_ids``, or one of the
+    model's end-of-sequence ids (its ``generation_config.eos_token_id``) unless
+    ``ignore_eos``. Sampling filters: ``top_k`` (0: off), ``top_p`` (1: off), ``min_p``
+    (0: off), in transformers' order after the temperature.
+
+    (``stop_token_id``, the single stop id of earlier versions, is gone: pass
+    ``stop_token_ids=[id]``.)"""
 
     max_new_tokens: int = 16
     n: int = 1
     temperature: float = 0.0
     top_k: int = 0  # 0 = the whole vocabulary
+    top_p: float = 1.0
+    min_p: float = 0.0
     seed: int = 0
-    stop_token_id: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "n", "top_k", "seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {value!r}")
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+            if value != value:
+                raise ValueError(f"{name} must not be NaN")
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        ids = self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise TypeError(f"stop_token_ids must be a sequence of ints, got {ids!r}")
+        ids = tuple(ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise TypeError(f"stop_token_ids must hold non-negative ints, got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", ids)
         if self.max_new_tokens < 1 or self.n < 1 or self.top_k < 0:
             raise ValueError(f"need max_new_tokens >= 1, n >= 1, top_k >= 0; got {self}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
 
 @dataclass(frozen=True)
@@ -69,6 +98,8 @@ class Seq:
     mapped_at_draft: int = 0  # its mapped pages when its drafts were proposed
     spec_k: int | None = None  # drafts it may propose next (adaptive speculation)
     spec_accepted: int | None = None  # drafts its last verification accepted
+    stop_ids: frozenset[int] = frozenset()  # its stop tokens: the request's and the model's EOS
+    finish_reason: str | None = None  # "stop" or "length" once finished
 
     def drop_draft(self) -> None:
         """Forget the draft tokens (not verified: a preemption, or no room this step)."""
@@ -86,9 +117,9 @@ class Seq:
         """The tokens this step feeds: ``tokens[cached : cached + chunk]``."""
         return self.tokens[self.cached : self.cached + self.chunk]
 
-    def done(self) -> bool:
-        p = self.req.params
-        return len(self.generated) >= p.max_new_tokens or (
-            p.stop_token_id is not None and bool(self.generated)
-            and self.generated[-1] == p.stop_token_id
-        )  # fmt: skip
+    def done(self) -> str | None:
+        """Why it is finished (``"stop"``: its last token is a stop token, ``"length"``:
+        ``max_new_tokens`` reached), None while it runs."""
+        if self.generated and self.generated[-1] in self.stop_ids:
+            return "stop"
+        return "length" if len(self.generated) >= self.req.params.max_new_tokens else None

@@ -6,13 +6,16 @@ per token, K/V written into the cache, attention straight from it (``vmcache.ker
     positions:   | 0 .. 36                  | 80      | 5        | 0 .. 11                  |
     q_lens:      [37, 1, 1, 12]   starts: [0, 80, 5, 0]   (K/V go to [start, start+q_len))
 
-The model's own decoder layers run unchanged; the engine switches it to
-``attn_implementation="vmcache"`` (transformers' ``set_attn_implementation``), and the
-per-step plan (slots, starts, q_lens) is built once, then read by every layer.
+The model's own decoder layers run unchanged, with ``attn_implementation="vmcache"`` for the
+length of each step only: the configs the layers read are switched when a step starts and
+restored when it ends (an exception included), so the user's model is left as it was (its
+``generate`` and ``generate_batch`` keep working between engine steps). The per-step plan
+(slots, starts, q_lens) is built once, then read by every layer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -112,14 +115,33 @@ class ModelRunner:
         # Gemma 3: one rotary embedding per layer type (local / global bases)
         takes_type = "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters
         self.layer_types = list(cfg.layer_types) if takes_type else None
-        if model.config._attn_implementation != ATTN_NAME:
-            model.set_attn_implementation(ATTN_NAME)
+        # the configs the decoder layers read their attention implementation from (the
+        # model's and any other object a module holds), switched per step by _attention
+        configs = {id(model.config): model.config}
+        for m in inner.layers.modules():
+            cfg_m = getattr(m, "config", None)
+            if cfg_m is not None and hasattr(cfg_m, "_attn_implementation"):
+                configs.setdefault(id(cfg_m), cfg_m)
+        self._configs = list(configs.values())
         self.model, self.inner, self.kv = model, inner, kv
         self.device = next(model.parameters()).device
         self.cache = StepCache(kv)
         # transformers 5.17–5.23 take past_key_values=, 5.24+ cache=; a decoder layer given
         # the other name swallows it into **kwargs and writes nothing
         self.cache_arg = cache_keyword(inner.layers[0])
+
+    @contextlib.contextmanager
+    def _attention(self):
+        """``attn_implementation="vmcache"`` on the model's configs for one step, then what
+        they held before."""
+        before = [c._attn_implementation for c in self._configs]
+        try:
+            for c in self._configs:
+                c._attn_implementation = ATTN_NAME
+            yield
+        finally:
+            for c, b in zip(self._configs, before):
+                c._attn_implementation = b
 
     @torch.inference_mode()
     def step(self, slots: list[int], starts: list[int], tokens: list[list[int]],
@@ -145,6 +167,10 @@ class ModelRunner:
         ids = torch.tensor([t for ts in tokens for t in ts], device=self.device)[None]
         pos = torch.cat([a + o for a, o in zip(starts, offsets)])
         pos = pos.to(self.device)[None]
+        with self._attention():
+            return self._forward(ids, pos, q_lens, rows)
+
+    def _forward(self, ids, pos, q_lens, rows) -> torch.Tensor:
         h = self.inner.embed_tokens(ids)
         if self.layer_types is None:
             pes = [self.inner.rotary_emb(h, position_ids=pos)] * len(self.inner.layers)

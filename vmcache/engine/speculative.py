@@ -100,40 +100,56 @@ class NgramDrafter:
         return chains
 
 
-def target_probs(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
-    """The distribution the engine samples from (``temperature > 0``): fp32 CPU ``[V]``."""
+def target_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float = 1.0,
+                 min_p: float = 0.0) -> torch.Tensor:  # fmt: skip
+    """The distribution the engine samples from (``temperature > 0``): fp32 CPU ``[V]``.
+    Filters in transformers' order: temperature, then ``top_k`` (0: off), then ``top_p``
+    (the smallest set of most likely tokens whose mass reaches it; 1: off), then ``min_p``
+    (tokens below ``min_p`` times the most likely one's probability dropped; 0: off). The
+    most likely token always stays."""
     logits = logits.float().cpu() / temperature
     if top_k:
         kth = logits.topk(min(top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    return logits.softmax(-1)
+    probs = logits.softmax(-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        before = sorted_p.cumsum(0) - sorted_p  # mass of the more likely tokens
+        drop = torch.zeros_like(probs, dtype=torch.bool)
+        drop[order] = before >= top_p
+        probs = probs.masked_fill(drop, 0.0)
+    if min_p > 0.0:
+        probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
+    return probs / probs.sum()
 
 
-def sample(logits: torch.Tensor, temperature: float, top_k: int,
-           generator: torch.Generator) -> int:  # fmt: skip
+def sample(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator,
+           top_p: float = 1.0, min_p: float = 0.0) -> int:  # fmt: skip
     """The engine's next token from ``logits`` ``[V]``: argmax at temperature 0, else drawn
     from :func:`target_probs` with the sequence's ``generator``."""
     if temperature == 0:
         return int(logits.argmax())
-    return int(torch.multinomial(target_probs(logits, temperature, top_k), 1, generator=generator))
+    probs = target_probs(logits, temperature, top_k, top_p, min_p)
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def verify(rows: torch.Tensor, drafts: list[int], temperature: float, top_k: int,
            generator: torch.Generator, draft_probs: torch.Tensor | None = None,
-           ) -> tuple[int, int]:  # fmt: skip
+           top_p: float = 1.0, min_p: float = 0.0) -> tuple[int, int]:  # fmt: skip
     """(drafts accepted, the token emitted after them) from the target's logits ``rows``
     ``[len(drafts) + 1, V]`` (row i: after the position before draft i). ``draft_probs``
     ``[len(drafts), V]``: the distributions the drafts were sampled from (a sampling draft
     model); None: each draft is a point mass (prompt lookup, greedy drafts)."""
     parents = list(range(-1, len(drafts)))
     q = None if draft_probs is None else [None, *draft_probs]
-    path, token = verify_tree(rows, [-1, *drafts], parents, temperature, top_k, generator, q)
+    path, token = verify_tree(rows, [-1, *drafts], parents, temperature, top_k, generator, q,
+                              top_p, min_p)  # fmt: skip
     return len(path), token
 
 
 def verify_tree(rows: torch.Tensor, tokens: list[int], parents: list[int], temperature: float,
-                top_k: int, generator: torch.Generator, draft_probs=None,
-                ) -> tuple[list[int], int]:  # fmt: skip
+                top_k: int, generator: torch.Generator, draft_probs=None, top_p: float = 1.0,
+                min_p: float = 0.0) -> tuple[list[int], int]:  # fmt: skip
     """Walk a token tree from its root: (the accepted nodes, root excluded, in order; the
     token emitted after the last). ``tokens[j]``, ``parents[j]``: node j (node 0 the root,
     the sequence's last token, parent −1; parents before children); ``rows[j]`` ``[V]``: the
@@ -161,7 +177,7 @@ def verify_tree(rows: torch.Tensor, tokens: list[int], parents: list[int], tempe
             if nxt is None:
                 return path, t
         else:
-            p, nxt = target_probs(rows[node], temperature, top_k), None
+            p, nxt = target_probs(rows[node], temperature, top_k, top_p, min_p), None
             for c in kids[node]:
                 d = tokens[c]
                 q = None if draft_probs is None else draft_probs[c]
@@ -173,8 +189,8 @@ def verify_tree(rows: torch.Tensor, tokens: list[int], parents: list[int], tempe
                     p[d] = 0.0
                 else:
                     p = (p - q.float().cpu()).clamp_(min=0)
-                p = p / p.sum() if float(p.sum()) > 0 else target_probs(rows[node], temperature,
-                                                                         top_k)  # fmt: skip
+                p = (p / p.sum() if float(p.sum()) > 0 else
+                     target_probs(rows[node], temperature, top_k, top_p, min_p))  # fmt: skip
             if nxt is None:
                 return path, int(torch.multinomial(p, 1, generator=generator))
         path.append(nxt)
@@ -277,7 +293,7 @@ class DraftModel:
         p = seq.req.params
         if p.temperature == 0:
             return int(row.argmax())
-        q = target_probs(row, p.temperature, p.top_k)
+        q = target_probs(row, p.temperature, p.top_k, p.top_p, p.min_p)
         self._q.setdefault(id(seq), []).append(q)
         return int(torch.multinomial(q, 1, generator=seq.generator))
 
