@@ -21,6 +21,11 @@ a trained model's; the figures measure the storage's error, not a real model's q
 The anchor: transformers' own ``QuantizedCache`` (quanto backend: INT4 and INT2 per group of
 64, the last 128 tokens kept in full precision), by the same protocol, when optimum-quanto is
 installed (``make bench-quant`` installs it); else its rows say so.
+
+PERPLEXITY (the trained model, when it is cached): SmolLM2-135M-Instruct's perplexity of two
+real texts through each storage, teacher-forced in 256-token chunks (vmcache/bench/perplexity.py);
+the quality figures that carry over to a real model, and the source of calibrate_kv_scales'
+defaults.
 """
 
 from __future__ import annotations
@@ -176,6 +181,19 @@ def main(argv=None):
     print(table(acc, ACC_COLUMNS))
     rows = [{"kind": "capacity", **r} for r in cap] + [{"kind": "accuracy", **r} for r in acc]
     extra = {"prompt_tokens": PROMPT, "new_tokens": new, "batch": BATCH, "requests": num}
+    from vmcache.bench import perplexity, real
+
+    if real.available():  # the trained model: perplexity of real text through each storage
+        print("\n-- perplexity on the trained model --")
+        m, tok = real.smol()
+        quick = ("fp32 (compute dtype)", "fp8 e4m3, unit scales", "int8, per token")
+        ppl = perplexity.rows(m, tok, quick if args.quick else tuple(perplexity.STORAGES),
+                              512 if args.quick else perplexity.MAX_TOKENS)  # fmt: skip
+        rows += [{"kind": "perplexity", **r} for r in ppl]
+        extra.update(ppl_model=real.NAME, ppl_chunk_tokens=perplexity.CHUNK)
+    else:
+        print("\n(perplexity rows skipped: the embedded model is not cached; run "
+              "`python -m vmcache.models fetch`)")  # fmt: skip
     save_and_plot("quant", torch.device("cpu"), rows, extra, args.out, plot)
     return rows
 

@@ -1,0 +1,57 @@
+"""calibrate_kv_scales: each head's scale from the model's own K/V, by the rule its defaults
+state (INT8: amax x 1.25 / 127; FP8: only shrink what would overflow), checked against K/V
+taken independently from a DynamicCache forward; bad arguments refused."""
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from vmcache.hf import cache_keyword, calibrate_kv_scales
+
+CFG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_ids():
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(CFG).eval()
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    cache = DynamicCache(config=m.config)
+    with torch.no_grad():
+        m(input_ids=ids, **{cache_keyword(m): cache}, use_cache=True)
+    amax = [x.abs().amax(dim=(0, 2, 3)) for layer in cache.layers
+            for x in (layer.keys, layer.values)]  # fmt: skip
+    return m, ids, torch.cat(amax)
+
+
+def test_int8_default_is_amax_with_a_quarter_of_headroom(model_ids):
+    m, ids, amax = model_ids
+    got = torch.tensor(calibrate_kv_scales(m, ids, torch.int8))
+    assert torch.allclose(got, amax * 1.25 / 127)
+    one = torch.tensor(calibrate_kv_scales(m, ids, torch.int8, margin=1.0))
+    assert torch.allclose(one, amax / 127)
+    p = torch.tensor(calibrate_kv_scales(m, ids, torch.int8, margin=1.0, percentile=50))
+    assert (p < one).all()  # a median is below the largest
+
+
+def test_fp8_default_only_shrinks_what_would_overflow(model_ids):
+    m, ids, amax = model_ids
+    e4 = torch.float8_e4m3fn
+    assert set(calibrate_kv_scales(m, ids, e4)) == {1.0}  # activations far below 448
+    fitted = torch.tensor(calibrate_kv_scales(m, ids, e4, range_fit=True))
+    assert torch.allclose(fitted, amax / 448)
+    # a margin that would overflow 448 shrinks: scale = amax * margin / 448 where above 1
+    big = 1000.0 * 448 / float(amax.min())
+    over = torch.tensor(calibrate_kv_scales(m, ids, e4, margin=big))
+    assert torch.allclose(over, (amax * big / 448).clamp(min=1.0)) and (over > 1).all()
+
+
+def test_bad_arguments_are_refused(model_ids):
+    m, ids, _ = model_ids
+    for kw in ({"margin": 0}, {"margin": float("inf")}, {"margin": True},
+               {"percentile": 0}, {"percentile": 101}, {"percentile": True}):  # fmt: skip
+        with pytest.raises(ValueError):
+            calibrate_kv_scales(m, ids, torch.int8, **kw)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        calibrate_kv_scales(m, ids, torch.float16)
