@@ -139,19 +139,3 @@ def quant(name, doc) -> str:
         f"figures rank the storages' error, they do not predict a real model's quality."
     )
     return t1 + "\n" + t2 + "\n" + verdict + "\n\n" + source(name, doc)
-
-
-def quant_headline(name, doc) -> str:
-    """README's one line on FP8 / INT8 K/V, from the same JSON as docs/results.md's block."""
-    rows = doc["rows"]
-    by = {(r["model"], r["allocator"]): r for r in rows if r["kind"] == "capacity"}
-    err = {r["storage"]: r for r in rows if r["kind"] == "accuracy" and "note" not in r}
-    e4m3, tok = err["fp8 e4m3"], err["int8 per token"]
-    return (
-        f"FP8 / INT8 K/V (`kv_dtype=`, head or per-token scales): "
-        f"{f(by['llama-3-8b:fp8', 'paged-16']['vs_bf16'])}x the sequences of BF16 in 16 GB "
-        f"(Llama-3-8B, paged-16, sizing replay); logits error against BF16 K/V "
-        f"{f(e4m3['logits_rel_err_median'])} (FP8 e4m3) and {f(tok['logits_rel_err_median'])} "
-        f"(INT8 per token) on a random model, which ranks the storages but says nothing of a "
-        f"trained model's quality ({doc['date']}, CPU).\n"
-    )

@@ -25,8 +25,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its helper modules
 
 from readme_format import ROOT, f, md, newest, source  # noqa: E402
+from readme_real import compute_real, quant_headline, quant_ppl, spec_real  # noqa: E402
 from readme_round2 import elastic, handoff, tiers, window  # noqa: E402
-from readme_round3 import quant, quant_headline, spec  # noqa: E402
+from readme_round3 import quant, spec  # noqa: E402
 from readme_round4 import prefix_shapes  # noqa: E402
 
 README = os.path.join(ROOT, "README.md")
@@ -211,6 +212,9 @@ BLOCKS = {
     "quant": lambda: quant(*newest("quant-*.json")),
     "quant-headline": lambda: quant_headline(*newest("quant-*.json")),
     "prefix-shapes": lambda: prefix_shapes(*newest("prefix_shapes-*.json")),
+    "quant-ppl": lambda: quant_ppl(*newest("quant-*.json")),
+    "spec-real": lambda: spec_real(*newest("spec_real-*.json")),
+    "compute-real": lambda: compute_real(*_ab()),
 }
 
 

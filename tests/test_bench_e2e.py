@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from vmcache.bench import traces
+from vmcache.bench import real, traces
 from vmcache.bench.__main__ import main as bench_main
 from vmcache.bench.common import check_plain, save
 
@@ -39,7 +39,7 @@ def _load_one(out_dir, name):
 
 # the default path's sections at a tiny scale: no --mode (both), every trace, one rate
 TINY_DEFAULT = ["--sample", "6", "--budget-gb", "1", "--rates", "8", "--jobs", "1",
-                "--compute-requests", "4", "--repeats", "1", "--compute-rates", "8",
+                "--compute-requests", "2", "--repeats", "1", "--compute-rates", "8",
                 "--budgets", "4"]  # fmt: skip
 
 
@@ -52,6 +52,11 @@ def test_the_default_harness_path_runs_to_its_save(tmp_path, capsys):
     assert {r["trace"] for r in rows if "trace" in r} == set(traces.TRACES)
     assert any(r.get("rate_rps") == 8.0 for r in rows if "trace" in r)  # the sweep
     compute = [r for r in rows if r.get("mode") == "compute"]
+    served = [r for r in rows if r.get("mode") == "compute_real"]
+    if real.available():  # the trained model's rows: same answers on both caches
+        assert {r["cache"] for r in served} == {"vmcache", "paged"}
+        assert all(r.get("answers_equal_across_caches", True) for r in served)
+        assert any(r.get("prefix_hit_tokens", 0) > 0 for r in served)
     radix = [r for r in compute if r.get("scenario") == "shared_prompt"]
     assert {r["cache"] for r in compute} == {"vmcache", "paged"}
     assert len(radix) == 4 and all(r["kv_dtype"] == "auto" for r in compute)
@@ -64,28 +69,19 @@ def test_the_default_harness_path_runs_to_its_save(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "mode, extra",
-    [
-        ("spec", []),
-        ("quant", []),
-        ("tiers", []),
-        ("elastic", ["--loads", "1"]),
-        ("compute", ["--kv-dtype", "fp8"]),
-        ("sizing", []),
-    ],  # fmt: skip
+    "mode, extra", [("spec", []), ("quant", []), ("tiers", []), ("elastic", ["--loads", "1"])]
 )
 def test_each_mode_runs_to_its_save(tmp_path, mode, extra):
-    argv = ["--mode", mode, "--quick", "--out", str(tmp_path), *extra]
-    if mode == "compute":
-        argv = ["--mode", mode, *TINY_DEFAULT, "--out", str(tmp_path), *extra]
-    elif mode == "sizing":
-        argv = ["--mode", mode, *TINY_DEFAULT, "--no-plot", "--out", str(tmp_path)]
-    bench_main(argv)
-    doc, path = _load_one(tmp_path, "ab" if mode in ("compute", "sizing") else mode)
-    if mode == "compute":
-        assert {r["kv_dtype"] for r in doc["rows"]} == {"fp8"}
+    bench_main(["--mode", mode, "--quick", "--out", str(tmp_path), *extra])
+    doc, path = _load_one(tmp_path, mode)
     if mode == "elastic":
         assert {r["load"] for r in doc["rows"] if r["part"] == "budget"} == {1}
+    if mode == "spec" and real.available():  # the real-task rows: their own file
+        doc, _ = _load_one(tmp_path, "spec_real")
+        assert all(r["answers_equal_none"] for r in doc["rows"])
+    if mode == "quant" and real.available():
+        ppl = [r for r in doc["rows"] if r["kind"] == "perplexity"]
+        assert ppl and all(r["ppl"] > 1 for r in ppl)
 
 
 def test_an_unknown_option_is_refused_outside_the_delegated_modes(tmp_path):

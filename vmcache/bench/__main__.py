@@ -130,7 +130,22 @@ def run_compute(args, dev: torch.device) -> list[dict]:
                                kv=args.kv_dtype)  # fmt: skip
     print(table(radix, ["cache", "prefix_caching", "prefill_tokens", "prefix_hit_tokens",
                         "prefix_waits", "tok_per_s", "max_running"]))  # fmt: skip
-    return rows + [{"scenario": "shared_prompt", **r} for r in radix]
+    rows = rows + [{"scenario": "shared_prompt", **r} for r in radix]
+    from vmcache.bench import compute_real, real
+
+    if not real.available():
+        print("\n(real-model rows skipped: the embedded model is not cached; run "
+              "`python -m vmcache.models fetch`)")  # fmt: skip
+        return rows
+    print(f"\n== compute mode on the trained model: {real.NAME}, chat requests ==")
+    n = min(args.compute_requests, len(compute_real.QUESTIONS))
+    served = compute_real.run(_floats(args.compute_rates)[0], args.repeats, n, args.kv_dtype)
+    print(table(served, ["cache", "prefill", "rate_rps", "tok_per_s", "ttft_p50_s",
+                         "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "spread_note"]))  # fmt: skip
+    shared = compute_real.run_prefix(n, args.kv_dtype)
+    print(table(shared, ["cache", "prefix_caching", "prompt_tokens", "prefill_tokens",
+                         "prefix_hit_tokens", "tok_per_s"]))  # fmt: skip
+    return rows + [{"real": True, **r} for r in served + shared]
 
 
 def sizing_progress(label: str):
@@ -217,7 +232,8 @@ def main(argv=None) -> None:
               "(bookkeeping only, no bytes; modelled time) ==")  # fmt: skip
         rows += run_sizing(args)
     if args.mode in ("compute", "both"):
-        rows += [{"mode": "compute", **r} for r in run_compute(args, dev)]
+        rows += [{"mode": "compute_real" if r.pop("real", False) else "compute", **r}
+                 for r in run_compute(args, dev)]  # fmt: skip
     name = "ab" + (f"-{args.tag}" if args.tag else "")
     wall = time.perf_counter() - t0
     path = save(name, dev, rows, {"args": vars(args), "wall_s": wall}, out_dir=args.out)

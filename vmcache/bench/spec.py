@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from vmcache.bench.common import add_out_arg, save_and_plot, table
+from vmcache.bench.common import add_out_arg, save, save_and_plot, table
 from vmcache.engine import Engine, NgramDrafter, Request, SamplingParams
 from vmcache.memory.backends.host import HostBackend
 from vmcache.paged_fallback import PagedKVCache
@@ -149,6 +149,8 @@ def rows_for(m, kind: str, workload: str, n: int, repeats: int) -> list[dict]:
     return rows
 
 
+REAL_COLUMNS = ["workload", "speculation", "steps", "tokens_per_step", "acceptance",
+                "tokens_per_verify", "answers_equal_none", "wall_s", "wall_vs_none"]  # fmt: skip
 COLUMNS = ["cache", "workload", "speculation", "steps", "tokens_per_step", "spec_proposed",
            "spec_accepted", "acceptance", "rolled_back_tokens", "tree_branches", "tree_wins",
            "tree_copied_bytes_per_verify", "mapped_pages_per_verify", "answers_equal_none",
@@ -170,6 +172,19 @@ def main(argv=None):
     print(table(rows, COLUMNS))
     extra = {"prompt_tokens": PROMPT, "new_tokens": NEW, "requests": n}
     save_and_plot("spec", torch.device("cpu"), rows, extra, args.out, plot)
+    from vmcache.bench import real, spec_real
+
+    if real.available():  # the trained model on real tasks: its own results file
+        print("\n-- speculation on the trained model, real tasks --")
+        new = 16 if args.quick else 96
+        real_rows = spec_real.rows(reps, new, 1 if args.quick else None)
+        print(table(real_rows, REAL_COLUMNS))
+        save("spec_real", torch.device("cpu"), real_rows,
+             {"model": real.NAME, "new_tokens": new}, out_dir=args.out)  # fmt: skip
+        rows = rows + real_rows
+    else:
+        print("\n(real-task rows skipped: the embedded model is not cached; run "
+              "`python -m vmcache.models fetch`)")  # fmt: skip
     return rows
 
 
