@@ -159,7 +159,14 @@ def compute_real(name, doc) -> str:
             f"{k} {r['prefix_hit_tokens']:,} of {r['prompt_tokens']:,} prompt tokens"
             for k, r in hits.items()
         )
-        + " from the cache (VMKVCache's 256-token blocks against paged's 16: the cost of "
-        "sharing whole tokens of a 768-byte row)."
+        + " from the cache"
+        + (
+            " (VMKVCache's whole-token blocks are coarser than paged's 16 tokens: the cost of "
+            "sharing a 768-byte row)."
+            if hits.get("vmcache", {}).get("prefix_hit_tokens", 0)
+            < hits.get("paged", {}).get("prefix_hit_tokens", 0)
+            else " (the same: the shared prefix rounds down to the same whole blocks on both here; "
+            "VMKVCache's blocks are 256 tokens for this 768-byte row, paged's 16)."
+        )
     )
     return out + "\n" + verdict + "\n\n" + source(name, doc)

@@ -122,3 +122,22 @@ def test_paged_cache_shares_every_shape_by_default(head_dim, kv_heads):
                      prefix_caching=True)  # fmt: skip
     assert c.prefix.pages_per_table == 1
     _shared_prompt_hits(c, spec)
+
+
+def test_the_drop_in_takes_prefix_caching_with_defaults_on_smollms_shape():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vmcache.hf import VMCache, cache_keyword
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=576, intermediate_size=256, head_dim=64,
+                      num_hidden_layers=2, num_attention_heads=9,
+                      num_key_value_heads=3)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(2))
+    kw = dict(do_sample=False, max_new_tokens=8, pad_token_id=0,
+              attention_mask=torch.ones_like(ids))  # fmt: skip
+    ref = model.generate(ids, **kw)
+    cache = VMCache(config=model.config, max_cache_len=64, prefix_caching=True)
+    got = model.generate(ids, **{cache_keyword(model): cache}, **kw)
+    assert torch.equal(got, ref) and cache.kv.prefix.pages_per_table == 3

@@ -52,7 +52,9 @@ def provenance() -> dict:
             versions[name] = _md.version(name)
         except _md.PackageNotFoundError:
             versions[name] = None
-    status = git("status", "--porcelain", "--untracked-files=no")
+    # dirty = code differs from the commit; result files being rewritten do not count
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                 ":(exclude)benchmarks/results")  # fmt: skip
     return {"git_sha": git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None
             else None, "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
             "packages": versions}  # fmt: skip

@@ -8,10 +8,11 @@ REQUESTS: :data:`QUESTIONS` as chat prompts (its own template; 30-45 tokens each
 (64 tokens a step, so a prompt takes several steps beside the running decodes). Tokens/s,
 TTFT and TPOT: median of ``repeats`` runs with min-max, the caches interleaved.
 
-PREFIX ROWS: the same questions behind one long shared system prompt (a store's assistant,
-~660 tokens), with and without prefix caching, on both caches: prompt tokens computed, prompt
-tokens served from the cache, tokens/s. VMKVCache shares in blocks of whole tokens (256
-tokens for this model's 768-byte rows on 64 KiB pages), PagedKVCache in 16-token blocks.
+PREFIX ROWS: the same questions behind one long shared system prompt (a store's assistant;
+the prompts share their first 514 tokens), with and without prefix caching, on both caches:
+prompt tokens computed, prompt tokens served from the cache, tokens/s. VMKVCache shares in
+blocks of whole tokens (256 tokens for this model's 768-byte rows on 64 KiB pages),
+PagedKVCache in 16-token blocks.
 """
 
 from __future__ import annotations
