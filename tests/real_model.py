@@ -7,8 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vmcache.models import chat_ids
-
 QUESTIONS = [
     "What is the capital of France? Answer in one sentence.",
     "Name three primary colors.",
@@ -57,10 +55,9 @@ def smol():
 
 
 def prompt(tokenizer, question: str, system: str | None = None) -> list[int]:
-    msgs = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": question}
-    ]
-    return chat_ids(tokenizer, msgs)
+    from vmcache.bench.real import chat
+
+    return chat(tokenizer, question, system)
 
 
 def generate(model, ids: list[int], new: int, **kw) -> list[int]:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from vmcache.engine import tree
-from vmcache.engine.request import Request, SamplingParams, Seq, Status
+from vmcache.engine.request import Request, SamplingParams, Seq, Status, model_eos_ids
 from vmcache.engine.runner import ModelRunner
 from vmcache.engine.scheduler import Scheduler
 from vmcache.engine.speculative import DraftModel, NgramDrafter, sample, verify_tree
@@ -64,15 +64,6 @@ class EngineStats:
                  premap_ms_per_step=1e3 * self.premap_s / steps, tok_per_s=rate,
                  spec_acceptance=self.spec_accepted / max(self.spec_proposed, 1))  # fmt: skip
         return d
-
-
-def model_eos_ids(model) -> frozenset[int]:
-    """The model's end-of-sequence ids: ``generation_config.eos_token_id`` (an int, a list,
-    or None: none)."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        return frozenset()
-    return frozenset([int(eos)] if isinstance(eos, int) else (int(t) for t in eos))
 
 
 class Engine:

@@ -61,6 +61,15 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
 
+def model_eos_ids(model) -> frozenset[int]:
+    """The model's end-of-sequence ids, every request's default stops:
+    ``generation_config.eos_token_id`` (an int, a list, or None: none)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([int(eos)] if isinstance(eos, int) else (int(t) for t in eos))
+
+
 @dataclass(frozen=True)
 class Request:
     req_id: str

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vmcache.models.embedded import (
+from vmcache.models import (
     DEFAULT_MODEL,
     EMBEDDED,
     ChecksumError,
