@@ -87,6 +87,12 @@ class StepCache(Cache):
         return kernels.attend(self.kv, layer, q, self.slots, self.q_lens, scale=scale,
                               softcap=softcap, masks=self.masks)[None]  # fmt: skip
 
+    def real_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Never called: a packed step has no padding mask (its sequences' lengths differ, so
+        there is no one ``[b, N_KV, n, d_h]`` history to hand SDPA); raises if it were."""
+        raise ValueError(f"layer {layer}: the engine's packed step is read by attend() "
+                         "only; a masked call means the model built a padding mask")  # fmt: skip
+
 
 class ModelRunner:
     """``step(slots, starts, tokens)`` → next-token logits ``[len(slots), vocab]`` (fp32)."""

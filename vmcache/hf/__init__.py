@@ -186,6 +186,14 @@ class _HFCache(Cache):
                              softcap=softcap)  # fmt: skip
         return out.view(b, q, heads, dim)
 
+    def real_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every row ``[b, N_KV, n, d_h]``, from the layer's window start to its
+        length, as real tensors in the model's dtype (FP8/INT8 dequantized): what a masked
+        step's SDPA reads where ``update`` returned stand-ins."""
+        if not 0 <= check_int("layer", layer) < len(self.layers):
+            raise ValueError(f"layer must be in [0, {len(self.layers)}), got {layer}")
+        return self._layer_kv(self.layers[layer], real=True)
+
     # --- what generate calls on the whole cache --------------------------------------
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row i takes row ``beam_idx[i]``'s history: pages remapped, nothing gathered."""

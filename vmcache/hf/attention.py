@@ -5,6 +5,7 @@ where :class:`~vmcache.hf.VMCache` / :class:`~vmcache.hf.PagedCache` keep them
 from __future__ import annotations
 
 import sys
+from typing import Protocol, runtime_checkable
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -14,6 +15,25 @@ from transformers.modeling_utils import AttentionInterface
 from vmcache.sequences.spec import KVSpec
 
 ATTN_NAME = "vmcache"
+
+
+@runtime_checkable
+class ReadsItself(Protocol):
+    """What tags its K/V for :func:`vmcache_attention` (``key._vmcache = (owner, layer)``):
+    the drop-in caches (:class:`~vmcache.hf.VMCache`, ``PagedCache``) and the engine's packed
+    step (:class:`vmcache.engine.runner.StepCache`)."""
+
+    spec: KVSpec  # the stored K/V's shape and dtypes; queries are cast to ``spec.dtype``
+
+    def attend(self, layer: int, query: torch.Tensor, scale: float | None,
+               softcap: float | None = None) -> torch.Tensor:  # fmt: skip
+        """query ``[b, N_Q, q, d_h]`` → ``[b, q, N_Q, d_h]``, read from the stored K/V."""
+        ...
+
+    def real_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[b, N_KV, n, d_h]`` as real tensors (dequantized, in the model's dtype):
+        what SDPA reads on a masked step where ``update`` returned zero-stride stand-ins."""
+        ...
 
 
 def stand_ins(spec: KVSpec, device, rows: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,8 +47,9 @@ def stand_ins(spec: KVSpec, device, rows: int, n: int) -> tuple[torch.Tensor, to
 def vmcache_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                       **kwargs):  # fmt: skip
     """transformers attention function: query ``[b, N_Q, q, d_h]`` → ``[b, q, N_Q, d_h]``.
-    K/V tagged by a vmcache cache (``key._vmcache = (owner, layer)``) are read where they live
-    by ``owner.attend``; anything else (other caches, padded steps) goes to SDPA."""
+    K/V tagged by a :class:`ReadsItself` owner (``key._vmcache = (owner, layer)``) are read
+    where they live by ``owner.attend``; anything else (other caches, padded steps, over
+    ``owner.real_kv`` where ``update`` returned stand-ins) goes to SDPA."""
     ref = getattr(key, "_vmcache", None)
     softcap = kwargs.get("softcap")
     if ref is not None and attention_mask is None:
@@ -36,7 +57,7 @@ def vmcache_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         out = owner.attend(layer, query.to(owner.spec.dtype), scaling, softcap)
         return out.to(query.dtype), None
     if ref is not None and key.stride(-1) == 0:
-        key, value = ref[0]._gather(ref[1])  # a masked step needs real tensors
+        key, value = ref[0].real_kv(ref[1])  # a masked step needs real tensors
     if softcap is not None:  # SDPA has no soft-capping: the model's own eager function does
         eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
         if eager is None:
