@@ -53,7 +53,7 @@ def plan(cache, seq_ids: list[int], q_lens: list[int], *, varlen: bool = False,
     the token trees' mask offsets (the Triton prefill's tree masks). Every field is a view of
     one int32 buffer, uploaded in one copy. Cached on the cache (``cache.step_plan``, a dict
     by table / row size, owned here); counted in ``cache.plans_built``."""
-    kv_lens = [cache._lens[s] for s in seq_ids]
+    kv_lens = cache._seqs.lengths(seq_ids)
     paged = hasattr(cache, "block_tables")
     variant = cache.table_of_layer(layer) if paged else cache.layer_row_tokens(layer)
     key = (tuple(seq_ids), tuple(q_lens), tuple(kv_lens), cache.epoch if paged else 0,

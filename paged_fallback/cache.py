@@ -168,7 +168,7 @@ class PagedKVCache(SequenceCache):
     def kv(self, layer: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[seq_len − w, N_KV, d_h]`` K and V of sequence ``s`` from ``w =
         window_start(layer, s)`` (a gather: blocks are scattered)."""
-        w, n = self.window_start(layer, s), self._lens[s]
+        w, n = self.window_start(layer, s), self._seqs.length(s)
         t, slot = self._layer_at[layer]
         blocks, offs = self._slots(s, t, w, n - w)
         k, v = self.kv_pool[slot, 0, blocks, offs], self.kv_pool[slot, 1, blocks, offs]

@@ -128,7 +128,6 @@ class PrefixMachine(RuleBasedStateMachine):
             self.seen["hits"] += 1
             self.seen["hit tokens"] += n
         self.tokens[s] = ids[:n]
-        self.c._salts[s] = salt  # noqa: SLF001 - the machine keeps salts per sequence
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())

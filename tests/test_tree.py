@@ -141,7 +141,7 @@ def test_compact_moves_only_the_path_off_the_first_chain(kind):
         assert k[:, 0, 0].tolist() == [x + layer for x in (0, 1, 2, 3, 4, 7, 9)]
         assert v[:, 0, 0].tolist() == [-x for x in (0, 1, 2, 3, 4, 7, 9)]
         assert cache.kv(layer, kid)[0][:, 0, 0].tolist() == [x + layer for x in range(10)]
-    assert cache._tokens[s] == [100, 101, 102, 103, 104, 107, 109]  # ids moved with K/V
+    assert cache._seqs.tokens(s) == [100, 101, 102, 103, 104, 107, 109]  # ids moved with K/V
     for bad in ([3], [5, 5], [4, 99]):
         with pytest.raises(ValueError):
             cache.beams.compact(s, 4, bad)

@@ -33,7 +33,7 @@ def setup_prefix(c, prefix_caching: bool, prefix_tiers) -> None:
 
 def attach_prefix(c, s: int, tokens: list[int]) -> None:
     limit = c.max_seq_len // c.prefix.tokens_per_block
-    entries = c.prefix.match(tokens, c._salts[s], max_pages=limit)
+    entries = c.prefix.match(tokens, c._seqs.salt(s), max_pages=limit)
     if not entries:
         return
     (g,) = c.groups
@@ -43,7 +43,7 @@ def attach_prefix(c, s: int, tokens: list[int]) -> None:
     c.pool.incref([p for r in rows for p in r])
     n = len(entries) * c.prefix.tokens_per_block
     g.open(s, rows)
-    c._tokens[s] = list(tokens[:n])
+    c._seqs.set_tokens(s, tokens[:n])
     c._set_len(s, n)
 
 
@@ -85,8 +85,8 @@ def cache_prefix(c, s: int) -> int:
     requests that arrive while it runs share them; call it once their K/V are written.
     Returns the pages newly indexed (0 without prefix caching or known token ids)."""
     s = c._check_seq(s)
-    tokens = c._tokens[s]
+    tokens = c._seqs.tokens(s)
     if c.prefix is None or tokens is None:
         return 0
-    n = min(len(tokens), c._lens[s])
-    return c.prefix.insert(tokens[:n], c.groups[0].rows(s), c._salts[s])
+    n = c._seqs.length(s)
+    return c.prefix.insert(tokens[:n], c.groups[0].rows(s), c._seqs.salt(s))

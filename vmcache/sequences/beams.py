@@ -32,13 +32,14 @@ def fork(c, s: int, n: int = 1) -> list[int]:
     check_int("n", n)
     if n < 1:
         raise ValueError(f"fork needs n >= 1, got {n}")
-    if n > len(c._free_slots):
+    slots = c._seqs
+    if n > slots.num_free:
         raise CacheFull(
-            f"fork of {n} needs {n} free sequence slots, {len(c._free_slots)} free",
+            f"fork of {n} needs {n} free sequence slots, {slots.num_free} free",
             wanted=n,
-            free=len(c._free_slots),
+            free=slots.num_free,
         )
-    children = [c._free_slots.pop() for _ in range(n)]
+    children = slots.take_many(n)
     runs = [r for g in c.groups for r in g.mapped_runs(s)]
     undo: list[Callable[[], None]] = []
     try:
@@ -49,12 +50,11 @@ def fork(c, s: int, n: int = 1) -> list[int]:
     except BaseException:
         for f in reversed(undo):
             f()
-        c._free_slots.extend(reversed(children))
+        slots.untake(children)
         raise
     c.pool.incref([p for _, _, pages in runs for p in pages], n)
-    known = c._tokens[s]
     for ch in children:
-        c._open(ch, None if known is None else list(known), c._salts[s], c._lens[s])
+        c._open(ch, slots.tokens(s), slots.salt(s), slots.length(s))
         for g in c.groups:
             g.open(ch, g.rows(s), g.first(s))
     return children
@@ -83,9 +83,6 @@ class Beams:
             c._drop_reserved(d)  # the rows are about to be remapped
         new = {(d, gi): (g.rows(s), g.first(s)) for d, s in zip(dsts, srcs)
                for gi, g in enumerate(c.groups)}  # fmt: skip
-        new_len = {d: c._lens[s] for d, s in zip(dsts, srcs)}
-        new_ids = {d: (None if c._tokens[s] is None else list(c._tokens[s]),
-                       c._salts[s]) for d, s in zip(dsts, srcs)}  # fmt: skip
         # (dst, table, detach from, old pages, attach from, new pages)
         plan = [(d, *step) for (d, gi), (rows, first) in new.items()
                 for step in c.groups[gi].assign_plan(d, rows, first)]  # fmt: skip
@@ -108,9 +105,8 @@ class Beams:
         c.pool.decref([p for _, _, _, old, _, _ in plan for p in old])
         for (d, gi), (rows, first) in new.items():
             c.groups[gi].open(d, rows, first)
-        for d in dsts:
-            c._set_len(d, new_len[d])
-            c._tokens[d], c._salts[d] = new_ids[d]
+        c._seqs.copy_from(list(zip(dsts, srcs)))  # lengths, token ids, salts
+        c.epoch += 1
 
     def truncate(self, s: int, length: int) -> None:
         """Shorten sequence ``s`` to ``length`` tokens (``crop``): pages past it are unmapped
@@ -119,8 +115,9 @@ class Beams:
         c = self._c
         s = c._check_seq(s)
         check_int("length", length)
-        if not 0 <= length <= c._lens[s]:
-            raise ValueError(f"truncate length must be in [0, {c._lens[s]}], got {length}")
+        if not 0 <= length <= c._seqs.length(s):
+            raise ValueError(f"truncate length must be in [0, {c._seqs.length(s)}], got "
+                             f"{length}")  # fmt: skip
         self._check_margin(s, length)
         c._drop_reserved(s)
         c._sync()
@@ -133,9 +130,8 @@ class Beams:
                     c._detach(s, t, lo, j0 + len(pages) - lo)
             dropped += g.cut(s, keep)
         c.pool.decref(dropped)
-        c._set_len(s, length)
-        if c._tokens[s] is not None:
-            del c._tokens[s][length:]
+        c._seqs.truncate(s, length)
+        c.epoch += 1
 
     def compact(self, s: int, start: int, picks: Sequence[int]) -> int:
         """Sequence ``s`` keeps, at positions ``start, start + 1, ...``, the tokens now at
@@ -153,7 +149,7 @@ class Beams:
         s = c._check_seq(s)
         check_int("start", start)
         picks = [check_int("picks entry", p) for p in picks]
-        n = c._lens[s]
+        n = c._seqs.length(s)
         if not 0 <= start <= n or any(p < start + i for i, p in enumerate(picks)):
             raise ValueError(f"compact needs 0 <= start <= {n} and picks[i] >= start + i, "
                              f"got start {start}, picks {picks}")  # fmt: skip
@@ -172,10 +168,7 @@ class Beams:
             for layer in range(c.spec.num_layers):  # stored bytes as they are: no requantizing
                 k, v = c._load(layer, s, src)
                 c._store(layer, s, dst, k, v)
-            known = c._tokens[s]
-            if known is not None:
-                for i in moves:
-                    known[start + i] = known[picks[i]]
+            c._seqs.move_tokens(s, start + moves[0], [picks[i] for i in moves])
         self.truncate(s, end)
         return len(moves) * c.spec.bytes_per_token
 

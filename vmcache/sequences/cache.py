@@ -201,7 +201,7 @@ class VMKVCache(SequenceCache):
         """Zero-copy views ``[seq_len − w, N_KV, d_h]`` of sequence ``s``'s K and V from
         ``w = window_start(layer, s)``, the first token its sliding window still maps (0
         for full attention); dequantized copies in the compute dtype for FP8/INT8 K/V."""
-        w, n = self.window_start(layer, s), self._lens[s]
+        w, n = self.window_start(layer, s), self._seqs.length(s)
         k, v = self._row_views[layer]
         return self._decode(layer, k[s, w:n], v[s, w:n])
 

@@ -32,12 +32,13 @@ from vmcache.memory.pool import PagePool
 from vmcache.prefix import ops as prefix_ops
 from vmcache.prefix.index import PrefixIndex
 from vmcache.prefix.tiers.digest import salt_bytes
-from vmcache.sequences import deprecated, reserve
+from vmcache.sequences import reserve
 from vmcache.sequences.beams import Beams, fork
 from vmcache.sequences.hooks import PhysicalHooks
 from vmcache.sequences.invariants import check_invariants
 from vmcache.sequences.memory import Memory
 from vmcache.sequences.quant import decode_rows, encode_rows, split_rows
+from vmcache.sequences.slots import Slots
 from vmcache.sequences.spec import KVSpec, check_kv
 from vmcache.sequences.stats import CacheStats, collect_stats
 from vmcache.sequences.swap import Swap
@@ -84,15 +85,11 @@ class SequenceCache(Transactions, PhysicalHooks):
         self.transfer = Transfer(self)  # facet
         self.memory = Memory(self)  # facet
         self._asleep = None  # (live pages, saved state) while asleep (owned here)
-        self._lens = [0] * max_seqs  # owned here
-        self._live = [False] * max_seqs  # owned here
-        self._free_slots = list(range(max_seqs - 1, -1, -1))  # owned here
-        self._tokens: list[list[int] | None] = [None] * max_seqs  # token ids, None = unknown
-        self._salts: list[object] = [None] * max_seqs  # tenant salt for the prefix index
+        # slots, lengths, token ids, salts: owned by Slots, the only writer of them
+        self._seqs = Slots(max_seqs)
         self.reserved_pages_mapped = 0  # pages mapped ahead by reserve() (owned here)
         self.prefix: PrefixIndex | None = None  # owned here; holds pool references
         prefix_ops.setup_prefix(self, prefix_caching, prefix_tiers)
-        self._lens_tensor: torch.Tensor | None = None
         self.epoch = 0  # bumped whenever a length or a page table changes (owned here)
         self.step_plan = None  # per-step kernel metadata memo; owned by vmcache.kernels.plan
         # fp32 [N_L, 2, N_KV] head scales of FP8/INT8 K/V (None: stored as computed, or per
@@ -111,7 +108,7 @@ class SequenceCache(Transactions, PhysicalHooks):
     def _check_seq(self, s: Any) -> int:
         self._check_awake()
         _check_int("sequence id", s)
-        if not 0 <= s < self.max_seqs or not self._live[s]:
+        if not 0 <= s < self.max_seqs or not self._seqs.is_live(s):
             raise KeyError(f"sequence {s} is not live (unknown, freed or swapped out)")
         return s
 
@@ -126,7 +123,7 @@ class SequenceCache(Transactions, PhysicalHooks):
         return sum(len(g.ids) * g.pages_for(n) for g in self.groups)
 
     def seq_len(self, s: int) -> int:
-        return self._lens[self._check_seq(s)]
+        return self._seqs.length(self._check_seq(s))
 
     def window_start(self, layer: int, s: int) -> int:
         """The first position of ``s`` whose K/V layer ``layer`` still maps (0 unless its
@@ -136,18 +133,16 @@ class SequenceCache(Transactions, PhysicalHooks):
 
     @property
     def sequences(self) -> list[int]:
-        return [s for s in range(self.max_seqs) if self._live[s]]
+        return self._seqs.live()
 
     @property
     def num_free_slots(self) -> int:
-        return len(self._free_slots)
+        return self._seqs.num_free
 
     @property
     def seq_lens(self) -> torch.Tensor:
         """``[max_seqs]`` int32 on the cache's device; 0 for slots not in use."""
-        if self._lens_tensor is None:
-            self._lens_tensor = torch.tensor(self._lens, dtype=torch.int32, device=self.device)
-        return self._lens_tensor
+        return self._seqs.lens_tensor(self.device)
 
     def page_table(self, s: int) -> list[list[int]]:
         """A copy of sequence ``s``'s page tables (``T`` lists of page ids, table order;
@@ -157,7 +152,7 @@ class SequenceCache(Transactions, PhysicalHooks):
 
     def _grow_plan(self, s: int, n: int):
         """Per group: (group, shared tail pages to copy, pages now, pages after)."""
-        length, rc = self._lens[s], self.pool.refcount
+        length, rc = self._seqs.length(s), self.pool.refcount
         return [(g, g.tail_splits(s, length, n, rc), g.num_pages(s), g.pages_for(length + n))
                 for g in self.groups]  # fmt: skip
 
@@ -170,17 +165,15 @@ class SequenceCache(Transactions, PhysicalHooks):
         self._check_awake()
         if slot is not None:
             _check_int("slot", slot)
-            if slot not in self._free_slots:
+            if not self._seqs.is_free(slot):
                 raise ValueError(f"slot {slot} is not free (max_seqs={self.max_seqs})")
-        elif not self._free_slots:
+        elif not self._seqs.num_free:
             raise CacheFull(f"all {self.max_seqs} sequence slots are in use", wanted=1, free=0)
         if prefix_tokens is not None:
             prefix_tokens = check_tokens("prefix_tokens", prefix_tokens)
         if self.prefix is not None and self.prefix.tiers is not None:
             salt_bytes(salt)  # TypeError for a salt with no name outside this process
-        s = self._free_slots.pop() if slot is None else slot
-        if slot is not None:
-            self._free_slots.remove(slot)
+        s = self._seqs.take(slot)
         self._open(s, [], salt)
         if prefix_tokens and self.prefix is not None:
             try:
@@ -193,9 +186,8 @@ class SequenceCache(Transactions, PhysicalHooks):
     def _open(self, s: int, tokens: list[int] | None, salt, length: int = 0) -> None:
         for g in self.groups:
             g.open(s)
-        self._live[s] = True
-        self._tokens[s], self._salts[s] = tokens, salt
-        self._set_len(s, length)
+        self._seqs.open(s, tokens, salt, length)
+        self.epoch += 1
 
     def grow(self, s: int, n: int, token_ids=None) -> None:
         """Length += n: map the pages the new length needs; split a shared tail page; first,
@@ -209,9 +201,9 @@ class SequenceCache(Transactions, PhysicalHooks):
             token_ids = check_tokens("token_ids", token_ids)
             if len(token_ids) != n:
                 raise ValueError(f"grow({s}, {n}) got {len(token_ids)} token ids")
-        if self._lens[s] + n > self.max_seq_len:
+        if self._seqs.length(s) + n > self.max_seq_len:
             raise ValueError(
-                f"grow({s}, {n}) would reach {self._lens[s] + n} tokens, past max_seq_len "
+                f"grow({s}, {n}) would reach {self._seqs.length(s) + n} tokens, past max_seq_len "
                 f"{self.max_seq_len}"
             )
         if n == 0:
@@ -236,18 +228,14 @@ class SequenceCache(Transactions, PhysicalHooks):
             for (g, *_), k in zip(plans, takes):
                 g.untake_reserved(s, k)
             raise
-        known = self._tokens[s]
-        if token_ids is not None and known is not None and len(known) == self._lens[s]:
-            known.extend(token_ids)
-        else:
-            self._tokens[s] = None
-        self._set_len(s, self._lens[s] + n)
+        self._seqs.grow(s, n, token_ids)
+        self.epoch += 1
 
     def _release_plans(self, s: int) -> list[tuple[PageTables, int, list[int]]]:
         """(group, new first index, pages that leave) of each sliding group that would give
         pages back before ``s`` grows (none for full attention)."""
         return [(g, *plan) for g in self.groups if g.sliding
-                if (plan := g.release_plan(s, self._lens[s]))[1]]  # fmt: skip
+                if (plan := g.release_plan(s, self._seqs.length(s)))[1]]  # fmt: skip
 
     def _release_window(self, s: int, releases) -> None:
         """Unmap and give back what :meth:`_release_plans` found: the pages wholly before each
@@ -296,10 +284,8 @@ class SequenceCache(Transactions, PhysicalHooks):
                 dropped += pages
             g.close(s)
         self.pool.decref(dropped)
-        self._live[s] = False
-        self._tokens[s] = self._salts[s] = None
-        self._set_len(s, 0)
-        self._free_slots.append(s)
+        self._seqs.close(s)
+        self.epoch += 1
 
     def _encode(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """K, V ``[n, N_KV, d_h]`` → stored rows ``[n, spec.row_elems]`` (quantized with the
@@ -334,10 +320,10 @@ class SequenceCache(Transactions, PhysicalHooks):
         layer, s = self._check_layer(layer), self._check_seq(s)
         _check_int("start", start)
         n = check_kv(self.spec, self.device, k, v)
-        if start < 0 or start + n > self._lens[s]:
+        if start < 0 or start + n > self._seqs.length(s):
             raise ValueError(
                 f"write of {n} tokens at {start} is outside sequence {s}'s length "
-                f"{self._lens[s]}; grow it first"
+                f"{self._seqs.length(s)}; grow it first"
             )
         first = self.window_start(layer, s)
         if n and start < first:
@@ -346,8 +332,7 @@ class SequenceCache(Transactions, PhysicalHooks):
         return layer, s, n
 
     def _set_len(self, s: int, length: int) -> None:
-        self._lens[s] = length
-        self._lens_tensor = None
+        self._seqs.set_length(s, length)
         self.epoch += 1
 
     def fork(self, s: int, n: int = 1) -> list[int]:
@@ -392,6 +377,3 @@ class SequenceCache(Transactions, PhysicalHooks):
     def check_invariants(self) -> None:
         """Invariants 1–2 and their bookkeeping, or ``InvariantError`` (tests, soaks; O(pages))."""
         check_invariants(self)
-
-
-deprecated.install(SequenceCache)  # the old names, one release (vmcache/sequences/deprecated.py)

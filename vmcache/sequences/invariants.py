@@ -23,7 +23,7 @@ def check_invariants(cache) -> None:
         counts[p] = counts.get(p, 0) + 1
     for s in cache.sequences:
         for g in cache.groups:
-            rows, first, length = g.rows(s), g.first(s), cache._lens[s]
+            rows, first, length = g.rows(s), g.first(s), cache._seqs.length(s)
             require(len(rows) == len(g.ids))
             # a window releases only what the next query (and a rollback) cannot read
             require(first <= g.keep_page(length, 0), "released too much", s)
@@ -70,9 +70,9 @@ def check_invariants(cache) -> None:
 
         free = sum(len(e.pages) for e in ix._entries.values() if whole(e))
         require(ix.reclaimable() == free, "prefix reclaimable pages", ix.reclaimable(), free)
-    require(sorted(cache._free_slots + cache.sequences) == list(range(cache.max_seqs)))
+    slots = cache._seqs
+    require(sorted(slots.free_slots() + cache.sequences) == list(range(cache.max_seqs)))
     for s in cache.sequences:
-        known = cache._tokens[s]
-        require(known is None or len(known) == cache._lens[s], "token ids", s, known)
-    ids = [id(cache._tokens[s]) for s in cache.sequences if cache._tokens[s] is not None]
-    require(len(ids) == len(set(ids)), "two sequences share one token list")
+        known = slots.known_tokens(s)
+        require(known is None or known == slots.length(s), "token ids", s, known)
+    require(slots.owns_token_lists(), "two sequences share one token list")

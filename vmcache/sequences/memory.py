@@ -129,11 +129,11 @@ class Memory:
         check_int("n", n)
         if n < 0:
             raise ValueError(f"reserve needs n >= 0, got {n}")
-        n = min(n, c.max_seq_len - c._lens[s])
+        n = min(n, c.max_seq_len - c._seqs.length(s))
         plan = []  # (group, first index not yet mapped, pages per table)
         for g in c.groups:
             first = g.num_pages(s) + len(g.reserved(s)[0])
-            extra = g.pages_for(c._lens[s] + n) - first
+            extra = g.pages_for(c._seqs.length(s) + n) - first
             if extra > 0:
                 plan.append((g, first, extra))
         total = sum(len(g.ids) * extra for g, _, extra in plan)
@@ -165,7 +165,7 @@ class Memory:
         mapped tail pages still hold, 0 when one is shared (the next grow copies it)."""
         c = self._c
         s = c._check_seq(s)
-        length = c._lens[s]
+        length = c._seqs.length(s)
         room = min(g.num_pages(s) * g.P // g.u for g in c.groups) - length
         splits = any(sp for _, sp, _, _ in c._grow_plan(s, 1)) if room else False
         return 0 if splits else room

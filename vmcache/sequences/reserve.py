@@ -17,7 +17,7 @@ from __future__ import annotations
 def can_grow(c, s: int, n: int) -> bool:
     """Whether ``grow(s, n)`` would succeed now (for schedulers; raises nothing for n)."""
     s = c._check_seq(s)
-    if not isinstance(n, int) or n < 0 or c._lens[s] + n > c.max_seq_len:
+    if not isinstance(n, int) or n < 0 or c._seqs.length(s) + n > c.max_seq_len:
         return False
     plans, releases = c._grow_plan(s, n), c._release_plans(s)
     back = [p for _, _, pages in releases for p in pages]

@@ -48,7 +48,7 @@ def collect_stats(cache) -> CacheStats:
     pool = cache.pool.stats()
     return CacheStats(
         num_sequences=len(live),
-        num_tokens=sum(cache._lens[s] for s in live),
+        num_tokens=sum(cache._seqs.length(s) for s in live),
         page_bytes=cache.page_bytes,
         mapped_bytes=entries * cache.page_bytes,
         used_bytes=sum(_held_bytes(cache, s) for s in live),
@@ -65,6 +65,6 @@ def collect_stats(cache) -> CacheStats:
 
 def _held_bytes(cache, s: int) -> int:
     """K/V bytes of ``s``'s tokens its tables still map (released ones not counted)."""
-    length = cache._lens[s]
+    length = cache._seqs.length(s)
     return sum(len(g.ids) * (length - min(g.first_token(s), length)) * cache.page_bytes
                * g.u // g.P for g in cache.groups)  # fmt: skip

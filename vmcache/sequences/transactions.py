@@ -41,7 +41,7 @@ class Transactions:
             for s, t, j in splits:
                 g = self._group_of[t]
                 old, new = g.row(s, t)[j], next(it)
-                self._copy_page(old, new, g.used_units(j, self._lens[s]))
+                self._copy_page(old, new, g.used_units(j, self._seqs.length(s)))
                 self._detach(s, t, j, 1)
                 undo.append(lambda s=s, t=t, j=j, old=old: self._attach(s, t, j, [old]))
                 self._attach(s, t, j, [new])
@@ -63,7 +63,7 @@ class Transactions:
         for s, t, j, _, new in replaced:
             g = self._group_of[t]
             g.replace(s, t, j, new)
-            self.cow_bytes_copied += g.used_units(j, self._lens[s]) * self.page_bytes // g.P
+            self.cow_bytes_copied += g.used_units(j, self._seqs.length(s)) * self.page_bytes // g.P
         self.cow_copies += len(replaced)
         self.epoch += 1
         self.pool.decref([old for *_, old, _ in replaced])

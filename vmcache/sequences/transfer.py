@@ -100,16 +100,17 @@ class Transfer:
     def manifest(self, s: int) -> Manifest:
         c = self._c
         s = c._check_seq(s)
-        ids = None if c._tokens[s] is None else tuple(c._tokens[s])
-        return Manifest(c._lens[s], tuple(g.first(s) for g in c.groups), ids,
-                        c._salts[s])  # fmt: skip
+        slots = c._seqs
+        ids = slots.tokens(s)
+        return Manifest(slots.length(s), tuple(g.first(s) for g in c.groups),
+                        None if ids is None else tuple(ids), slots.salt(s))  # fmt: skip
 
     def can_adopt(self, m: Manifest, headroom_pages: int = 0) -> bool:
         """Whether :meth:`adopt` of ``m`` would find a slot and its pages now, with
         ``headroom_pages`` still free after."""
         c = self._c
         need = self.adopt_pages(m.length, m.firsts) + headroom_pages
-        return (bool(c._free_slots) and 0 < m.length <= c.max_seq_len
+        return (c._seqs.num_free > 0 and 0 < m.length <= c.max_seq_len
                 and c.pool.can_allocate(need))  # fmt: skip
 
     def adopt_pages(self, length: int, firsts) -> int:
@@ -122,7 +123,7 @@ class Transfer:
         views a transfer sends from or receives into."""
         c = self._c
         s = c._check_seq(s)
-        return [c._wire(s, t, g.first(s), c._lens[s]) for g in c.groups for t in g.ids]
+        return [c._wire(s, t, g.first(s), c._seqs.length(s)) for g in c.groups for t in g.ids]
 
     def adopt(self, m: Manifest, fill: Callable[[int], None],
                        slot: int | None = None) -> int:  # fmt: skip
@@ -136,7 +137,7 @@ class Transfer:
         if len(m.firsts) != len(c.groups):
             raise ValueError(f"manifest has {len(m.firsts)} groups, this cache {len(c.groups)}")
         s = c.new_sequence(slot, salt=m.salt)
-        c._tokens[s] = None  # its pages hold no K/V yet: never index them
+        c._seqs.set_tokens(s, None)  # its pages hold no K/V yet: never index them
         try:
             ext = []
             for g, f in zip(c.groups, m.firsts):
@@ -148,7 +149,7 @@ class Transfer:
         except BaseException:
             c.free(s)
             raise
-        c._tokens[s] = None if m.token_ids is None else list(m.token_ids)
+        c._seqs.set_tokens(s, m.token_ids)
         return s
 
     def export(self, s: int) -> SwapHandle:
