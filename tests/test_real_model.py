@@ -153,9 +153,9 @@ def test_speculation_leaves_greedy_outputs_unchanged(real, references, how):
             for i, p in enumerate(prompts[:4])]  # fmt: skip
     out = engine.run(reqs)
     assert [out[f"q{i}"][0] for i in range(4)] == references[:4]
-    assert engine.stats.spec_proposed > 0
+    assert engine.stats.spec.proposed > 0
     if how == "draft":  # a draft that is the target is always right
-        assert engine.stats.spec_accepted == engine.stats.spec_proposed
+        assert engine.stats.spec.accepted == engine.stats.spec.proposed
 
 
 @pytest.mark.parametrize("policy", ["swap", "recompute"])

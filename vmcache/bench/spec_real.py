@@ -103,11 +103,11 @@ def rows(repeats: int = 3, new_tokens: int = 96, per_task: int | None = None) ->
                    "requests": len(reqs), "new_tokens": new_tokens, "repeats": repeats,
                    "steps": st.steps, "generated_tokens": st.generated_tokens,
                    "tokens_per_step": st.generated_tokens / st.steps,
-                   "spec_proposed": st.spec_proposed, "spec_accepted": st.spec_accepted,
-                   "acceptance": st.spec_accepted / st.spec_proposed if st.spec_proposed
+                   "spec_proposed": st.spec.proposed, "spec_accepted": st.spec.accepted,
+                   "acceptance": st.spec.accepted / st.spec.proposed if st.spec.proposed
                    else None,
-                   "tokens_per_verify": (st.spec_accepted + st.spec_steps) / st.spec_steps
-                   if st.spec_steps else None,
+                   "tokens_per_verify": (st.spec.accepted + st.spec.steps) / st.spec.steps
+                   if st.spec.steps else None,
                    "answers_equal_none": got == base_out, "wall_s": wall,
                    "wall_s_min": min(walls), "wall_s_max": max(walls),
                    "wall_vs_none": wall / base_wall}  # fmt: skip

@@ -4,9 +4,18 @@
     outputs = engine.run([Request("a", prompt_ids, SamplingParams(max_new_tokens=64))])
     outputs["a"]  # n lists of generated token ids
 
-A step: schedule (grow = the map phase, preemption if the pool is short) → one packed model
-step for every scheduled sequence (prefills and decodes together) → sample → finish or fork.
+A step has three stages, as vLLM's ``schedule`` / ``update_from_output``:
+
+    schedule      drafts proposed (Speculation) → Scheduler: grows (the map phase),
+                  preemption if the pool is short, admissions; drafts left out dropped
+    run           one packed model call for every scheduled sequence (prefills, decodes
+                  and drafts together) → logits rows
+    postprocess   next step's pages mapped ahead; drafts verified; tokens sampled;
+                  finished sequences freed, forks of ``n > 1`` made; free pages trimmed
+
 A request with ``n > 1`` is prefilled once; its other sequences are forks (copy-on-write).
+The scheduler writes its counters into the engine's :class:`EngineStats`, the speculation its
+:class:`~vmcache.engine.speculation.SpecStats` (``stats.spec``).
 """
 
 from __future__ import annotations
@@ -17,25 +26,22 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from vmcache.engine import tree
 from vmcache.engine.request import Request, SamplingParams, Seq, Status, model_eos_ids
 from vmcache.engine.runner import ModelRunner
-from vmcache.engine.scheduler import Scheduler
-from vmcache.engine.speculative import DraftModel, NgramDrafter, sample, verify_tree
+from vmcache.engine.scheduler import Scheduler, SchedulerStats
+from vmcache.engine.speculation import SpecStats, Speculation
+from vmcache.engine.speculative import DraftModel, NgramDrafter, sample
 from vmcache.errors import CacheFull
 
 
 @dataclass
-class EngineStats:
+class EngineStats(SchedulerStats):
+    """The engine's counters; the scheduler writes its own (:class:`SchedulerStats`, the
+    fields this class inherits) and the speculation its :class:`SpecStats` (``spec``)."""
+
     steps: int = 0
     prefill_tokens: int = 0  # tokens fed in prefills (recomputed ones included)
     generated_tokens: int = 0
-    preempt_swap: int = 0
-    preempt_recompute: int = 0
-    swap_bytes: int = 0  # bytes copied to the host tier by swap-outs
-    recompute_tokens: int = 0  # tokens whose K/V were dropped and computed again
-    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix index
-    prefix_waits: int = 0  # admissions deferred a step to hit a prefix being prefilled
     map_s: float = 0.0  # time in the schedule phase (grows map what was not mapped ahead)
     premap_s: float = 0.0  # time mapping next-step pages while the step runs (map_ahead)
     premapped_pages: int = 0
@@ -44,26 +50,32 @@ class EngineStats:
     max_running: int = 0
     released_pages: int = 0  # free pages' memory given back (keep_free_pages)
     budget_waits: int = 0  # steps with nothing to run while a shared budget was taken
-    spec_steps: int = 0  # sequence-steps that verified drafts
-    spec_proposed: int = 0  # draft tokens fed to the target
-    spec_accepted: int = 0  # of them, accepted
-    spec_rolled_back: int = 0  # rejected draft tokens whose K/V were truncated away
-    spec_mapped_pages: int = 0  # page-table entries verifications mapped (forks' included)
-    tree_steps: int = 0  # verifications of a token tree (more than one chain)
-    tree_branches: int = 0  # chains beyond the first that token trees verified
-    tree_wins: int = 0  # tree verifications a chain other than the first won
-    tree_copied_bytes: int = 0  # K/V bytes copied for trees: forks' CoW, or mask compaction
+    spec: SpecStats = field(default_factory=SpecStats)  # written by the speculation only
     step_s: list[float] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict:
+        """Every counter, flat (the speculation's as ``spec_*`` / ``tree_*``), and rates."""
         d = asdict(self)
         d.pop("step_s")
+        for name, value in d.pop("spec").items():
+            d[name if name.startswith("tree_") else f"spec_{name}"] = value
         steps = max(self.steps, 1)
         rate = self.generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
         d.update(map_ms_per_step=1e3 * self.map_s / steps, step_ms=1e3 * self.model_s / steps,
                  premap_ms_per_step=1e3 * self.premap_s / steps, tok_per_s=rate,
-                 spec_acceptance=self.spec_accepted / max(self.spec_proposed, 1))  # fmt: skip
+                 spec_acceptance=self.spec.acceptance)  # fmt: skip
         return d
+
+
+@dataclass
+class _StepWork:
+    """What the run stage hands postprocessing: logits rows and how they map to ``batch``."""
+
+    logits: torch.Tensor  # [Σ rows, V] fp32: a verified draft's every row, else its last
+    starts: list[int]  # batch entry i's rows are logits[starts[i] : starts[i + 1]]
+    spec: list[bool]  # entry i verifies drafts
+    decodes: list[bool]  # entry i decodes (else it fed a prompt chunk)
+    forks: dict  # entry i -> its token tree's forks (kids, their batch entries, rows each)
 
 
 class Engine:
@@ -81,25 +93,6 @@ class Engine:
         Sequences stop at the model's end-of-sequence ids (:attr:`eos_token_ids`, read from
         its ``generation_config`` here) unless a request says ``ignore_eos``; why each
         finished is in :attr:`finish_reasons`."""
-        if speculative is not None:
-            if not isinstance(speculative, (NgramDrafter, DraftModel)):
-                raise TypeError(f"speculative must be an NgramDrafter or a DraftModel, got "
-                                f"{type(speculative).__name__}")  # fmt: skip
-            if isinstance(speculative, DraftModel):
-                vocab = model.config.get_text_config().vocab_size
-                if speculative.vocab != vocab or speculative.kv is cache:
-                    why = f"({speculative.vocab} vs {vocab})"
-                    raise ValueError(f"a draft model needs the target's vocabulary {why} "
-                                     "and its own cache")  # fmt: skip
-            if speculative.branches > 1 and any(g.sliding for g in cache.groups):
-                raise ValueError("token trees (branches > 1) are not supported with sliding "
-                                 "windows: a branch forks back past the draft margin")  # fmt: skip
-            margin = min((g.rollback_tokens for g in cache.groups if g.sliding), default=None)
-            if margin is not None and margin < speculative.k:
-                raise ValueError(f"a sliding-window cache with rollback_tokens={margin} cannot "
-                                 f"take back a rejected draft of {speculative.k} tokens: build "
-                                 f"it with rollback_tokens >= {speculative.k}")  # fmt: skip
-        self.speculative = speculative
         self.kv = cache
         self.map_ahead = map_ahead
         self.keep_free_pages = keep_free_pages
@@ -108,8 +101,11 @@ class Engine:
         self.runner = ModelRunner(model, cache)
         self.vocab = model.config.get_text_config().vocab_size
         self.eos_token_ids = model_eos_ids(model)  # stop ids of every request but ignore_eos
-        self.scheduler = Scheduler(cache, preemption, victim, max_batch_tokens)
-        self.stats = EngineStats()
+        self.stats = EngineStats()  # the scheduler and the speculation write their parts
+        self.scheduler = Scheduler(cache, preemption, victim, max_batch_tokens, self.stats)
+        self.speculation = None  # drafts proposed before scheduling, verified after
+        if speculative is not None:
+            self.speculation = Speculation(speculative, cache, self.vocab, self.stats.spec)
         self.outputs: dict[str, list[list[int] | None]] = {}  # req_id -> n token lists
         self.finish_reasons: dict[str, list[str | None]] = {}  # req_id -> "stop" / "length"
         self._pending_forks: dict[str, int] = {}  # req_id -> sequences still to create
@@ -201,145 +197,91 @@ class Engine:
                 sched.waiting.append(sib)
         return forked
 
-    def _draft(self) -> None:
-        """Append draft tokens to every decoding sequence (``seq.draft`` of them): a chain,
-        or a token tree (``seq.tree`` for the mask way, ``seq.branches`` for forks)."""
-        drafter, items = self.speculative, []
-        drafter.forget(self.scheduler.running)
-        for seq in self.scheduler.running:
-            if seq.generated and len(seq.pending) == 1 and not seq.draft:
-                p = seq.req.params
-                room = min(p.max_new_tokens - len(seq.generated) - 1,
-                           self.kv.max_seq_len - len(seq.tokens))  # fmt: skip
-                seq.spec_k = drafter.next_k(seq.spec_k, seq.spec_accepted)
-                seq.mapped_at_draft = self.kv.mapped_pages(seq.slot)
-                items.append((seq, min(room, seq.spec_k)))
-        if drafter.branches == 1:
-            for (seq, _), d in zip(items, drafter.draft(items)):
-                seq.tokens += d
-                seq.draft = len(d)
-            return
-        for seq, limit in items:  # one search: its first chain is the main draft
-            chains = drafter.tree(seq.tokens, limit)
-            if drafter.tree_mode == "fork" or len(chains) < 2:
-                d, seq.branches = (chains[0] if chains else []), chains[1:]
-            else:  # the whole tree in the sequence's range, if it fits there
-                d, parents = tree.flatten(chains)
-                if len(seq.tokens) + len(d) <= self.kv.max_seq_len:
-                    seq.tree = parents
-                else:
-                    d = chains[0]
-            seq.tokens += d
-            seq.draft = len(d)
-
-    def _verify(self, seq: Seq, rows: torch.Tensor, forks=None) -> None:
-        """Walk ``seq``'s scheduled drafts (a chain or a tree, ``forks``: its branches' forks
-        and rows) with the target's ``rows``, keep the accepted path (moved into place for a
-        tree mask; a fork's tables taken), roll the rest back (truncate: pages past it
-        unmapped, nothing copied), emit one token."""
-        st, p, kv = self.stats, seq.req.params, self.kv
-        base = seq.cached  # the position of the token before the drafts
-        nodes = seq.tokens[base : base + seq.chunk]  # root + the drafts this step fed
-        parents = seq.tree[: seq.chunk] if seq.tree else list(range(-1, len(nodes) - 1))
-        seq.tokens, seq.draft, seq.tree = seq.tokens[: base + seq.chunk], 0, None
-        q = self.speculative.draft_probs(seq)
-        q = None if q is None else [None, *q[: len(nodes) - 1]]
-        owner, mapped = [0] * len(nodes), kv.mapped_pages(seq.slot)
-        if forks:
-            kids, kid_rows = forks
-            mapped += sum(kv.mapped_pages(kid) for kid, _ in kids)
-            nodes, parents, rows, owner = tree.with_forks(nodes, parents, rows, kids, kid_rows)
-        path, token = verify_tree(rows, nodes, parents, p.temperature, p.top_k, seq.generator,
-                                  q, p.top_p, p.min_p)  # fmt: skip
-        accepted = len(path)
-        seq.spec_accepted = accepted if len(nodes) > 1 else seq.spec_accepted
-        chains = parents.count(0)  # chains hang from the root
-        if chains > 1:
-            st.tree_steps += 1
-            st.tree_branches += 0 if forks else chains - 1  # forks: counted as they fork
-        if forks:
-            win = tree.settle_forks(kv, seq, path, owner, forks[0])
-            st.tree_wins += bool(win)
-        elif path != list(range(1, accepted + 1)):  # off the first chain: move it into place
-            st.tree_copied_bytes += kv.beams.compact(seq.slot, base + 1,
-                                                     [base + j for j in path])  # fmt: skip
-            st.tree_wins += 1
-            seq.tokens[base + 1 : base + 1 + accepted] = [nodes[j] for j in path]
-        keep = base + 1 + accepted
-        if kv.seq_len(seq.slot) > keep:
-            st.spec_rolled_back += kv.seq_len(seq.slot) - keep
-            kv.beams.truncate(seq.slot, keep)
-        self.speculative.rolled_back(seq, keep)
-        del seq.tokens[keep:]
-        seq.cached = keep
-        st.spec_steps += 1
-        st.spec_mapped_pages += mapped - seq.mapped_at_draft
-        st.spec_proposed += len(nodes) - 1
-        st.spec_accepted += accepted
-        for i in range(accepted):
-            self._append(seq, seq.tokens[base + 1 + i], in_tokens=True)
-            if seq.status is Status.FINISHED:
-                return
-        self._append(seq, token)
-
     def step(self) -> None:
-        st, sched = self.stats, self.scheduler
+        """One engine step in three stages: schedule (drafts proposed, pages mapped, who runs
+        and with how many tokens), run (one packed model call), postprocess (verify drafts,
+        sample, finish, fork; pages mapped ahead for the next step)."""
         t0 = time.perf_counter()
-        if self.speculative is not None:
-            self._draft()
-        batch = sched.schedule(st.steps)
-        if self.speculative is not None:
-            for seq in sched.running:  # drafts that did not get into this step
-                if seq.draft and seq not in batch:
-                    seq.drop_draft()
+        batch = self._schedule()
         t1 = time.perf_counter()
         if not batch:
-            # a budget shared with other processes frees up as they finish: wait, not fail
-            self._stalled_since = t0 if self._stalled_since is None else self._stalled_since
-            if not self.kv.pool.shared_budget or t0 - self._stalled_since > self.max_wait_s:
-                raise CacheFull("nothing can run: the pool cannot hold the next waiting "
-                                "request", wanted=1, free=0)  # fmt: skip
-            st.budget_waits += 1
-            time.sleep(0.002)
+            self._stall(t0)
             return
         self._stalled_since = None
+        work = self._run(batch)
+        premap = self._postprocess(batch, work)
+        t2 = time.perf_counter()
+        st = self.stats
+        st.steps += 1
+        st.map_s += t1 - t0
+        st.premap_s += premap
+        st.model_s += t2 - t1 - premap
+        st.step_s.append(t2 - t0)
+        st.max_running = max(st.max_running, len(self.scheduler.running))
+
+    # --- stage 1: schedule ---------------------------------------------------------------
+    def _schedule(self) -> list[Seq]:
+        """Drafts for decoding sequences, then the scheduler's batch (its grows map pages;
+        it may preempt); drafts of sequences left out are dropped."""
+        sched, spec = self.scheduler, self.speculation
+        if spec is not None:
+            spec.propose(sched.running)
+        batch = sched.schedule(self.stats.steps)
+        if spec is not None:
+            spec.drop_unscheduled(sched.running, batch)
+        return batch
+
+    def _stall(self, t0: float) -> None:
+        """Nothing could run: on a budget shared with other processes wait for them to free
+        memory (up to ``max_wait_s``), else ``CacheFull``."""
+        self._stalled_since = t0 if self._stalled_since is None else self._stalled_since
+        if not self.kv.memory.shared_budget or t0 - self._stalled_since > self.max_wait_s:
+            raise CacheFull("nothing can run: the pool cannot hold the next waiting request",
+                            wanted=1, free=0)  # fmt: skip
+        self.stats.budget_waits += 1
+        time.sleep(0.002)
+
+    # --- stage 2: run --------------------------------------------------------------------
+    def _run(self, batch: list[Seq]) -> _StepWork:
+        """One packed model call over ``batch`` (and a token tree's forks): the logits rows
+        each sequence needs (all of a verified draft's, else its last)."""
         spec = [bool(s.draft) for s in batch]  # verifying drafts: every position's logits
         decodes = [sp or (bool(s.generated) and s.chunk == 1 and s.cached == len(s.tokens) - 1)
                    for s, sp in zip(batch, spec)]  # fmt: skip
-        st.prefill_tokens += sum(s.chunk for s, d in zip(batch, decodes) if not d)
+        self.stats.prefill_tokens += sum(s.chunk for s, d in zip(batch, decodes) if not d)
         rows = [s.chunk if sp else 1 for s, sp in zip(batch, spec)]
         args = ([s.slot for s in batch], [s.cached for s in batch], [s.scheduled for s in batch])
-        forks = tree.fork_all(self.kv, st, batch, args, rows) if any(spec) else {}
+        forks = self.speculation.fork_branches(batch, args, rows) if any(spec) else {}
         trees = [s.tree[: s.chunk] if sp and s.tree else None for s, sp in zip(batch, spec)]
         trees += [None] * (len(args[0]) - len(batch))  # the forks' chains
         logits = (self.runner.step(*args, rows=rows, trees=trees) if any(spec)
                   else self.runner.step(*args))  # fmt: skip
         starts = [0, *torch.tensor(rows).cumsum(0).tolist()]
-        premap = 0.0
-        if self.map_ahead:  # on a GPU the step is still running: map the next one's pages
-            tp = time.perf_counter()
-            for seq in batch:
-                p = seq.req.params
-                if seq.draft:  # its length changes once the drafts are verified
-                    continue
-                if len(seq.generated) + 1 < p.max_new_tokens:  # (a stop token frees it)
-                    st.premapped_pages += self.kv.memory.reserve(seq.slot, 1)
-            premap = time.perf_counter() - tp
+        return _StepWork(logits, starts, spec, decodes, forks)
+
+    # --- stage 3: postprocess ------------------------------------------------------------
+    def _postprocess(self, batch: list[Seq], work: _StepWork) -> float:
+        """Pages of the next step mapped ahead (returns the seconds it took), then per
+        sequence: verify its drafts, or take its prompt chunk / decode's token; finished
+        sequences freed, forks of ``n > 1`` made; free pages given back past
+        ``keep_free_pages``."""
+        premap = self._map_ahead(batch)
         now = time.perf_counter()
-        for i, (seq, decode) in enumerate(zip(batch, decodes)):
-            if spec[i]:
+        logits, starts = work.logits, work.starts
+        for i, seq in enumerate(batch):
+            if work.spec[i]:
                 mine, branches = logits[starts[i] : starts[i + 1]], None
-                if i in forks:  # a token tree verified in forks: their rows too
-                    at = [starts[j] for j in forks[i][1]]
-                    branches = (forks[i][0], [logits[a : a + r] for a, r in zip(at, forks[i][2])])
-                self._verify(seq, mine, branches)
+                if i in work.forks:  # a token tree verified in forks: their rows too
+                    kids, at, n = work.forks[i][0], work.forks[i][1], work.forks[i][2]
+                    branches = (kids, [logits[starts[j] : starts[j] + r] for j, r in zip(at, n)])
+                self.speculation.verify(seq, mine, branches, self._append)
                 continue
-            row = logits[starts[i + 1] - 1]
             seq.cached += seq.chunk
-            if not decode:
+            if not work.decodes[i]:
                 self.kv.cache_prefix(seq.slot)  # its prompt's full pages, for later requests
             if seq.cached < len(seq.tokens):
                 continue  # a prompt chunk: the rest comes in later steps, no token yet
+            row = logits[starts[i + 1] - 1]
             times = self.times[seq.req.req_id]
             times[1] = now if times[1] is None else times[1]
             kids = self._fork_siblings(seq, row)  # before the parent's token joins its context
@@ -347,18 +289,23 @@ class Engine:
             if self.on_prefilled is not None and seq.status is Status.RUNNING:
                 self.on_prefilled(seq, [k for k in kids if k.status is Status.RUNNING])
         keep = self.keep_free_pages
-        if keep is not None and self.kv.pool.num_free_created > keep:
-            st.released_pages += self.kv.pool.trim(keep)
-        t2 = time.perf_counter()
-        st.steps += 1
-        st.map_s += t1 - t0
-        st.premap_s += premap
-        st.model_s += t2 - t1 - premap
-        st.step_s.append(t2 - t0)
-        st.max_running = max(st.max_running, len(sched.running))
-        for name in ("preempt_swap", "preempt_recompute", "swap_bytes", "recompute_tokens",
-                     "prefix_hit_tokens", "prefix_waits"):  # fmt: skip
-            setattr(st, name, getattr(sched, name))
+        if keep is not None:
+            pb = self.kv.page_bytes
+            self.stats.released_pages += self.kv.memory.trim(keep * pb) // pb
+        return premap
+
+    def _map_ahead(self, batch: list[Seq]) -> float:
+        """On a GPU the step is still running: map the next step's pages now (``map_ahead``);
+        returns the seconds it took."""
+        if not self.map_ahead:
+            return 0.0
+        tp = time.perf_counter()
+        for seq in batch:
+            if seq.draft:  # its length changes once the drafts are verified
+                continue
+            if len(seq.generated) + 1 < seq.req.params.max_new_tokens:  # (a stop frees it)
+                self.stats.premapped_pages += self.kv.memory.reserve(seq.slot, 1)
+        return time.perf_counter() - tp
 
     def serve(self, requests: list[Request], arrivals_s: list[float]) -> dict:
         """Open loop: request ``i`` is added ``arrivals_s[i]`` seconds (wall clock) after the
@@ -392,7 +339,7 @@ class Engine:
         t0 = time.perf_counter()
         while self.scheduler.has_work():
             self.step()
-        if self.speculative is not None:
-            self.speculative.forget(self.scheduler.running)  # a draft model's slots
+        if self.speculation is not None:
+            self.speculation.finish(self.scheduler.running)  # a draft model's slots
         self.stats.elapsed_s += time.perf_counter() - t0
         return {rid: out for rid, out in self.outputs.items()}

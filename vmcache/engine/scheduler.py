@@ -18,6 +18,7 @@ Growing here, before the model runs, is the step's map phase (timed by the engin
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from vmcache.engine.request import Seq, Status
 from vmcache.errors import CacheFull
@@ -27,9 +28,22 @@ POLICIES = ("recompute", "swap")
 VICTIMS = ("last", "first")
 
 
+@dataclass
+class SchedulerStats:
+    """What the scheduler counts (into the engine's stats object, which extends this)."""
+
+    preempt_swap: int = 0
+    preempt_recompute: int = 0
+    swap_bytes: int = 0  # bytes copied to the host tier by swap-outs
+    recompute_tokens: int = 0  # tokens whose K/V were dropped and computed again
+    prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix index
+    prefix_waits: int = 0  # admissions deferred a step to hit a prefix being prefilled
+
+
 class Scheduler:
     def __init__(self, kv, preemption: str = "recompute", victim: str = "last",
-                 max_batch_tokens: int = 2048) -> None:  # fmt: skip
+                 max_batch_tokens: int = 2048,
+                 stats: SchedulerStats | None = None) -> None:  # fmt: skip
         if preemption not in POLICIES:
             raise ValueError(f"preemption must be one of {POLICIES}, got {preemption!r}")
         if victim not in VICTIMS:
@@ -39,10 +53,7 @@ class Scheduler:
         self.waiting: deque[Seq] = deque()  # owned here: FIFO, preempted-by-recompute first
         self.swapped: deque[Seq] = deque()
         self.running: list[Seq] = []
-        self.preempt_swap = self.preempt_recompute = 0
-        self.swap_bytes = self.recompute_tokens = 0
-        self.prefix_hit_tokens = 0  # prompt tokens whose K/V came from the prefix index
-        self.prefix_waits = 0  # admissions deferred a step to hit a prefix being prefilled
+        self.stats = stats if stats is not None else SchedulerStats()  # written here only
         self._growing = 0  # running sequences whose next token needs a page (this step)
 
     def has_work(self) -> bool:
@@ -72,14 +83,14 @@ class Scheduler:
             else:
                 seq.slot, seq.status = None, Status.SWAPPED
                 self.swapped.append(seq)
-                self.preempt_swap += 1
-                self.swap_bytes += seq.swap.nbytes
+                self.stats.preempt_swap += 1
+                self.stats.swap_bytes += seq.swap.nbytes
                 return
         self.kv.free(seq.slot)
-        self.recompute_tokens += seq.cached
+        self.stats.recompute_tokens += seq.cached
         seq.slot, seq.cached, seq.status = None, 0, Status.WAITING
         self.waiting.appendleft(seq)
-        self.preempt_recompute += 1
+        self.stats.preempt_recompute += 1
 
     def _grow(self, seq: Seq, n: int, batch: list[Seq]) -> bool:
         try:
@@ -131,7 +142,7 @@ class Scheduler:
             kv.free(slot)
             return 0
         seq.slot, seq.cached = slot, hit
-        self.prefix_hit_tokens += hit
+        self.stats.prefix_hit_tokens += hit
         return chunk
 
     def schedule(self, step: int) -> list[Seq]:
@@ -180,7 +191,7 @@ class Scheduler:
         while i < len(self.waiting) and self.kv.num_free_slots and budget > 0:
             seq = self.waiting[i]
             if self._waits_for_prefix(seq):
-                self.prefix_waits += 1
+                self.stats.prefix_waits += 1
                 i += 1
                 continue
             chunk = self._admit(seq, budget)

@@ -9,6 +9,8 @@ moving anything a kernel reads, and pages mapped ahead of the grows that need th
     reserve(s, n)             map now the pages a later grow of ``s`` by up to n would map
     headroom(s)               tokens ``s`` can grow without a new page
     peak_pages(n, step)       the most pages one sequence maps while growing to n tokens
+    rollback_margin           tokens a sliding window can still take back (None: no window)
+    shared_budget             whether other processes share the budget (a stall may pass)
 
 A cache over a :class:`~vmcache.memory.ledger.SharedBudget` draws pages from a budget several
 processes share; ``set_limit`` then does not apply (the ledger's limits do). Reserved pages sit
@@ -50,6 +52,18 @@ class Memory:
         """Whether trim and sleep give memory back to the device (VMKVCache: pages are
         released; PagedKVCache: its one block tensor stays, except across a sleep)."""
         return self._c._releases_memory
+
+    @property
+    def rollback_margin(self) -> int | None:
+        """Tokens every sliding window can still take back (a rejected draft truncated away
+        over them); None without sliding-window layers."""
+        return min((g.rollback_tokens for g in self._c.groups if g.sliding), default=None)
+
+    @property
+    def shared_budget(self) -> bool:
+        """Whether the cache's memory budget is shared with other processes (memory another
+        process frees may let a stalled engine run: it waits instead of failing)."""
+        return self._c.pool.shared_budget
 
     def trim(self, keep_free_bytes: int = 0) -> int:
         """Release the memory of free pages until at most ``keep_free_bytes`` of them stay
