@@ -55,7 +55,7 @@ def kv_bytes_held(kind: str, cache) -> int:
         )
     if kind == "vmcache":
         return cache.stats().physical_bytes
-    return cache.kv.kv_pool.numel() * cache.kv.kv_pool.element_size()
+    return cache.kv._kv_pool.numel() * cache.kv._kv_pool.element_size()
 
 
 def run_point(model, dev, kind, mode, prompt, new) -> dict:

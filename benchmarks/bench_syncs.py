@@ -62,7 +62,7 @@ def run(kind: str, dev: torch.device, steps: int, batch: int = 8, layers: int = 
         c.grow(s, 100 + 37 * i)
     kv = torch.randn(1, spec.num_kv_heads, spec.head_dim, device=dev).to(spec.dtype)
     q = torch.randn(batch, spec.q_heads, spec.head_dim, device=dev).to(spec.dtype)
-    be = getattr(c, "backend", None)
+    be = getattr(c, "_backend", None)
     impl = None if dev.type == "cuda" else "triton"  # the path that plans, interpreted on CPU
 
     def step():
@@ -74,7 +74,7 @@ def run(kind: str, dev: torch.device, steps: int, batch: int = 8, layers: int = 
             kernels.decode(c, layer, q, seqs, impl=impl)
 
     step()  # warm up (first plan, compilation)
-    sync0, plans0 = getattr(be, "sync_calls", 0), c.plans_built
+    sync0, plans0 = getattr(be, "sync_calls", 0), c.stats().plans_built
     row = {"cache": kind, "steps": steps, "batch": batch, "layers": layers}
     if dev.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
@@ -90,7 +90,7 @@ def run(kind: str, dev: torch.device, steps: int, batch: int = 8, layers: int = 
         for _ in range(steps):
             step()
     row["backend_syncs_per_step"] = (getattr(be, "sync_calls", 0) - sync0) / steps
-    row["plan_uploads_per_step"] = (c.plans_built - plans0) / steps
+    row["plan_uploads_per_step"] = (c.stats().plans_built - plans0) / steps
     row["kv_uploads_per_step"] = 0  # kv is created once on the device above
     c.close()
     return row

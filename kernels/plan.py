@@ -6,7 +6,7 @@ the plan (one int32 buffer, one host-to-device copy), the others find it by key,
 layer uploads or synchronises:
 
     key    = (seq_ids, q_lens, kv_lens)           every cache: the lengths the kernels bound
-           + cache.epoch                          PagedKVCache: block tables move on CoW/grow
+           + cache._epoch                          PagedKVCache: block tables move on CoW/grow
     slots  [B] int32      sequence ids (VMKVCache rows, block-table rows)
     lens   [B] int32      kv lengths, batch order
     starts [B+1] int32    cumulative q lengths, batch order (the Triton prefill's rows of q)
@@ -51,14 +51,14 @@ def plan(cache, seq_ids: list[int], q_lens: list[int], *, varlen: bool = False,
     for the layers that share ``layer``'s block table (PagedKVCache) or row size (VMKVCache);
     ``varlen`` adds the sorted varlen metadata (aten FA2), ``trees`` (a flag per sequence)
     the token trees' mask offsets (the Triton prefill's tree masks). Every field is a view of
-    one int32 buffer, uploaded in one copy. Cached on the cache (``cache.step_plan``, a dict
-    by table / row size, owned here); counted in ``cache.plans_built``."""
+    one int32 buffer, uploaded in one copy. Cached on the cache (``cache._step_plan``, a dict
+    by table / row size, owned here); counted in ``cache._plans_built``."""
     kv_lens = cache._seqs.lengths(seq_ids)
     paged = hasattr(cache, "block_tables")
     variant = cache.table_of_layer(layer) if paged else cache.layer_row_tokens(layer)
-    key = (tuple(seq_ids), tuple(q_lens), tuple(kv_lens), cache.epoch if paged else 0,
+    key = (tuple(seq_ids), tuple(q_lens), tuple(kv_lens), cache._epoch if paged else 0,
            tuple(trees) if trees else ())  # fmt: skip
-    memo = cache.step_plan if isinstance(cache.step_plan, dict) else {}
+    memo = cache._step_plan if isinstance(cache._step_plan, dict) else {}
     old = memo.get(variant)
     if old is not None and old.key == key and (old.perm is not None or not varlen):
         return old
@@ -114,6 +114,6 @@ def plan(cache, seq_ids: list[int], q_lens: list[int], *, varlen: bool = False,
                  views.get("cu_q"), views.get("cu_k"), views.get("used_k"),
                  views.get("mask_starts"))  # fmt: skip
     memo[variant] = p
-    cache.step_plan = memo
-    cache.plans_built += 1
+    cache._step_plan = memo
+    cache._plans_built += 1
     return p

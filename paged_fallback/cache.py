@@ -110,10 +110,10 @@ class PagedKVCache(SequenceCache):
         dev = torch.device(device)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.layers_per_block = G
+        self._layers_per_block = G
         shape = (G, 2, num_blocks, block_size, spec.row_elems)  # stored rows (see quant.py)
-        self.kv_pool = torch.zeros(shape, dtype=spec.storage_dtype, device=dev)
-        pool = PagePool(num_blocks, _BlockStore(self.kv_pool), scrub_on_reuse=scrub_on_reuse,
+        self._kv_pool = torch.zeros(shape, dtype=spec.storage_dtype, device=dev)
+        pool = PagePool(num_blocks, _BlockStore(self._kv_pool), scrub_on_reuse=scrub_on_reuse,
                         chunk_pages=num_blocks)  # fmt: skip
         groups = [PageTables([t], w, max_seqs, 1, block_size, rollback_tokens)
                   for t, w in enumerate(windows)]  # fmt: skip
@@ -122,7 +122,7 @@ class PagedKVCache(SequenceCache):
             device=dev, swap_bytes=swap_bytes, prefix_caching=prefix_caching,
             prefix_tiers=prefix_tiers,
         )  # fmt: skip
-        self.max_blocks_per_seq = -(-max_seq_len // block_size)
+        self._max_blocks_per_seq = -(-max_seq_len // block_size)
 
     @staticmethod
     def layers_per_table(spec: KVSpec) -> int:
@@ -171,11 +171,11 @@ class PagedKVCache(SequenceCache):
         w, n = self.window_start(layer, s), self._seqs.length(s)
         t, slot = self._layer_at[layer]
         blocks, offs = self._slots(s, t, w, n - w)
-        k, v = self.kv_pool[slot, 0, blocks, offs], self.kv_pool[slot, 1, blocks, offs]
+        k, v = self._kv_pool[slot, 0, blocks, offs], self._kv_pool[slot, 1, blocks, offs]
         return self._decode(layer, k, v)
 
     def _rows(self, layer: int, kv: int) -> torch.Tensor:
-        return self.kv_pool[self._layer_at[layer][1], kv]
+        return self._kv_pool[self._layer_at[layer][1], kv]
 
     # --- physical hooks: a block table needs no mapping ------------------------------------
     def _attach(self, s: int, t: int, j0: int, pages: list[int]) -> None:
@@ -185,7 +185,7 @@ class PagedKVCache(SequenceCache):
         pass
 
     def _copy_page(self, src: int, dst: int, used_units: int) -> None:
-        self.kv_pool[:, :, dst, :used_units] = self.kv_pool[:, :, src, :used_units]
+        self._kv_pool[:, :, dst, :used_units] = self._kv_pool[:, :, src, :used_units]
 
     def _tables_of_layer(self, layer: int) -> list[int]:
         return [self._layer_at[layer][0]]
@@ -193,15 +193,15 @@ class PagedKVCache(SequenceCache):
     def _store(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         t, slot = self._layer_at[layer]
         blocks, offs = self._slots(s, t, start, k.shape[0])
-        self.kv_pool[slot, 0, blocks, offs] = k
-        self.kv_pool[slot, 1, blocks, offs] = v
+        self._kv_pool[slot, 0, blocks, offs] = k
+        self._kv_pool[slot, 1, blocks, offs] = v
 
     def _load(self, layer: int, s: int, positions: torch.Tensor):
         t, slot = self._layer_at[layer]
         table = torch.tensor(self._group_of[t].row(s, t), dtype=torch.long)
         blocks = table[positions // self.block_size].to(self.device)
         offs = (positions % self.block_size).to(self.device)
-        return self.kv_pool[slot, 0, blocks, offs], self.kv_pool[slot, 1, blocks, offs]
+        return self._kv_pool[slot, 0, blocks, offs], self._kv_pool[slot, 1, blocks, offs]
 
     def _wire(self, s: int, t: int, j0: int, length: int) -> Wire:
         """One view per block per layer slot and K/V (``[B, R]``; the last block to
@@ -212,7 +212,7 @@ class PagedKVCache(SequenceCache):
             views:   for slot g, for K then V: b0, b1, b2[:used]   (stored rows [n, R])
             packed:  pool[:, :, [b0, b1]] (G, 2, 2, B, R)  +  pool[:, :, b2, :used]
         """
-        B, pool = self.block_size, self.kv_pool
+        B, pool = self.block_size, self._kv_pool
         blocks = self._group_of[t].row(s, t)[j0 : -(-length // B)]
         used = length - (j0 + len(blocks) - 1) * B if blocks else 0
         sizes = [B] * (len(blocks) - 1) + [used] * bool(blocks)
@@ -247,13 +247,13 @@ class PagedKVCache(SequenceCache):
         for i in range(0, len(pages), self._stage_blocks):
             chunk = pages[i : i + self._stage_blocks]
             idx = torch.tensor(chunk, dtype=torch.long, device=self.device)
-            blocks = self.kv_pool[:, :, idx].movedim(2, 0)  # [n, G, 2, B, ...]: one temporary
-            dst = out[i : i + len(chunk)].view(self.kv_pool.dtype).view(blocks.shape)
+            blocks = self._kv_pool[:, :, idx].movedim(2, 0)  # [n, G, 2, B, ...]: one temporary
+            dst = out[i : i + len(chunk)].view(self._kv_pool.dtype).view(blocks.shape)
             dst.copy_(blocks)  # strided source, straight into the host rows
         return out
 
     def _write_pages(self, pages: list[int], data: torch.Tensor) -> None:
-        pool = self.kv_pool
+        pool = self._kv_pool
         for i in range(0, len(pages), self._stage_blocks):
             chunk = pages[i : i + self._stage_blocks]
             idx = torch.tensor(chunk, dtype=torch.long, device=self.device)
@@ -267,20 +267,20 @@ class PagedKVCache(SequenceCache):
 
     # --- sleep / wake hooks (vmcache.elastic) ------------------------------------------
     def _device_bytes(self) -> int:
-        return self.kv_pool.untyped_storage().nbytes()
+        return self._kv_pool.untyped_storage().nbytes()
 
     def _release_all(self, live: list[int], keep: bool):
         saved = self._read_pages(live) if keep else None
         nbytes = self._device_bytes()
-        self.kv_pool.untyped_storage().resize_(0)  # k_pool / v_pool views share it
+        self._kv_pool.untyped_storage().resize_(0)  # k_pool / v_pool views share it
         if self.device.type == "cuda":  # back to the device, not to torch's cache of blocks
             torch.cuda.empty_cache()
         return saved, nbytes
 
     def _restore_all(self, live: list[int], state) -> None:
         saved, nbytes = state
-        self.kv_pool.untyped_storage().resize_(nbytes)
-        self.kv_pool.zero_()
+        self._kv_pool.untyped_storage().resize_(nbytes)
+        self._kv_pool.zero_()
         if saved is not None:
             self._write_pages(live, saved)
 

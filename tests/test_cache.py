@@ -51,7 +51,7 @@ def test_fork_shares_prompt_and_splits_only_tail(make_cache, layout):
     s = c.new_sequence()
     prompt = fill(c, s, 1000)
     prompt_pages = c.stats().physical_pages
-    per_tensor = -(-1000 * c.token_bytes // 65536)
+    per_tensor = -(-1000 * c._token_row_bytes // 65536)
     assert prompt_pages == c._T * per_tensor
     children = c.fork(s, 4)
     st = c.stats()
@@ -225,7 +225,7 @@ def test_token_major_layer_view_is_strided(make_cache, small_spec):
     assert k0.shape == (8, 256, 2, 16) and not k0.is_contiguous()
     for layer, (k, v) in enumerate(written):
         assert torch.equal(c.kv(layer, s)[0], k) and torch.equal(c.kv(layer, s)[1], v)
-    assert c.pages_per_row == -(-256 * 2 * 128 // 4096)
+    assert c._pages_per_row == -(-256 * 2 * 128 // 4096)
 
 
 def test_kv_views_are_zero_copy(make_cache, small_spec):

@@ -294,7 +294,7 @@ def test_a_paged_sleep_returns_its_block_tensor_to_the_device():
         c.write(layer, s, 0, k, -k)
     torch.cuda.synchronize()
     free_before = torch.cuda.mem_get_info()[0]
-    pool_bytes = c.kv_pool.untyped_storage().nbytes()
+    pool_bytes = c._kv_pool.untyped_storage().nbytes()
     c.memory.sleep(keep="host")
     assert torch.cuda.mem_get_info()[0] >= free_before + pool_bytes - (64 << 20)
     c.memory.wake()

@@ -140,9 +140,9 @@ def test_sleep_and_wake_keep_every_sequence_at_the_same_addresses(kind):
     assert released > 0 and c.memory.asleep
     if c.memory.releases:
         assert c.memory.resident_bytes == 0
-        assert c.backend.live_handles() == 0  # every page released (the strict backend counts)
+        assert c._backend.live_handles() == 0  # every page released (the strict backend counts)
     else:
-        assert c.kv_pool.untyped_storage().nbytes() == 0
+        assert c._kv_pool.untyped_storage().nbytes() == 0
     with pytest.raises(RuntimeError, match="asleep"):
         c.grow(a, 1)
     with pytest.raises(RuntimeError, match="asleep"):

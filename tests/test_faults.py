@@ -48,7 +48,7 @@ class FaultyBackend(HostBackend):
 
 class FaultyCache(VMKVCache):
     def _copy_page(self, src, dst, used_units):
-        self.backend.inner._maybe_fail("copy page")
+        self._backend.inner._maybe_fail("copy page")
         super()._copy_page(src, dst, used_units)
 
 

@@ -71,7 +71,7 @@ class CacheMachine(RuleBasedStateMachine):
         """Run ``fn``; on CacheFull check that nothing changed and count why it was full.
         Returns True when ``fn`` completed."""
         before = self._snapshot()
-        copies = self.c.cow_copies
+        copies = self.c.stats().cow_copies
         try:
             fn()
         except CacheFull:
@@ -86,7 +86,7 @@ class CacheMachine(RuleBasedStateMachine):
             event(f"{op}: {kind}")
             self.seen[kind] += 1
             return False
-        if self.c.cow_copies > copies:
+        if self.c.stats().cow_copies > copies:
             event(f"{op}: copy-on-write split")
             self.seen["cow split"] += 1
         self.seen[op] += 1

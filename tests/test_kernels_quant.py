@@ -67,10 +67,10 @@ def test_quantized_decode_matches_the_reference(kind, group, head_dim, kv_dtype,
     spec = quant_spec(kv_dtype, group, head_dim, granularity=granularity)
     cache = make(kind, spec)
     if granularity == "head":
-        assert cache.kv_scales.shape == (2, 2, 2)
+        assert cache._kv_scales.shape == (2, 2, 2)
     else:  # the scales are views into each token's row, where the kernel reads them
         ks, vs = cache.kv_scales_for(1)
-        assert cache.kv_scales is None and ks.dtype == torch.float32 and ks.shape[-1] == 2
+        assert cache._kv_scales is None and ks.dtype == torch.float32 and ks.shape[-1] == 2
     seqs, held = fill(cache, MIXED)
     q = torch.randn(len(seqs), spec.q_heads, head_dim)
     impl = "torch" if kind == "paged" and impl == "sdpa" else impl

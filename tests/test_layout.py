@@ -17,7 +17,7 @@ P = 2 << 20
 def test_every_row_starts_at_a_whole_token(head_dim, layers, layout):
     spec = KVSpec(layers, 8, head_dim, torch.bfloat16)
     c = VMKVCache(spec, 16, 4100, backend=SizingBackend(P), layout=layout, pool_bytes=8 * P)
-    assert c.row_bytes % P == 0 and c.row_bytes % c.token_bytes == 0
+    assert c._row_bytes % P == 0 and c._row_bytes % c._token_row_bytes == 0
     l_row = c.row_tokens
     assert l_row >= 4100
     for layer in (0, layers - 1):
@@ -27,7 +27,7 @@ def test_every_row_starts_at_a_whole_token(head_dim, layers, layout):
             want = k.storage_offset() + s * k.stride(0) + t * k.stride(1)
             got = flat.storage_offset() + (s * l_row + t) * flat.stride(0)
             assert got == want, (s, t)
-    assert c.pages_per_row * P == c.row_bytes
+    assert c._pages_per_row * P == c._row_bytes
 
 
 def test_a_row_that_is_not_whole_tokens_is_refused():

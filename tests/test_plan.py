@@ -50,7 +50,7 @@ def test_varlen_plan_addresses_each_sequence(layout):
             want = dense_attention(q[start : start + ql], *c.kv(layer, s))
             torch.testing.assert_close(got[start : start + ql], want, rtol=1e-5, atol=1e-6)
             start += ql
-    assert p.max_q == 64 and p.max_kv == 129 and c.plans_built == 1
+    assert p.max_q == 64 and p.max_kv == 129 and c.stats().plans_built == 1
     assert plan(c, seqs, q_lens, varlen=True) is p  # every layer reuses it
     assert p.slots.dtype == torch.int32 and p.slots.untyped_storage().data_ptr() == (
         p.cu_k.untyped_storage().data_ptr()
@@ -73,7 +73,7 @@ def test_a_decode_step_uploads_once_and_never_synchronises(kind):
         c.grow(s, 10 + 7 * i)
     kv = torch.ones(1, 2, 16)
     q = torch.randn(3, 4, 16)
-    be = getattr(c, "backend", None)
+    be = getattr(c, "_backend", None)
 
     def step():
         for s in seqs:
@@ -84,9 +84,9 @@ def test_a_decode_step_uploads_once_and_never_synchronises(kind):
             kernels.decode(c, layer, q, seqs, impl="triton")
 
     for _ in range(3):
-        plans, syncs = c.plans_built, getattr(be, "sync_calls", 0)
+        plans, syncs = c.stats().plans_built, getattr(be, "sync_calls", 0)
         step()
-        assert c.plans_built - plans == 1
+        assert c.stats().plans_built - plans == 1
         assert getattr(be, "sync_calls", 0) - syncs == 0
     (kid,) = c.fork(seqs[0], 1)  # seqs[0]'s tail page is now shared
     syncs = getattr(be, "sync_calls", 0)

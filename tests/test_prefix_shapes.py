@@ -46,7 +46,7 @@ def test_every_shape_builds_with_prefix_caching_by_default(layout, strict):
                     ix = c.prefix
                     assert ix.pages_per_table == math.lcm(P, u) // P, (d, h, storage)
                     assert ix.tokens_per_block * u == ix.pages_per_table * P
-                    assert P == c.backend.default_page_size
+                    assert P == c._backend.default_page_size
 
 
 def _kv_of(tokens, spec):

@@ -18,7 +18,7 @@ def test_grow_takes_reserved_pages_without_allocating(name):
     x = torch.ones(10, 2, 16)
     c.write(0, s, 0, x, x)
     mapped = c.memory.reserve(s, 200)
-    assert mapped > 0 and c.reserved_pages_mapped == mapped
+    assert mapped > 0 and c._reserved_pages_mapped == mapped
     # the table still covers only the length: reserved pages are mapped outside it
     assert all(len(t) == c.groups[0].pages_for(10) for t in c.page_table(s)) and c.seq_len(s) == 10
     before = _free_pages(c)

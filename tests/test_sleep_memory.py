@@ -30,7 +30,7 @@ for layer in range(4):
         c.write(layer, s, t, one[:n], one[:n])
 del one
 if kind == "vm":  # a page mapped twice (its sequence, the pool's window) counts twice in RSS:
-    c.store._window_view[::4096].sum()  # fault the window in now, so only copies count below
+    c._pagestore._window_view[::4096].sum()  # fault the window in now, so only copies count below
 rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
 before = rss()
 c.memory.sleep(keep="host")

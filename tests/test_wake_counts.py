@@ -20,7 +20,7 @@ class Recording(VMKVCache):
         self.fills = []
 
         def fill(pages):
-            self.fills.append((len(pages), self.backend.create_calls))
+            self.fills.append((len(pages), self._backend.create_calls))
             inner(pages)
 
         return fill

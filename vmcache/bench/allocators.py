@@ -216,7 +216,7 @@ class CacheAlloc:
 
     @property
     def copied_bytes(self) -> int:
-        return self.kv.cow_bytes_copied + self._copied
+        return self.kv.stats().cow_bytes_copied + self._copied
 
     @property
     def prefix_page_tokens(self) -> int:

@@ -103,7 +103,7 @@ def run_once(m, kind: str, workload: str, n: int, speculative) -> tuple[dict, di
         "spec_proposed": st.spec.proposed,
         "spec_accepted": st.spec.accepted,
         "rolled_back_tokens": st.spec.rolled_back,
-        "cow_bytes_copied": cache.cow_bytes_copied,
+        "cow_bytes_copied": cache.stats().cow_bytes_copied,
         "verify_steps": st.spec.steps,
         "tree_branches": st.spec.tree_branches,
         "tree_wins": st.spec.tree_wins,

@@ -72,7 +72,7 @@ def fork_all(kv, stats, batch, args, rows) -> dict:
     """Forks for the extra chains of every scheduled token tree (fork way), appended to the
     step's ``args`` (slots, starts, tokens) and ``rows``; counted in the engine's ``stats``.
     Returns {batch index: (forks, their row indices, their row counts)}."""
-    out, cow = {}, kv.cow_bytes_copied
+    out, cow = {}, kv.stats().cow_bytes_copied
     for i, seq in enumerate(batch):
         if not seq.branches or seq.chunk != 1 + seq.draft:
             seq.branches = []
@@ -88,7 +88,7 @@ def fork_all(kv, stats, batch, args, rows) -> dict:
         if forks:
             out[i] = (forks, idx, counts)
             stats.tree_branches += len(forks)
-    stats.tree_copied_bytes += kv.cow_bytes_copied - cow
+    stats.tree_copied_bytes += kv.stats().cow_bytes_copied - cow
     return out
 
 

@@ -106,7 +106,7 @@ class Beams:
         for (d, gi), (rows, first) in new.items():
             c.groups[gi].open(d, rows, first)
         c._seqs.copy_from(list(zip(dsts, srcs)))  # lengths, token ids, salts
-        c.epoch += 1
+        c._epoch += 1
 
     def truncate(self, s: int, length: int) -> None:
         """Shorten sequence ``s`` to ``length`` tokens (``crop``): pages past it are unmapped
@@ -131,7 +131,7 @@ class Beams:
             dropped += g.cut(s, keep)
         c.pool.decref(dropped)
         c._seqs.truncate(s, length)
-        c.epoch += 1
+        c._epoch += 1
 
     def compact(self, s: int, start: int, picks: Sequence[int]) -> int:
         """Sequence ``s`` keeps, at positions ``start, start + 1, ...``, the tokens now at

@@ -97,22 +97,22 @@ class VMKVCache(SequenceCache):
         ):
             raise ValueError(f"window_align_tokens must be positive, got {window_align_tokens}")
         self._owns_backend = backend is None if own_backend is None else bool(own_backend)
-        self.backend = backend if backend is not None else make_backend(device)
+        self._backend = backend if backend is not None else make_backend(device)
         try:
-            align = window_align_tokens or default_window_align(self.backend.device)
+            align = window_align_tokens or default_window_align(self._backend.device)
             self._setup(spec, max_seqs, max_seq_len, page_size, pool_bytes, layout,
                         scrub_on_reuse, swap_bytes, chunk_pages, prefix_caching,
                         rollback_tokens, budget, prefix_tiers, align)  # fmt: skip
         except BaseException:
             if self._owns_backend:
-                self.backend.close()
+                self._backend.close()
             raise
 
     def _setup(
         self, spec, max_seqs, max_seq_len, page_size, pool_bytes, layout, scrub, swap, chunk,
         prefix, rollback, budget, tiers, align,
     ):  # fmt: skip
-        be = self.backend
+        be = self._backend
         P = be.default_page_size if page_size is None else _check_int("page_size", page_size)
         if P <= 0 or P % be.granularity:
             raise ValueError(
@@ -131,19 +131,19 @@ class VMKVCache(SequenceCache):
         n_tables = len(table_layers)
         tb = [spec.bytes_per_token_per_layer * len(ls) for ls in table_layers]
         self._token_bytes = tb  # bytes of one token in one row of table t
-        self.token_bytes = tb[0]
+        self._token_row_bytes = tb[0]
         # one row size for every table: whole pages and whole tokens of every table's type
-        self.row_bytes = round_up(max_seq_len * max(tb), math.lcm(P, *tb))
-        self.pages_per_row = self.row_bytes // P
-        capacity = n_tables * max_seqs * self.pages_per_row
+        self._row_bytes = round_up(max_seq_len * max(tb), math.lcm(P, *tb))
+        self._pages_per_row = self._row_bytes // P
+        capacity = n_tables * max_seqs * self._pages_per_row
         num_pages = capacity
         if pool_bytes is not None:
             _check_int("pool_bytes", pool_bytes)
             if pool_bytes < P:
                 raise ValueError(f"pool_bytes ({pool_bytes}) is smaller than one page ({P})")
             num_pages = min(capacity, pool_bytes // P)
-        self.store = VMPageStore(be, P, num_pages)
-        pool = PagePool(num_pages, self.store, scrub_on_reuse=scrub, chunk_pages=chunk,
+        self._pagestore = VMPageStore(be, P, num_pages)
+        pool = PagePool(num_pages, self._pagestore, scrub_on_reuse=scrub, chunk_pages=chunk,
                         budget=budget)  # fmt: skip
         tables = [PageTables(t_ids, w, max_seqs, tb[t_ids[0]], P, rollback, align)
                   for (w, _), t_ids in zip(groups, ids)]  # fmt: skip
@@ -151,15 +151,15 @@ class VMKVCache(SequenceCache):
             spec, max_seqs, max_seq_len, pool, groups=tables, page_bytes=P, device=be.device,
             swap_bytes=swap, prefix_caching=prefix, prefix_tiers=tiers,
         )  # fmt: skip
-        self._reserved = n_tables * max_seqs * self.row_bytes
-        self.base = be.reserve(self._reserved)
-        self._bytes = be.view(self.base, self._reserved)  # uint8 over the whole reservation
+        self._reserved = n_tables * max_seqs * self._row_bytes
+        self._base = be.reserve(self._reserved)
+        self._bytes = be.view(self._base, self._reserved)  # uint8 over the whole reservation
         el, H, D, R = spec.dtype_bytes, spec.num_kv_heads, spec.head_dim, spec.row_elems
-        flat, row = self._bytes.view(spec.storage_dtype), self.row_bytes // el
+        flat, row = self._bytes.view(spec.storage_dtype), self._row_bytes // el
         self._layer_at: dict[int, tuple[int, int]] = {}  # layer -> (K table, index in it)
         tensors = []
         for t, ls in enumerate(table_layers):
-            n = self.row_bytes // tb[t]  # token rows a table row holds (>= max_seq_len)
+            n = self._row_bytes // tb[t]  # token rows a table row holds (>= max_seq_len)
             shape, strides = (max_seqs, n, len(ls), R), (row, len(ls) * R, R, 1)
             tensors.append(flat.as_strided(shape, strides, t * max_seqs * row))
             for i, layer in enumerate(ls):
@@ -172,7 +172,7 @@ class VMKVCache(SequenceCache):
         self._views = [tuple(split_rows(x, H, D)[0].as_subclass(CacheView) for x in pair)
                        for pair in self._row_views]  # fmt: skip
         self._stager: Stager | None = None  # a wake's copies in flight (owned here)
-        self.closed = False
+        self._closed = False
 
     # --- kernel-facing views -----------------------------------------------------------
     @property
@@ -184,7 +184,7 @@ class VMKVCache(SequenceCache):
         """Tokens one padded row of ``layer``'s tensors spans (a whole number: rows are
         padded to whole pages and whole tokens of every table); token t of row s is row
         ``s·row_tokens + t`` of the layer's flat varlen view."""
-        return self.row_bytes // self._token_bytes[self._layer_at[layer][0]]
+        return self._row_bytes // self._token_bytes[self._layer_at[layer][0]]
 
     def k_cache(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s whole virtual K tensor ``[max_seqs, max_seq_len, N_KV, d_h]``
@@ -207,17 +207,17 @@ class VMKVCache(SequenceCache):
 
     # --- physical hooks ----------------------------------------------------------------
     def _va(self, s: int, t: int, j: int) -> int:
-        return self.base + (t * self.max_seqs + s) * self.row_bytes + j * self.page_size
+        return self._base + (t * self.max_seqs + s) * self._row_bytes + j * self.page_size
 
     def _attach(self, s: int, t: int, j0: int, pages: list[int]) -> None:
-        handles = self.store.handles(pages)
-        self.backend.map(self._va(s, t, j0), handles, self.page_size)
+        handles = self._pagestore.handles(pages)
+        self._backend.map(self._va(s, t, j0), handles, self.page_size)
 
     def _detach(self, s: int, t: int, j0: int, n: int) -> None:
-        self.backend.unmap(self._va(s, t, j0), n, self.page_size)
+        self._backend.unmap(self._va(s, t, j0), n, self.page_size)
 
     def _copy_page(self, src: int, dst: int, used_units: int) -> None:
-        self.store.view(dst)[:used_units].copy_(self.store.view(src)[:used_units])
+        self._pagestore.view(dst)[:used_units].copy_(self._pagestore.view(src)[:used_units])
 
     def _tables_of_layer(self, layer: int) -> list[int]:
         t = self._layer_at[layer][0]
@@ -236,7 +236,7 @@ class VMKVCache(SequenceCache):
         return self._row_views[layer][0][s, idx], self._row_views[layer][1][s, idx]
 
     def _row(self, s: int, t: int, lo: int, hi: int) -> torch.Tensor:
-        off = (t * self.max_seqs + s) * self.row_bytes
+        off = (t * self.max_seqs + s) * self._row_bytes
         return self._bytes[off + lo : off + hi]
 
     def _wire(self, s: int, t: int, j0: int, length: int) -> Wire:
@@ -244,17 +244,17 @@ class VMKVCache(SequenceCache):
         return Wire([self._row(s, t, j0 * self.page_size, length * self._token_bytes[t])])
 
     def _sync(self) -> None:
-        self.backend.synchronize()
+        self._backend.synchronize()
 
     # --- sleep / wake hooks (vmcache.elastic) ------------------------------------------
     def _read_pages(self, pages: list[int], pin: bool = False) -> torch.Tensor:
         """A host copy of ``pages`` (prefix tiers' demotion, sleep). No device-wide wait: the
         copy is ordered after the K/V writes on the current stream (the cache's writes are),
         and a sleep synchronizes before it anyway."""
-        return self.store.read(pages, pin=pin)
+        return self._pagestore.read(pages, pin=pin)
 
     def _write_pages(self, pages: list[int], data: torch.Tensor) -> None:
-        self.store.write(pages, data)
+        self._pagestore.write(pages, data)
 
     def _release_all(self, live: list[int], keep: bool):
         """Before the pool releases every page: the live ones' bytes to (pinned) host memory
@@ -283,7 +283,7 @@ class VMKVCache(SequenceCache):
                 data = saved[lo : lo + len(pages)]
             else:
                 data = saved.index_select(0, torch.tensor([row[p] for p in pages]))
-            self.store.write(pages, data, self._stager)
+            self._pagestore.write(pages, data, self._stager)
 
         return fill
 
@@ -314,7 +314,7 @@ class VMKVCache(SequenceCache):
 
         Views returned by :meth:`kv`, :meth:`k_cache` and :meth:`v_cache` are invalid after
         this (their memory is unmapped). Without ``close()``, a live view keeps the memory."""
-        if getattr(self, "closed", True):
+        if getattr(self, "_closed", True):
             return
         if not self.pool.asleep:  # asleep, nothing is mapped and the store holds no page
             for s in self.sequences:
@@ -322,11 +322,11 @@ class VMKVCache(SequenceCache):
         self._close_tiers()
         self._views = self._row_views = []
         self._bytes = None
-        self.store.close()
-        self.backend.release_reservation(self.base, self._reserved)
+        self._pagestore.close()
+        self._backend.release_reservation(self._base, self._reserved)
         if self._owns_backend:
-            self.backend.close()
-        self.closed = True
+            self._backend.close()
+        self._closed = True
 
     def __repr__(self) -> str:
         return (f"VMKVCache({self.spec}, max_seqs={self.max_seqs}, max_seq_len="

@@ -87,18 +87,18 @@ class SequenceCache(Transactions, PhysicalHooks):
         self._asleep = None  # (live pages, saved state) while asleep (owned here)
         # slots, lengths, token ids, salts: owned by Slots, the only writer of them
         self._seqs = Slots(max_seqs)
-        self.reserved_pages_mapped = 0  # pages mapped ahead by reserve() (owned here)
+        self._reserved_pages_mapped = 0  # pages mapped ahead by reserve() (owned here)
         self.prefix: PrefixIndex | None = None  # owned here; holds pool references
         prefix_ops.setup_prefix(self, prefix_caching, prefix_tiers)
-        self.epoch = 0  # bumped whenever a length or a page table changes (owned here)
-        self.step_plan = None  # per-step kernel metadata memo; owned by vmcache.kernels.plan
+        self._epoch = 0  # bumped whenever a length or a page table changes (owned here)
+        self._step_plan = None  # per-step kernel metadata memo; owned by vmcache.kernels.plan
         # fp32 [N_L, 2, N_KV] head scales of FP8/INT8 K/V (None: stored as computed, or per
         # token in each row); the spec's, on the device for the kernels; never changed
         head = spec.quantized and spec.kv_granularity == "head"
-        self.kv_scales = spec.scales().to(device) if head else None
-        self.plans_built = 0  # how many plans (device uploads) vmcache.kernels built
-        self.cow_copies = 0  # pages copied on write since construction (owned by the cache)
-        self.cow_bytes_copied = 0  # bytes those copies moved (used part of each page only)
+        self._kv_scales = spec.scales().to(device) if head else None
+        self._plans_built = 0  # how many plans (device uploads) vmcache.kernels built
+        self._cow_copies = 0  # pages copied on write since construction (owned by the cache)
+        self._cow_bytes_copied = 0  # bytes those copies moved (used part of each page only)
 
     # --- queries -----------------------------------------------------------------------
     def _check_awake(self) -> None:
@@ -187,7 +187,7 @@ class SequenceCache(Transactions, PhysicalHooks):
         for g in self.groups:
             g.open(s)
         self._seqs.open(s, tokens, salt, length)
-        self.epoch += 1
+        self._epoch += 1
 
     def grow(self, s: int, n: int, token_ids=None) -> None:
         """Length += n: map the pages the new length needs; split a shared tail page; first,
@@ -229,7 +229,7 @@ class SequenceCache(Transactions, PhysicalHooks):
                 g.untake_reserved(s, k)
             raise
         self._seqs.grow(s, n, token_ids)
-        self.epoch += 1
+        self._epoch += 1
 
     def _release_plans(self, s: int) -> list[tuple[PageTables, int, list[int]]]:
         """(group, new first index, pages that leave) of each sliding group that would give
@@ -246,7 +246,7 @@ class SequenceCache(Transactions, PhysicalHooks):
                 self._detach(s, t, g.first(s), to - g.first(s))
             g.release(s, to)
             self.pool.decref(pages)
-        self.epoch += 1
+        self._epoch += 1
 
     def write(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``, ``v`` (each ``[T, N_KV, d_h]``, the cache's dtype and device) at
@@ -285,20 +285,20 @@ class SequenceCache(Transactions, PhysicalHooks):
             g.close(s)
         self.pool.decref(dropped)
         self._seqs.close(s)
-        self.epoch += 1
+        self._epoch += 1
 
     def _encode(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """K, V ``[n, N_KV, d_h]`` → stored rows ``[n, spec.row_elems]`` (quantized with the
         layer's head scales or each token's own, FP8/INT8; else the same elements)."""
         sp = self.spec
-        sc = (None, None) if self.kv_scales is None else self.kv_scales[layer]
+        sc = (None, None) if self._kv_scales is None else self._kv_scales[layer]
         return tuple(encode_rows(x, s, sp.storage_dtype, sp.row_elems) for x, s in zip((k, v), sc))
 
     def _decode(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Stored rows ``[..., spec.row_elems]`` → K, V ``[..., N_KV, d_h]`` in the compute
         dtype (zero-copy views unless quantized; dequantized copies for FP8/INT8)."""
         sp = self.spec
-        sc = (None, None) if self.kv_scales is None else self.kv_scales[layer]
+        sc = (None, None) if self._kv_scales is None else self._kv_scales[layer]
         return tuple(decode_rows(x, s, sp.num_kv_heads, sp.head_dim, sp.dtype)
                      for x, s in zip((k, v), sc))  # fmt: skip
 
@@ -307,8 +307,8 @@ class SequenceCache(Transactions, PhysicalHooks):
         per token the pair of fp32 views ``[..., N_KV]`` over K's and V's stored rows (shaped
         as :meth:`_rows` less its last dim), or None when K/V are not quantized."""
         layer = self._check_layer(layer)
-        if self.kv_scales is not None:
-            return self.kv_scales[layer]
+        if self._kv_scales is not None:
+            return self._kv_scales[layer]
         if not self.spec.quantized:
             return None
         sp = self.spec
@@ -333,7 +333,7 @@ class SequenceCache(Transactions, PhysicalHooks):
 
     def _set_len(self, s: int, length: int) -> None:
         self._seqs.set_length(s, length)
-        self.epoch += 1
+        self._epoch += 1
 
     def fork(self, s: int, n: int = 1) -> list[int]:
         """``n`` children sharing every page of ``s`` (refcounts += n, no K/V copied)."""

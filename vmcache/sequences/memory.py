@@ -171,7 +171,7 @@ class Memory:
             raise
         for (g, _, _), r in zip(plan, rows):
             g.add_reserved(s, r)
-        c.reserved_pages_mapped += total
+        c._reserved_pages_mapped += total
         return total
 
     def headroom(self, s: int) -> int:

@@ -20,6 +20,7 @@ class CacheStats:
     cow_copies: int = 0  # pages copied on write so far
     cow_bytes_copied: int = 0  # bytes those copies moved
     window_released_pages: int = 0  # page-table entries sliding windows gave back so far
+    plans_built: int = 0  # step plans the kernels built (one device upload each)
 
     @property
     def internal_waste(self) -> float:
@@ -57,9 +58,10 @@ def collect_stats(cache) -> CacheStats:
         shared_pages=pool.shared_pages,
         free_pages=pool.free_pages,
         total_pages=pool.num_pages,
-        cow_copies=cache.cow_copies,
-        cow_bytes_copied=cache.cow_bytes_copied,
+        cow_copies=cache._cow_copies,
+        cow_bytes_copied=cache._cow_bytes_copied,
         window_released_pages=sum(g.released_pages for g in cache.groups),
+        plans_built=cache._plans_built,
     )
 
 

@@ -9,7 +9,7 @@ bookkeeping that cannot fail.
 
 Touches: the pool (allocate, decref), the page-table groups (``replace``, ``extend``, read
 ``row``), the cache's physical hooks (``_attach``, ``_detach``, ``_copy_page``, ``_sync``),
-and the coordinator's counters it owns (``cow_copies``, ``cow_bytes_copied``, ``epoch``). It
+and the coordinator's counters it owns (``_cow_copies``, ``_cow_bytes_copied``, ``_epoch``). It
 reads lengths; it changes no length, slot, token id or salt.
 """
 
@@ -63,9 +63,9 @@ class Transactions:
         for s, t, j, _, new in replaced:
             g = self._group_of[t]
             g.replace(s, t, j, new)
-            self.cow_bytes_copied += g.used_units(j, self._seqs.length(s)) * self.page_bytes // g.P
-        self.cow_copies += len(replaced)
-        self.epoch += 1
+            self._cow_bytes_copied += g.used_units(j, self._seqs.length(s)) * self.page_bytes // g.P
+        self._cow_copies += len(replaced)
+        self._epoch += 1
         self.pool.decref([old for *_, old, _ in replaced])
         for g, rows in extension:
             g.extend(s_ext, rows)
