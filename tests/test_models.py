@@ -158,3 +158,19 @@ def test_a_converted_copy_is_used_only_while_it_is_intact(tmp_path):
     (d / converted.MANIFEST).write_text("[not a manifest")
     assert not converted.valid(d, SMOL, torch.float32)
     assert (d / "config.json").stat().st_mode & 0o777 == 0o600
+
+
+def test_the_gguf_file_itself_loads_as_its_converted_copy():
+    """The GGUF path through transformers (this tier's version: `make test-oldest` runs it on
+    the oldest supported one), not the converted copy: same weights, same tokenizer."""
+    from real_model import smol
+
+    model, tok = smol()  # skips unless cached
+    direct, tok_direct = load(cached_path(), dtype=torch.float32)
+    assert type(direct) is type(model) and direct.config.num_hidden_layers == 30
+    theirs = dict(direct.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, theirs[name]), name
+    text = "The capital of France is Paris."
+    assert tok_direct(text)["input_ids"] == tok(text)["input_ids"]
+    assert tok_direct.chat_template == tok.chat_template

@@ -105,40 +105,40 @@ def test_engine_equals_generate_including_where_it_stops(real, references, kind)
     engine.kv.check_invariants()
 
 
-def _conversation(tok, model, turns=3):
+@pytest.fixture(scope="module")
+def conversation(real):
     """A multi-turn chat on a long system prompt: each turn's prompt holds every earlier
-    turn and answer (greedy answers from the reference)."""
+    turn and answer; (prompts, greedy answers of ``generate``)."""
     from vmcache.models import chat_ids
 
-    msgs, prompts = [{"role": "system", "content": SYSTEM}], []
-    for q in ["Do you sell hammers?", "Which screws suit oak?", "And wood glue?"][:turns]:
+    model, tok, _ = real
+    msgs, prompts, answers = [{"role": "system", "content": SYSTEM}], [], []
+    for q in ["Do you sell hammers?", "Which screws suit oak?", "And wood glue?"]:
         msgs.append({"role": "user", "content": q})
         ids = chat_ids(tok, msgs)
         prompts.append(ids)
-        answer = generate(model, ids, 24, eos_token_id=2)
-        msgs.append({"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)})
-    return prompts
+        answers.append(generate(model, ids, 24, eos_token_id=2))
+        text = tok.decode(answers[-1], skip_special_tokens=True)
+        msgs.append({"role": "assistant", "content": text})
+    return prompts, answers
 
 
 @pytest.mark.parametrize("kind", ["vm", "paged"])
-def test_prefix_cache_hits_across_a_multi_turn_chat(real, kind):
-    model, tok, _ = real
-    prompts = _conversation(tok, model)
+def test_prefix_cache_hits_across_a_multi_turn_chat(real, conversation, kind):
+    model, _, _ = real
+    prompts, answers = conversation
     make = vm if kind == "vm" else paged
-    plain, cached = Engine(model, make(model)), Engine(model, make(model, prefix=True))
-    want, got = [], []
-    for i, p in enumerate(prompts):  # turn by turn, as a chat arrives
+    cached = Engine(model, make(model, prefix=True))
+    for i, (p, answer) in enumerate(zip(prompts, answers)):  # turn by turn, as a chat arrives
         req = Request(f"t{i}", tuple(p), SamplingParams(max_new_tokens=16))
-        want.append(plain.run([req])[f"t{i}"])
-        got.append(cached.run([req])[f"t{i}"])
-    assert got == want
+        assert cached.run([req])[f"t{i}"] == [answer[:16]]  # generate's own greedy tokens
     hits = cached.stats.prefix_hit_tokens
     tpb = cached.kv.prefix.tokens_per_block
     # every later turn finds at least the whole blocks of the turn before it
     assert hits >= sum(len(p) // tpb * tpb for p in prompts[:-1]) - tpb
-    assert hits > 0 and plain.stats.prefix_hit_tokens == 0
     print(f"{kind}: {hits} of {sum(map(len, prompts))} prompt tokens from the prefix cache "
           f"(blocks of {tpb} tokens)")  # fmt: skip
+    cached.kv.check_invariants()
 
 
 @pytest.mark.parametrize("how", ["chain", "tree", "draft"])
