@@ -1,5 +1,6 @@
-"""SequenceCache: the sequence coordinator both caches share. It owns slots, lengths, token
-ids and tenant salts, and orders every change: plan, allocate, map, commit. The page tables
+"""SequenceCache: the sequence coordinator both caches share. It orders every change: plan,
+allocate, map, commit. Slots, lengths, token ids and tenant salts belong to
+:class:`~vmcache.sequences.slots.Slots` (``self._seqs``, their only writer), the page tables
 belong to one :class:`~vmcache.sequences.tables.PageTables` per attention type (full, or
 sliding with its window), refcounts to the pool, memory to the cache's physical hooks.
 
