@@ -143,3 +143,33 @@ def test_sequence_state_is_written_by_its_owner_only():
             if node.attr in old and not mine:
                 found.append(f"{name}:{node.lineno} .{node.attr}")
     assert not found, found
+
+
+def test_every_physical_call_is_a_declared_hook():
+    """The coordinator's files call the cache's physical side only through hooks that
+    vmcache/sequences/hooks.py declares: a ``c._name(...)`` / ``self._name(...)`` call there is
+    a method of the coordinator's own classes or a declared hook."""
+    from vmcache.sequences.beams import Beams
+    from vmcache.sequences.coordinator import SequenceCache
+    from vmcache.sequences.hooks import PhysicalHooks
+    from vmcache.sequences.memory import Memory
+    from vmcache.sequences.swap import Swap
+    from vmcache.sequences.transfer import Transfer
+
+    declared = {n for n in vars(PhysicalHooks) if n.startswith("_") and not n.startswith("__")}
+    core = [cls for cls in SequenceCache.__mro__ if cls not in (PhysicalHooks, object)]
+    own = {n for cls in [*core, Beams, Memory, Swap, Transfer] for n in vars(cls)}
+    files = ["coordinator", "transactions", "beams", "memory", "swap", "transfer", "reserve"]
+    undeclared = []
+    for f in files:
+        tree = ast.parse(open(modules()[f"vmcache.sequences.{f}"]).read())
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            target, name = node.func.value, node.func.attr
+            if isinstance(target, ast.Name) and target.id in ("c", "self", "cache"):
+                if name.startswith("_") and not name.startswith("__"):
+                    if name not in declared and name not in own:
+                        undeclared.append(f"{f}:{node.lineno} {name}")
+    assert not undeclared, undeclared
+    assert {"_release_all", "_restore_all", "_device_bytes", "_attach"} <= declared

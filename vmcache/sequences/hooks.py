@@ -6,11 +6,15 @@ The coordinator, its transactions and its facets call these and nothing physical
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 
-class PhysicalHooks:
-    """What a cache overrides (the defaults raise, or do nothing where nothing is needed)."""
+class PhysicalHooks(Protocol):
+    """What a cache implements (subclassed explicitly: the defaults raise, or do nothing where
+    nothing is needed). ``tests/test_architecture.py`` fails on a physical call the
+    coordinator, its transactions or its facets make that is not declared here."""
 
     def _attach(self, s: int, t: int, j0: int, pages: list[int]) -> None:
         raise NotImplementedError
@@ -49,6 +53,22 @@ class PhysicalHooks:
 
     def _write_pages(self, pages: list[int], data: torch.Tensor) -> None:
         """Inverse of :meth:`_read_pages` (pages no sequence maps)."""
+        raise NotImplementedError
+
+    def _release_all(self, live: list[int], keep: bool):
+        """Sleep: before the pool releases every page, ``live`` pages' bytes copied to the
+        host when ``keep``, every mapping dropped; returns the state :meth:`_restore_all`
+        takes back."""
+        raise NotImplementedError
+
+    def _restore_all(self, live: list[int], state) -> None:
+        """Wake: after the pool created ``live`` again, their contents back (unless
+        :meth:`_wake_fill` wrote them) and every sequence mapped where it was."""
+        raise NotImplementedError
+
+    def _device_bytes(self) -> int:
+        """Device bytes the cache's storage holds now, where the pool does not count them
+        (PagedKVCache's one preallocated tensor)."""
         raise NotImplementedError
 
     def _wake_fill(self, live: list[int], state):
