@@ -206,15 +206,16 @@ def test_slots_exhausted_is_cachefull(make_cache, small_spec):
         c.fork(s, 1)
 
 
-def test_seq_lens_tensor(make_cache, small_spec):
+def test_lengths_follow_grow_and_free(make_cache, small_spec):
     c = make_cache(small_spec, max_seqs=3)
     a, b = c.new_sequence(), c.new_sequence()
     c.grow(a, 5)
     c.grow(b, 9)
-    assert c.seq_lens.dtype == torch.int32
-    assert c.seq_lens.tolist() == [5, 9, 0]
+    assert [c.seq_len(a), c.seq_len(b)] == [5, 9] and c.sequences == [a, b]
     c.free(a)
-    assert c.seq_lens.tolist() == [0, 9, 0]
+    assert c.sequences == [b] and c.seq_len(b) == 9 and c.num_free_slots == 2
+    with pytest.raises(KeyError):
+        c.seq_len(a)
 
 
 def test_token_major_layer_view_is_strided(make_cache, small_spec):

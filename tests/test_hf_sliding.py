@@ -99,7 +99,7 @@ def _slack(cache) -> int:
     """Bytes a row may hold past the minimum: per sliding table, the page the window starts
     in (the part of it before the window) plus the page-granular release."""
     kv = cache.kv
-    return sum(len(g.ids) * 2 * kv.page_bytes for g in kv.groups if g.sliding)
+    return sum(len(g.ids) * 2 * kv.page_bytes for g in kv._groups if g.sliding)
 
 
 @pytest.mark.parametrize("kind", CACHES)

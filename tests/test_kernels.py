@@ -184,8 +184,9 @@ def test_paged_reference_equals_dense():
     cache = make("paged", spec)
     seqs = fill(cache, [1, 33, 80])
     q = torch.randn(3, 8, 32)
+    lens = torch.tensor([cache.seq_len(s) for s in seqs], dtype=torch.int32)
     ref = paged_decode_reference(q, cache.k_pool(0), cache.v_pool(0), cache.block_tables(seqs),
-                                 cache.seq_lens[seqs])  # fmt: skip
+                                 lens)  # fmt: skip
     torch.testing.assert_close(ref, expected_decode(cache, 0, q, seqs), rtol=1e-5, atol=1e-6)
 
 

@@ -41,7 +41,7 @@ def test_varlen_plan_addresses_each_sequence(layout):
     q_lens = [1, 5, 64, 7, 2]
     q = torch.randn(sum(q_lens), 4, 24, generator=g)
     p = plan(c, seqs, q_lens, varlen=True)
-    l_row = c.row_tokens
+    l_row = c.layer_row_tokens(0)
     for layer in range(3):
         got = varlen_reference(q, flat_rows(c.k_cache(layer), l_row),
                                flat_rows(c.v_cache(layer), l_row), p)  # fmt: skip

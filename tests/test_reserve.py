@@ -20,7 +20,7 @@ def test_grow_takes_reserved_pages_without_allocating(name):
     mapped = c.memory.reserve(s, 200)
     assert mapped > 0 and c._reserved_pages_mapped == mapped
     # the table still covers only the length: reserved pages are mapped outside it
-    assert all(len(t) == c.groups[0].pages_for(10) for t in c.page_table(s)) and c.seq_len(s) == 10
+    assert all(len(t) == c._groups[0].pages_for(10) for t in c.page_table(s)) and c.seq_len(s) == 10
     before = _free_pages(c)
     assert c.can_grow(s, 200)
     c.grow(s, 200)

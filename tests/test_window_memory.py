@@ -25,7 +25,7 @@ def make(kind, spec):
 def minimum_pages(cache, length):
     """Pages of whole-token minimum per table: ⌈L·u/P⌉ (full) or ⌈min(L, W)·u/P⌉ (sliding)."""
     return sum(len(g.ids) * g.pages_for(length if g.window is None else min(length, g.window))
-               for g in cache.groups)  # fmt: skip
+               for g in cache._groups)  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["vm", "vm_token_major", "paged"])
@@ -33,7 +33,7 @@ def test_pages_held_at_8k_tokens_are_within_one_page_per_sliding_table_of_the_mi
     cache = make(kind, GEMMA3)
     s = cache.new_sequence()
     cache.grow(s, 100)  # a prompt, then decode steps
-    sliding_tables = sum(len(g.ids) for g in cache.groups if g.sliding)
+    sliding_tables = sum(len(g.ids) for g in cache._groups if g.sliding)
     worst = 0
     while cache.seq_len(s) < LENGTH:
         cache.grow(s, 1)

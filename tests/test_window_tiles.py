@@ -24,7 +24,7 @@ def groups(head_dim, layout, window, align):
                   layer_windows=(window,) * 5 + (None,))  # fmt: skip
     c = VMKVCache(spec, 1, window + STEPS + 1024, backend=SizingBackend(P), layout=layout,
                   pool_bytes=4 * P, window_align_tokens=align)  # fmt: skip
-    return [g for g in c.groups if g.sliding]
+    return [g for g in c._groups if g.sliding]
 
 
 def unread_released(g, margin=0):
@@ -72,7 +72,7 @@ def test_the_unaligned_rule_releases_pages_flash_attention_reads():
     gemma = KVSpec(6, 16, 256, torch.bfloat16, layer_windows=(1024,) * 5 + (None,))
     c = VMKVCache(gemma, 1, 8192, backend=SizingBackend(P), layout="token_major",
                   pool_bytes=4 * P, window_align_tokens=1)  # fmt: skip
-    (sliding,) = [x for x in c.groups if x.sliding]
+    (sliding,) = [x for x in c._groups if x.sliding]
     assert unread_released(sliding) > 50
 
 

@@ -93,7 +93,7 @@ def layout_key(cache) -> int:
     """A checksum of what must match on both sides for bytes to mean the same K/V."""
     unit = getattr(cache, "page_size", None) or getattr(cache, "block_size", None)
     desc = (type(cache).__name__, getattr(cache, "layout", None), repr(cache.spec), unit,
-            [(g.ids, g.window, g.u, g.P) for g in cache.groups])  # fmt: skip
+            [list(g) for g in cache.transfer.layout()])  # fmt: skip
     return zlib.crc32(repr(desc).encode())
 
 
@@ -196,7 +196,7 @@ def recv_sequence(cache, src: int, group=None, *, headroom_pages: int = 0,
         note = torch.zeros(n_meta, dtype=torch.uint8, device=dev)
         _recv(note, src, group, deadline)
         raise TransferError(f"rank {src} aborted the hand-off: {wire.decode_note(_bytes(note))}")
-    groups = len(cache.groups)
+    groups = len(cache.transfer.layout())
     fits = status == OK and 0 < length <= cache.max_seq_len and key >> 33 == 0
     bound = wire.meta_bound(groups, max(0, length), max_extra_bytes)
     if status != OK or not 1 <= n_meta <= min(bound, DRAIN_BYTES) or min(n_runs, nbytes) < 0:
@@ -274,12 +274,13 @@ class _Received:
 def _manifest(cache, length: int, raw: bytes, max_extra_bytes: int) -> _Received:
     """The sender's manifest, checked against this cache: released pages within what its own
     window rule may release (never one a next step reads, never past the sequence)."""
-    firsts, ids, salt, extra = wire.decode_meta(raw, groups=len(cache.groups), length=length,
+    groups = len(cache.transfer.layout())
+    firsts, ids, salt, extra = wire.decode_meta(raw, groups=groups, length=length,
                                                 max_extra_bytes=max_extra_bytes)  # fmt: skip
-    for g, f in zip(cache.groups, firsts):
-        if f > g.keep_page(length, 0):
+    for most, f in zip(cache.transfer.releasable_pages(length), firsts):
+        if f > most:
             raise wire.WireError(f"{f} released pages in a group whose window keeps pages "
-                                 f"from {g.keep_page(length, 0)} at {length} tokens")  # fmt: skip
+                                 f"from {most} at {length} tokens")  # fmt: skip
     return _Received(Manifest(length, tuple(firsts), ids, salt), extra)
 
 

@@ -17,13 +17,13 @@ def setup_prefix(c, prefix_caching: bool, prefix_tiers) -> None:
         if prefix_tiers is not None:
             raise ValueError("prefix_tiers needs prefix_caching=True")
         return
-    if any(g.sliding for g in c.groups):
+    if any(g.sliding for g in c._groups):
         raise ValueError(
             "prefix caching is not supported for models with sliding-window layers "
             f"(layers {list(c.spec.sliding_layers)}): a cached prefix would need the "
             "pages those layers release"
         )
-    u, P = c.groups[0].u, c.groups[0].P  # a token's and a page's units in one table
+    u, P = c._groups[0].u, c._groups[0].P  # a token's and a page's units in one table
     k = math.lcm(P, u) // P  # pages per block: the least run of whole pages ending on a token
     c.prefix = PrefixIndex(c.pool, k * P // u, c._T * k, k)
     c.pool.reclaimer = c.prefix
@@ -36,7 +36,7 @@ def attach_prefix(c, s: int, tokens: list[int]) -> None:
     entries = c.prefix.match(tokens, c._seqs.salt(s), max_pages=limit)
     if not entries:
         return
-    (g,) = c.groups
+    (g,) = c._groups
     k = c.prefix.pages_per_table
     rows = [[p for e in entries for p in e.pages[i * k : (i + 1) * k]] for i in range(c._T)]
     c._attach_row(s, g.ids, 0, rows)
@@ -89,4 +89,4 @@ def cache_prefix(c, s: int) -> int:
     if c.prefix is None or tokens is None:
         return 0
     n = c._seqs.length(s)
-    return c.prefix.insert(tokens[:n], c.groups[0].rows(s), c._seqs.salt(s))
+    return c.prefix.insert(tokens[:n], c._groups[0].rows(s), c._seqs.salt(s))

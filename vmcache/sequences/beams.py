@@ -40,7 +40,7 @@ def fork(c, s: int, n: int = 1) -> list[int]:
             free=slots.num_free,
         )
     children = slots.take_many(n)
-    runs = [r for g in c.groups for r in g.mapped_runs(s)]
+    runs = [r for g in c._groups for r in g.mapped_runs(s)]
     undo: list[Callable[[], None]] = []
     try:
         for ch in children:
@@ -55,7 +55,7 @@ def fork(c, s: int, n: int = 1) -> list[int]:
     c.pool.incref([p for _, _, pages in runs for p in pages], n)
     for ch in children:
         c._open(ch, slots.tokens(s), slots.salt(s), slots.length(s))
-        for g in c.groups:
+        for g in c._groups:
             g.open(ch, g.rows(s), g.first(s))
     return children
 
@@ -82,10 +82,10 @@ class Beams:
         for d in dsts:
             c._drop_reserved(d)  # the rows are about to be remapped
         new = {(d, gi): (g.rows(s), g.first(s)) for d, s in zip(dsts, srcs)
-               for gi, g in enumerate(c.groups)}  # fmt: skip
+               for gi, g in enumerate(c._groups)}  # fmt: skip
         # (dst, table, detach from, old pages, attach from, new pages)
         plan = [(d, *step) for (d, gi), (rows, first) in new.items()
-                for step in c.groups[gi].assign_plan(d, rows, first)]  # fmt: skip
+                for step in c._groups[gi].assign_plan(d, rows, first)]  # fmt: skip
         c._sync()
         undo: list[Callable[[], None]] = []
         try:
@@ -104,7 +104,7 @@ class Beams:
         c.pool.incref([p for *_, nw in plan for p in nw])
         c.pool.decref([p for _, _, _, old, _, _ in plan for p in old])
         for (d, gi), (rows, first) in new.items():
-            c.groups[gi].open(d, rows, first)
+            c._groups[gi].open(d, rows, first)
         c._seqs.copy_from(list(zip(dsts, srcs)))  # lengths, token ids, salts
         c._epoch += 1
 
@@ -122,7 +122,7 @@ class Beams:
         c._drop_reserved(s)
         c._sync()
         dropped = []
-        for g in c.groups:
+        for g in c._groups:
             keep = g.pages_for(length)
             for t, j0, pages in g.mapped_runs(s):
                 lo = max(keep, j0)
@@ -175,7 +175,7 @@ class Beams:
     def _check_margin(self, s: int, length: int) -> None:
         """ValueError when a sliding window of ``s`` already released positions that a
         ``length``-token sequence still reads (past its rollback margin)."""
-        for g in self._c.groups:
+        for g in self._c._groups:
             if g.keep_page(length, 0) < g.first(s):
                 raise ValueError(
                     f"truncate({s}, {length}): the sliding window of {g.window} tokens already "

@@ -175,11 +175,6 @@ class VMKVCache(SequenceCache):
         self._closed = False
 
     # --- kernel-facing views -----------------------------------------------------------
-    @property
-    def row_tokens(self) -> int:
-        """Tokens one padded row of layer 0's tensors spans (see :meth:`layer_row_tokens`)."""
-        return self.layer_row_tokens(0)
-
     def layer_row_tokens(self, layer: int) -> int:
         """Tokens one padded row of ``layer``'s tensors spans (a whole number: rows are
         padded to whole pages and whole tokens of every table); token t of row s is row
@@ -263,7 +258,7 @@ class VMKVCache(SequenceCache):
         # to a power of two and keep it after wake (the driver stages pageable copies itself)
         saved = self._read_pages(live) if keep else None
         for s in self.sequences:
-            for g in self.groups:
+            for g in self._groups:
                 for t, j0, pages in g.mapped_runs(s):
                     self._detach(s, t, j0, len(pages))
         return saved
@@ -299,7 +294,7 @@ class VMKVCache(SequenceCache):
             elif saved is not None:
                 self._write_pages(live, saved)
             for s in self.sequences:
-                for g in self.groups:
+                for g in self._groups:
                     for t, j0, pages in g.mapped_runs(s):
                         self._attach(s, t, j0, pages)
                         done.append((s, t, j0, len(pages)))

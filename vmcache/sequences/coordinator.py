@@ -78,7 +78,7 @@ class SequenceCache(Transactions, PhysicalHooks):
         self.pool = pool
         self.device = device
         self.page_bytes = page_bytes
-        self.groups = groups  # one per attention type; each owns its tables' page lists
+        self._groups = groups  # one per attention type; each owns its tables' page lists
         self._group_of = {t: g for g in groups for t in g.ids}
         self._T = len(self._group_of)
         self.swap = Swap(self, swap_bytes)  # facet; owns the host tier's byte count
@@ -121,7 +121,7 @@ class SequenceCache(Transactions, PhysicalHooks):
 
     def pages_for_tokens(self, n: int) -> int:
         """Pages a new sequence of ``n`` tokens maps (every table), for admission planning."""
-        return sum(len(g.ids) * g.pages_for(n) for g in self.groups)
+        return sum(len(g.ids) * g.pages_for(n) for g in self._groups)
 
     def seq_len(self, s: int) -> int:
         return self._seqs.length(self._check_seq(s))
@@ -140,11 +140,6 @@ class SequenceCache(Transactions, PhysicalHooks):
     def num_free_slots(self) -> int:
         return self._seqs.num_free
 
-    @property
-    def seq_lens(self) -> torch.Tensor:
-        """``[max_seqs]`` int32 on the cache's device; 0 for slots not in use."""
-        return self._seqs.lens_tensor(self.device)
-
     def page_table(self, s: int) -> list[list[int]]:
         """A copy of sequence ``s``'s page tables (``T`` lists of page ids, table order;
         ``RELEASED`` (-1) where a sliding window gave a page back)."""
@@ -155,7 +150,7 @@ class SequenceCache(Transactions, PhysicalHooks):
         """Per group: (group, shared tail pages to copy, pages now, pages after)."""
         length, rc = self._seqs.length(s), self.pool.refcount
         return [(g, g.tail_splits(s, length, n, rc), g.num_pages(s), g.pages_for(length + n))
-                for g in self.groups]  # fmt: skip
+                for g in self._groups]  # fmt: skip
 
     # --- sequence lifecycle ------------------------------------------------------------
     def new_sequence(self, slot: int | None = None, prefix_tokens=None, salt=None) -> int:
@@ -185,7 +180,7 @@ class SequenceCache(Transactions, PhysicalHooks):
         return s
 
     def _open(self, s: int, tokens: list[int] | None, salt, length: int = 0) -> None:
-        for g in self.groups:
+        for g in self._groups:
             g.open(s)
         self._seqs.open(s, tokens, salt, length)
         self._epoch += 1
@@ -235,7 +230,7 @@ class SequenceCache(Transactions, PhysicalHooks):
     def _release_plans(self, s: int) -> list[tuple[PageTables, int, list[int]]]:
         """(group, new first index, pages that leave) of each sliding group that would give
         pages back before ``s`` grows (none for full attention)."""
-        return [(g, *plan) for g in self.groups if g.sliding
+        return [(g, *plan) for g in self._groups if g.sliding
                 if (plan := g.release_plan(s, self._seqs.length(s)))[1]]  # fmt: skip
 
     def _release_window(self, s: int, releases) -> None:
@@ -279,7 +274,7 @@ class SequenceCache(Transactions, PhysicalHooks):
         self._drop_reserved(s)
         self._sync()
         dropped = []
-        for g in self.groups:
+        for g in self._groups:
             for t, j0, pages in g.mapped_runs(s):
                 self._detach(s, t, j0, len(pages))
                 dropped += pages

@@ -17,12 +17,12 @@ def check_invariants(cache) -> None:
     """Raise :class:`~vmcache.errors.InvariantError` at the first invariant that fails."""
     counts: dict[int, int] = {}  # page -> references found
     for s in cache.sequences:
-        for p in (p for g in cache.groups for t in g.reserved(s) for p in t):
+        for p in (p for g in cache._groups for t in g.reserved(s) for p in t):
             counts[p] = counts.get(p, 0) + 1
     for p in cache.prefix.references() if cache.prefix is not None else []:
         counts[p] = counts.get(p, 0) + 1
     for s in cache.sequences:
-        for g in cache.groups:
+        for g in cache._groups:
             rows, first, length = g.rows(s), g.first(s), cache._seqs.length(s)
             require(len(rows) == len(g.ids))
             # a window releases only what the next query (and a rollback) cannot read
@@ -36,7 +36,7 @@ def check_invariants(cache) -> None:
     live = set(cache.sequences)
     for s in range(cache.max_seqs):
         if s not in live:
-            require(all(g._rows[s] is None for g in cache.groups), "a free slot has tables", s)
+            require(all(g._rows[s] is None for g in cache._groups), "a free slot has tables", s)
     pool = cache.pool
     for p in range(pool.num_pages):
         require(pool.refcount(p) == counts.get(p, 0), (p, pool.refcount(p), counts.get(p)))

@@ -57,7 +57,7 @@ class Memory:
     def rollback_margin(self) -> int | None:
         """Tokens every sliding window can still take back (a rejected draft truncated away
         over them); None without sliding-window layers."""
-        return min((g.rollback_tokens for g in self._c.groups if g.sliding), default=None)
+        return min((g.rollback_tokens for g in self._c._groups if g.sliding), default=None)
 
     @property
     def shared_budget(self) -> bool:
@@ -145,7 +145,7 @@ class Memory:
             raise ValueError(f"reserve needs n >= 0, got {n}")
         n = min(n, c.max_seq_len - c._seqs.length(s))
         plan = []  # (group, first index not yet mapped, pages per table)
-        for g in c.groups:
+        for g in c._groups:
             first = g.num_pages(s) + len(g.reserved(s)[0])
             extra = g.pages_for(c._seqs.length(s) + n) - first
             if extra > 0:
@@ -180,7 +180,7 @@ class Memory:
         c = self._c
         s = c._check_seq(s)
         length = c._seqs.length(s)
-        room = min(g.num_pages(s) * g.P // g.u for g in c.groups) - length
+        room = min(g.num_pages(s) * g.P // g.u for g in c._groups) - length
         splits = any(sp for _, sp, _, _ in c._grow_plan(s, 1)) if room else False
         return 0 if splits else room
 
@@ -191,7 +191,7 @@ class Memory:
         for the page the window starts inside."""
         c = self._c
         total = 0
-        for g in c.groups:
+        for g in c._groups:
             p = g.pages_for(n)
             if g.sliding:
                 p = min(p, g.pages_for(g.window - 1 + g.rollback_tokens + step) + 1)

@@ -38,15 +38,15 @@ def mapped_pages(c, s: int) -> int:
     counted per sequence; released ones not) and the pages reserved ahead of it."""
     s = c._check_seq(s)
     return sum(len(g.ids) * (g.num_pages(s) - g.first(s)) + sum(map(len, g.reserved(s)))
-               for g in c.groups)  # fmt: skip
+               for g in c._groups)  # fmt: skip
 
 
 def drop_reserved(c, s: int) -> None:
     """Unmap and release the reserved pages of ``s`` (before anything moves its row)."""
-    if not any(g.reserved(s)[0] for g in c.groups):
+    if not any(g.reserved(s)[0] for g in c._groups):
         return
     c._sync()
-    for g in c.groups:
+    for g in c._groups:
         first = g.num_pages(s)
         for t, have in zip(g.ids, g.reserved(s)):
             if have:

@@ -15,8 +15,6 @@ that would break that forgets them.
 
 from __future__ import annotations
 
-import torch
-
 
 class Slots:
     """Slots, lengths, token ids and salts of ``max_seqs`` sequences (owned here)."""
@@ -28,7 +26,6 @@ class Slots:
         self._free = list(range(max_seqs - 1, -1, -1))  # taken from the end: 0 first
         self._tokens: list[list[int] | None] = [None] * max_seqs
         self._salts: list[object] = [None] * max_seqs
-        self._lens_tensor: torch.Tensor | None = None  # lengths on the device, made on demand
         self.version = 0  # bumped on every length change (the coordinator's epoch adds it)
 
     # --- queries -------------------------------------------------------------------------
@@ -67,12 +64,6 @@ class Slots:
     def salt(self, s: int):
         return self._salts[s]
 
-    def lens_tensor(self, device) -> torch.Tensor:
-        """``[max_seqs]`` int32 lengths on ``device`` (0 for free slots); remade after a change."""
-        if self._lens_tensor is None:
-            self._lens_tensor = torch.tensor(self._lens, dtype=torch.int32, device=device)
-        return self._lens_tensor
-
     def owns_token_lists(self) -> bool:
         """No two sequences hold the same token list object (an invariant of copies)."""
         ids = [id(t) for t in self._tokens if t is not None]
@@ -109,7 +100,6 @@ class Slots:
 
     def set_length(self, s: int, length: int) -> None:
         self._lens[s] = length
-        self._lens_tensor = None
         self.version += 1
 
     def grow(self, s: int, n: int, token_ids: list[int] | None) -> None:

@@ -45,7 +45,7 @@ def collect_stats(cache) -> CacheStats:
     """A :class:`CacheStats` of a :class:`~vmcache.sequences.coordinator.SequenceCache` (reads its
     lengths, groups and pool; changes nothing)."""
     live = cache.sequences
-    entries = sum(len(g.ids) * (g.num_pages(s) - g.first(s)) for s in live for g in cache.groups)
+    entries = sum(len(g.ids) * (g.num_pages(s) - g.first(s)) for s in live for g in cache._groups)
     pool = cache.pool.stats()
     return CacheStats(
         num_sequences=len(live),
@@ -60,7 +60,7 @@ def collect_stats(cache) -> CacheStats:
         total_pages=pool.num_pages,
         cow_copies=cache._cow_copies,
         cow_bytes_copied=cache._cow_bytes_copied,
-        window_released_pages=sum(g.released_pages for g in cache.groups),
+        window_released_pages=sum(g.released_pages for g in cache._groups),
         plans_built=cache._plans_built,
     )
 
@@ -69,4 +69,4 @@ def _held_bytes(cache, s: int) -> int:
     """K/V bytes of ``s``'s tokens its tables still map (released ones not counted)."""
     length = cache._seqs.length(s)
     return sum(len(g.ids) * (length - min(g.first_token(s), length)) * cache.page_bytes
-               * g.u // g.P for g in cache.groups)  # fmt: skip
+               * g.u // g.P for g in cache._groups)  # fmt: skip

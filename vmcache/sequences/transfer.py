@@ -97,12 +97,23 @@ class Transfer:
     def __init__(self, coordinator) -> None:
         self._c = coordinator
 
+    def layout(self) -> tuple:
+        """What both sides of a hand-off must share for bytes to mean the same K/V, per
+        attention group: (its tables, its window, a token's units, a page's units)."""
+        return tuple((tuple(g.ids), g.window, g.u, g.P) for g in self._c._groups)
+
+    def releasable_pages(self, length: int) -> list[int]:
+        """Per group, the most leading pages a ``length``-token sequence may have released
+        (its window rule: never one a next step reads); what a received manifest is checked
+        against."""
+        return [g.keep_page(length, 0) for g in self._c._groups]
+
     def manifest(self, s: int) -> Manifest:
         c = self._c
         s = c._check_seq(s)
         slots = c._seqs
         ids = slots.tokens(s)
-        return Manifest(slots.length(s), tuple(g.first(s) for g in c.groups),
+        return Manifest(slots.length(s), tuple(g.first(s) for g in c._groups),
                         None if ids is None else tuple(ids), slots.salt(s))  # fmt: skip
 
     def can_adopt(self, m: Manifest, headroom_pages: int = 0) -> bool:
@@ -116,14 +127,14 @@ class Transfer:
     def adopt_pages(self, length: int, firsts) -> int:
         """Pages a sequence of ``length`` tokens maps with ``firsts`` released per group."""
         c = self._c
-        return sum(len(g.ids) * (g.pages_for(length) - f) for g, f in zip(c.groups, firsts))
+        return sum(len(g.ids) * (g.pages_for(length) - f) for g, f in zip(c._groups, firsts))
 
     def wires(self, s: int) -> list[Wire]:
         """Sequence ``s``'s mapped K/V, one :class:`Wire` per table (table order): zero-copy
         views a transfer sends from or receives into."""
         c = self._c
         s = c._check_seq(s)
-        return [c._wire(s, t, g.first(s), c._seqs.length(s)) for g in c.groups for t in g.ids]
+        return [c._wire(s, t, g.first(s), c._seqs.length(s)) for g in c._groups for t in g.ids]
 
     def adopt(self, m: Manifest, fill: Callable[[int], None],
                        slot: int | None = None) -> int:  # fmt: skip
@@ -134,13 +145,13 @@ class Transfer:
         c = self._c
         if m.length > c.max_seq_len:
             raise ValueError(f"{m.length} tokens exceed max_seq_len {c.max_seq_len}")
-        if len(m.firsts) != len(c.groups):
-            raise ValueError(f"manifest has {len(m.firsts)} groups, this cache {len(c.groups)}")
+        if len(m.firsts) != len(c._groups):
+            raise ValueError(f"manifest has {len(m.firsts)} groups, this cache {len(c._groups)}")
         s = c.new_sequence(slot, salt=m.salt)
         c._seqs.set_tokens(s, None)  # its pages hold no K/V yet: never index them
         try:
             ext = []
-            for g, f in zip(c.groups, m.firsts):
+            for g, f in zip(c._groups, m.firsts):
                 g.open(s, [[RELEASED] * f for _ in g.ids], f)
                 ext.append((g, f, g.pages_for(m.length)))
             c._split_pages([], s, ext)
