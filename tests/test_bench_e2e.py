@@ -5,6 +5,7 @@ write JSON that loads back, and hold nothing but plain JSON values in its rows (
 in a row crashed `make bench` at its very end once: issue 32)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -55,6 +56,7 @@ def test_the_default_harness_path_runs_to_its_save(tmp_path, capsys):
     served = [r for r in rows if r.get("mode") == "compute_real"]
     if real.available():  # the trained model's rows: same answers on both caches
         assert {r["cache"] for r in served} == {"vmcache", "paged"}
+        assert {r["model"] for r in served} == {"smollm2-135m-instruct"}
         assert all(r.get("answers_equal_across_caches", True) for r in served)
         assert any(r.get("prefix_hit_tokens", 0) > 0 for r in served)
     radix = [r for r in compute if r.get("scenario") == "shared_prompt"]
@@ -66,6 +68,25 @@ def test_the_default_harness_path_runs_to_its_save(tmp_path, capsys):
     assert "saved" in out and "verdict" in out
     for suffix in ("waste", "latency", "compute"):  # the report's plots
         assert path.with_name(f"{path.stem}-{suffix}.png").stat().st_size > 0
+
+
+def test_the_real_rows_run_on_the_model_real_model_names():
+    """--real-model takes what vmcache.models.load takes (here the embedded model's converted
+    checkpoint directory, as a user's own would be), and the rows name it by its last part
+    (the default path's test runs the rows themselves)."""
+    from vmcache.bench.__main__ import parser
+    from vmcache.models import DEFAULT_MODEL, checkpoint_dir
+
+    if not real.available():
+        pytest.skip("the embedded model is not cached (python -m vmcache.models fetch)")
+    d = str(checkpoint_dir(DEFAULT_MODEL))
+    assert parser().parse_args(["--real-model", d]).real_model == d
+    assert parser().parse_args([]).real_model == DEFAULT_MODEL
+    model, tok = real.smol(d)
+    assert model.config.num_hidden_layers == 30 and tok.chat_template
+    assert real.row_name(d) == os.path.basename(d)  # no machine's own path in a results file
+    assert real.row_name(DEFAULT_MODEL) == DEFAULT_MODEL and real.label() == real.NAME
+    assert real.available(d) and not real.available(d + "-missing")
 
 
 @pytest.mark.parametrize(

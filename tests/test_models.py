@@ -174,3 +174,30 @@ def test_the_gguf_file_itself_loads_as_its_converted_copy():
     text = "The capital of France is Paris."
     assert tok_direct(text)["input_ids"] == tok(text)["input_ids"]
     assert tok_direct.chat_template == tok.chat_template
+
+
+def test_checkpoint_dir_gives_a_directory_a_sharded_load_reads(tmp_path):
+    from real_model import smol
+
+    from vmcache.models import checkpoint_dir
+
+    smol()  # skips unless cached
+    d = checkpoint_dir("smollm2-135m-instruct")
+    assert d.is_dir() and (d / "config.json").is_file() and d.name.endswith(".float32")
+    assert checkpoint_dir(d) == d
+    with pytest.raises(ValueError, match="not a checkpoint directory"):
+        checkpoint_dir(cached_path())  # the .gguf itself
+
+
+def test_the_launcher_loads_what_vmcache_models_loads():
+    """`python -m vmcache.serve --model` takes the embedded name (and paths, as load does)."""
+    from real_model import smol
+
+    from vmcache import serve
+
+    smol()  # skips unless cached
+    model = serve._load("smollm2-135m-instruct")
+    assert type(model).__name__ == "LlamaForCausalLM" and not model.training
+    assert model.config.num_hidden_layers == 30 and model.dtype == torch.float32
+    with pytest.raises(FileNotFoundError, match="not an embedded name"):
+        serve._load("no-such-model")

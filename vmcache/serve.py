@@ -32,7 +32,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mode", choices=("disagg", "tp"), default="disagg")
     p.add_argument("--nproc", type=int, default=2, help="processes to spawn (without torchrun)")
     p.add_argument("--cache", choices=("vm", "vm_token_major", "paged"), default="vm")
-    p.add_argument("--model", default=None, help="local checkpoint (default: a random Llama)")
+    p.add_argument("--model", default=None,
+                   help="what vmcache.models.load takes: an embedded name (smollm2-135m-instruct), "
+                        "a checkpoint directory or a .gguf file (tp: not a .gguf); default: a "
+                        "random Llama")  # fmt: skip
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=96)
     p.add_argument("--max-new-tokens", type=int, default=24)
@@ -121,10 +124,11 @@ def worker(args) -> dict:
     return report
 
 
-def _load(path):
-    from transformers import AutoModelForCausalLM
+def _load(name_or_path):
+    """The model ``--model`` names (:func:`vmcache.models.load`: fp32, eval)."""
+    from vmcache.models import load
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return load(name_or_path, dtype=torch.float32)[0]
 
 
 def rank_device(local_rank: int, world: int) -> tuple[str, torch.device | None]:
@@ -171,6 +175,10 @@ def main(argv=None) -> int:
         if args.mode == "tp" and args.model is None:  # the sharded load reads a checkpoint
             tiny_llama(args.seed).save_pretrained(tmp)
             args.model = tmp
+        elif args.mode == "tp":  # an embedded name: its converted copy, made once, not per rank
+            from vmcache.models import checkpoint_dir
+
+            args.model = str(checkpoint_dir(args.model))
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
             world = int(os.environ["WORLD_SIZE"])
             _rank_main(int(os.environ["RANK"]), world, "env://", args)

@@ -57,6 +57,7 @@ import torch
 from vmcache.bench import sizing, traces
 from vmcache.bench.common import add_out_arg, save, table
 from vmcache.bench.report import plot, unique_prompt_tokens, verdicts
+from vmcache.models import DEFAULT_MODEL
 
 COLUMNS = ["allocator", "internal_waste_pct", "reservation_waste_pct", "seq_waste_max_tok",
            "frag_stalls", "max_concurrent_seqs", "cow_saving_pct", "preemptions",
@@ -133,16 +134,18 @@ def run_compute(args, dev: torch.device) -> list[dict]:
     rows = rows + [{"scenario": "shared_prompt", **r} for r in radix]
     from vmcache.bench import compute_real, real
 
-    if not real.available():
-        print("\n(real-model rows skipped: the embedded model is not cached; run "
+    name = args.real_model
+    if not real.available(name):
+        print(f"\n(real-model rows skipped: {name} is not there; for the embedded model run "
               "`python -m vmcache.models fetch`)")  # fmt: skip
         return rows
-    print(f"\n== compute mode on the trained model: {real.NAME}, chat requests ==")
+    print(f"\n== compute mode on the trained model: {real.label(name)}, chat requests ==")
     n = min(args.compute_requests, len(compute_real.QUESTIONS))
-    served = compute_real.run(_floats(args.compute_rates)[0], args.repeats, n, args.kv_dtype)
+    served = compute_real.run(_floats(args.compute_rates)[0], args.repeats, n, args.kv_dtype,
+                              name)  # fmt: skip
     print(table(served, ["cache", "prefill", "rate_rps", "tok_per_s", "ttft_p50_s",
                          "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "spread_note"]))  # fmt: skip
-    shared = compute_real.run_prefix(n, args.kv_dtype)
+    shared = compute_real.run_prefix(n, args.kv_dtype, name)
     print(table(shared, ["cache", "prefix_caching", "prompt_tokens", "prefill_tokens",
                          "prefix_hit_tokens", "tok_per_s"]))  # fmt: skip
     return rows + [{"real": True, **r} for r in served + shared]
@@ -195,6 +198,10 @@ def parser() -> argparse.ArgumentParser:
                    "head scales; -token: per-token scales)")  # fmt: skip
     c.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="small everything (CI, the GPU check)")
+    ap.add_argument("--real-model", default=DEFAULT_MODEL,
+                    help="the trained chat model of the real-model rows (compute, spec, quant): "
+                         "what vmcache.models.load takes, an embedded name, a checkpoint "
+                         f"directory or a .gguf file (default {DEFAULT_MODEL})")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--tag", default="", help="suffix for the results' file names")
@@ -210,6 +217,7 @@ def main(argv=None) -> None:
 
         # the options this parser does not know go to the mode's own (e.g. elastic --loads)
         fwd = ["--repeats", str(args.repeats)] + ["--quick"] * args.quick
+        fwd += ["--real-model", args.real_model] if args.mode in ("spec", "quant") else []
         fwd += (["--out", args.out] if args.out else []) + rest
         {"elastic": elastic, "tiers": tiers, "spec": spec, "quant": quant}[args.mode].main(fwd)
         return

@@ -21,9 +21,10 @@ import dataclasses
 import statistics
 
 from vmcache.bench.latency import poisson_arrivals, spread, summarize
-from vmcache.bench.real import chat, smol
+from vmcache.bench.real import chat, row_name, smol
 from vmcache.bench.sizing import KV_STORAGES
 from vmcache.engine import Engine, Request, SamplingParams
+from vmcache.models import DEFAULT_MODEL
 from vmcache.paged_fallback import PagedKVCache
 from vmcache.sequences.cache import VMKVCache
 from vmcache.sequences.spec import KVSpec
@@ -82,8 +83,9 @@ def _once(model, kind, reqs, rate, seed, max_batch_tokens, kv):
                  **{k: lat[k] for k in METRICS[1:]}}  # fmt: skip
 
 
-def run(rate: float = 4.0, repeats: int = 3, n: int | None = None, kv: str = "auto") -> list:
-    model, tok = smol()
+def run(rate: float = 4.0, repeats: int = 3, n: int | None = None, kv: str = "auto",
+        model_name: str = DEFAULT_MODEL) -> list:  # fmt: skip
+    model, tok = smol(model_name)
     reqs = _requests(tok, n=n)
     for kind in ("vmcache", "paged"):  # warm up once per cache
         Engine(model, _cache(kind, model, 2, kv=kv)).run(reqs[:2])
@@ -97,7 +99,7 @@ def run(rate: float = 4.0, repeats: int = 3, n: int | None = None, kv: str = "au
                 runs[kind].append(r)
                 answers[kind] = out
         for kind, rs in runs.items():
-            row = {"model": "smollm2-135m-instruct", "cache": kind, "prefill": label,
+            row = {"model": row_name(model_name), "cache": kind, "prefill": label,
                    "max_batch_tokens": mbt, "rate_rps": rate, "requests": len(reqs),
                    "kv_dtype": kv,
                    "repeats": repeats, "steps": statistics.median(r["steps"] for r in rs),
@@ -116,8 +118,9 @@ def run(rate: float = 4.0, repeats: int = 3, n: int | None = None, kv: str = "au
     return rows
 
 
-def run_prefix(n: int | None = None, kv: str = "auto") -> list[dict]:
-    model, tok = smol()
+def run_prefix(n: int | None = None, kv: str = "auto",
+               model_name: str = DEFAULT_MODEL) -> list[dict]:  # fmt: skip
+    model, tok = smol(model_name)
     reqs = _requests(tok, SYSTEM, n)
     rows = []
     for kind in ("vmcache", "paged"):
@@ -126,7 +129,7 @@ def run_prefix(n: int | None = None, kv: str = "auto") -> list[dict]:
             engine = Engine(model, _cache(kind, model, len(reqs), prefix, kv))
             outs[prefix] = engine.run(reqs)
             d = engine.stats.as_dict()
-            rows.append({"model": "smollm2-135m-instruct", "scenario": "shared_system_prompt",
+            rows.append({"model": row_name(model_name), "scenario": "shared_system_prompt",
                          "cache": kind, "prefix_caching": prefix, "requests": len(reqs),
                          "kv_dtype": kv,
                          "prompt_tokens": sum(len(r.prompt) for r in reqs),

@@ -37,6 +37,7 @@ import types
 import torch
 
 from vmcache.bench.common import add_out_arg, save_and_plot, table
+from vmcache.models import DEFAULT_MODEL
 
 PROMPT, NEW, BATCH, VOCAB = 32, 224, 4, 512
 # storage: (kv_dtype, scales: None = 1.0 per head, "calibrated" head scales, "token"), or
@@ -171,6 +172,11 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="48 new tokens, 100 sizing requests")
     ap.add_argument("--repeats", type=int, default=1,
                     help="unused: errors, agreements and capacities are deterministic")  # fmt: skip
+    ap.add_argument(
+        "--real-model",
+        default=DEFAULT_MODEL,
+        help="the trained model of the perplexity rows (vmcache.models.load)",
+    )
     add_out_arg(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
@@ -183,14 +189,14 @@ def main(argv=None):
     extra = {"prompt_tokens": PROMPT, "new_tokens": new, "batch": BATCH, "requests": num}
     from vmcache.bench import perplexity, real
 
-    if real.available():  # the trained model: perplexity of real text through each storage
+    if real.available(args.real_model):  # the trained model: real text through each storage
         print("\n-- perplexity on the trained model --")
-        m, tok = real.smol()
+        m, tok = real.smol(args.real_model)
         quick = ("fp32 (compute dtype)", "fp8 e4m3, unit scales", "int8, per token")
         ppl = perplexity.rows(m, tok, quick if args.quick else tuple(perplexity.STORAGES),
                               512 if args.quick else perplexity.MAX_TOKENS)  # fmt: skip
         rows += [{"kind": "perplexity", **r} for r in ppl]
-        extra.update(ppl_model=real.NAME, ppl_chunk_tokens=perplexity.CHUNK)
+        extra.update(ppl_model=real.label(args.real_model), ppl_chunk_tokens=perplexity.CHUNK)
     else:
         print("\n(perplexity rows skipped: the embedded model is not cached; run "
               "`python -m vmcache.models fetch`)")  # fmt: skip

@@ -43,6 +43,7 @@ import torch
 from vmcache.bench.common import add_out_arg, save, save_and_plot, table
 from vmcache.engine import Engine, NgramDrafter, Request, SamplingParams
 from vmcache.memory.backends.host import HostBackend
+from vmcache.models import DEFAULT_MODEL
 from vmcache.paged_fallback import PagedKVCache
 from vmcache.sequences.cache import VMKVCache
 from vmcache.sequences.spec import KVSpec
@@ -162,6 +163,11 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="1 repeat, 4 requests per workload")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument(
+        "--real-model",
+        default=DEFAULT_MODEL,
+        help="the trained chat model of the real-task rows (vmcache.models.load)",
+    )
     add_out_arg(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
@@ -174,13 +180,14 @@ def main(argv=None):
     save_and_plot("spec", torch.device("cpu"), rows, extra, args.out, plot)
     from vmcache.bench import real, spec_real
 
-    if real.available():  # the trained model on real tasks: its own results file
+    if real.available(args.real_model):  # the trained model on real tasks: its own file
         print("\n-- speculation on the trained model, real tasks --")
         new = 16 if args.quick else 96
-        real_rows = spec_real.rows(reps, new, 1 if args.quick else None)
+        real_rows = spec_real.rows(reps, new, 1 if args.quick else None, args.real_model)
         print(table(real_rows, REAL_COLUMNS))
         save("spec_real", torch.device("cpu"), real_rows,
-             {"model": real.NAME, "new_tokens": new}, out_dir=args.out)  # fmt: skip
+             {"model": real.label(args.real_model), "new_tokens": new},
+             out_dir=args.out)  # fmt: skip
         rows = rows + real_rows
     else:
         print("\n(real-task rows skipped: the embedded model is not cached; run "

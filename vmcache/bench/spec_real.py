@@ -19,8 +19,9 @@ import copy
 import statistics
 import time
 
-from vmcache.bench.real import chat, smol
+from vmcache.bench.real import chat, row_name, smol
 from vmcache.engine import DraftModel, Engine, NgramDrafter, Request, SamplingParams
+from vmcache.models import DEFAULT_MODEL
 from vmcache.sequences.cache import VMKVCache
 from vmcache.sequences.spec import KVSpec
 
@@ -78,8 +79,9 @@ def _variants(model, n: int, max_len: int):
            lambda: DraftModel(draft, _cache(draft, n, max_len), k=3))  # fmt: skip
 
 
-def rows(repeats: int = 3, new_tokens: int = 96, per_task: int | None = None) -> list[dict]:
-    model, tok = smol()
+def rows(repeats: int = 3, new_tokens: int = 96, per_task: int | None = None,
+         model_name: str = DEFAULT_MODEL) -> list[dict]:  # fmt: skip
+    model, tok = smol(model_name)
     out = []
     for workload, asks in TASKS.items():
         asks = asks[:per_task] if per_task else asks
@@ -99,7 +101,7 @@ def rows(repeats: int = 3, new_tokens: int = 96, per_task: int | None = None) ->
             wall = statistics.median(walls)
             if base_out is None:
                 base_out, base_wall = got, wall
-            row = {"model": "smollm2-135m-instruct", "workload": workload, "speculation": name,
+            row = {"model": row_name(model_name), "workload": workload, "speculation": name,
                    "requests": len(reqs), "new_tokens": new_tokens, "repeats": repeats,
                    "steps": st.steps, "generated_tokens": st.generated_tokens,
                    "tokens_per_step": st.generated_tokens / st.steps,

@@ -16,10 +16,12 @@ from vmcache.models.load import (
     UnsupportedModel,
     chat_ids,
     check_supported,
+    checkpoint_dir,
     load,
     resolve,
 )
 
 __all__ = ["DEFAULT_MODEL", "EMBEDDED", "SUPPORTED", "ChecksumError", "ModelFetchError",
-           "UnsupportedModel", "cached_path", "chat_ids", "check_supported", "fetch", "load",
+           "UnsupportedModel", "cached_path", "chat_ids", "check_supported", "checkpoint_dir",
+           "fetch", "load",
            "resolve"]  # fmt: skip

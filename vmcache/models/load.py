@@ -52,6 +52,21 @@ def resolve(name_or_path: str | Path = DEFAULT_MODEL, cache_dir: Path | str | No
                             "directory")  # fmt: skip
 
 
+def checkpoint_dir(name_or_path: str | Path = DEFAULT_MODEL, *,
+                   dtype: torch.dtype = torch.float32, cache_dir: Path | str | None = None,
+                   download: bool = True) -> Path:  # fmt: skip
+    """A transformers checkpoint directory for ``name_or_path``, for loaders that read only
+    those (tensor parallelism's sharded load): a directory as it is, an embedded model's
+    converted copy in ``dtype`` (written once); a ``.gguf`` file is refused with what to do."""
+    directory, gguf = resolve(name_or_path, cache_dir, download)
+    if gguf is None:
+        return directory
+    if isinstance(name_or_path, str) and name_or_path in EMBEDDED:
+        return converted.ensure(directory / gguf, EMBEDDED[name_or_path], dtype)
+    raise ValueError(f"{name_or_path}: a .gguf file, not a checkpoint directory; load it once "
+                     "with vmcache.models.load and save_pretrained it")  # fmt: skip
+
+
 def check_supported(config) -> str:
     """The config's ``model_type`` if the engine runs it; :class:`UnsupportedModel` else."""
     kind = getattr(config, "model_type", None)
