@@ -240,16 +240,19 @@ def test_kv_views_are_zero_copy(make_cache, small_spec):
 
 
 def test_many_caches_release_all_mappings(small_spec):
+    import gc
     import os
 
+    gc.collect()  # earlier tests' garbage closing its files mid-loop would move the baseline
     base_maps, base_fds = process_map_count(), len(os.listdir("/proc/self/fd"))
     for i in range(15):
         with VMKVCache(small_spec, max_seqs=4, max_seq_len=128, page_size=4096) as c:
             s = c.new_sequence()
             fill(c, s, 50 + i)
             c.fork(s, 2)
+    gc.collect()
     assert process_map_count() <= base_maps + 4
-    assert len(os.listdir("/proc/self/fd")) == base_fds
+    assert len(os.listdir("/proc/self/fd")) <= base_fds  # no descriptor left behind
 
 
 def test_constructor_rejects_bad_arguments(small_spec):
