@@ -6,7 +6,7 @@ the plan (one int32 buffer, one host-to-device copy), the others find it by key,
 layer uploads or synchronises:
 
     key    = (seq_ids, q_lens, kv_lens)           every cache: the lengths the kernels bound
-           + cache._epoch                          PagedKVCache: block tables move on CoW/grow
+           + cache._epoch                         PagedKVCache: block tables move on CoW/grow
     slots  [B] int32      sequence ids (VMKVCache rows, block-table rows)
     lens   [B] int32      kv lengths, batch order
     starts [B+1] int32    cumulative q lengths, batch order (the Triton prefill's rows of q)

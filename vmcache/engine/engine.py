@@ -272,7 +272,7 @@ class Engine:
             if work.spec[i]:
                 mine, branches = logits[starts[i] : starts[i + 1]], None
                 if i in work.forks:  # a token tree verified in forks: their rows too
-                    kids, at, n = work.forks[i][0], work.forks[i][1], work.forks[i][2]
+                    kids, at, n = work.forks[i]
                     branches = (kids, [logits[starts[j] : starts[j] + r] for j, r in zip(at, n)])
                 self.speculation.verify(seq, mine, branches, self._append)
                 continue

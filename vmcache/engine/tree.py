@@ -72,6 +72,8 @@ def fork_all(kv, stats, batch, args, rows) -> dict:
     """Forks for the extra chains of every scheduled token tree (fork way), appended to the
     step's ``args`` (slots, starts, tokens) and ``rows``; counted in the engine's ``stats``.
     Returns {batch index: (forks, their row indices, their row counts)}."""
+    if not any(seq.branches for seq in batch):  # chains only: no fork, nothing to count
+        return {}
     out, cow = {}, kv.stats().cow_bytes_copied
     for i, seq in enumerate(batch):
         if not seq.branches or seq.chunk != 1 + seq.draft:

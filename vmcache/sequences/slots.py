@@ -26,7 +26,6 @@ class Slots:
         self._free = list(range(max_seqs - 1, -1, -1))  # taken from the end: 0 first
         self._tokens: list[list[int] | None] = [None] * max_seqs
         self._salts: list[object] = [None] * max_seqs
-        self.version = 0  # bumped on every length change (the coordinator's epoch adds it)
 
     # --- queries -------------------------------------------------------------------------
     def length(self, s: int) -> int:
@@ -100,7 +99,6 @@ class Slots:
 
     def set_length(self, s: int, length: int) -> None:
         self._lens[s] = length
-        self.version += 1
 
     def grow(self, s: int, n: int, token_ids: list[int] | None) -> None:
         """Length += n; the ids of the new positions extend the known ones (or, unknown,
