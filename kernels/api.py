@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from vmcache.kernels import contiguous, paged
+from vmcache.kernels import batched, contiguous, paged
 from vmcache.kernels.common import (
     MAX_TREE_TOKENS,
     attend_cache_views,
@@ -38,10 +38,16 @@ def prefill(cache, layer: int, q, seq_ids, q_lens, scale=None, impl=None) -> tor
 
 
 def attend(cache, layer: int, q, seq_ids, q_lens, scale=None, impl=None,
-           softcap: float | None = None, masks=None) -> torch.Tensor:  # fmt: skip
+           softcap: float | None = None, masks=None, batch=None) -> torch.Tensor:  # fmt: skip
     """Packed variable-length attention (q ``[Σ q_lens, N_Q, d_h]``): :func:`decode` when
     every sequence brings one token, else :func:`prefill`. ``softcap`` (logit soft-capping,
     Gemma 2) has no fused kernel here: it runs the per-sequence torch path on any device.
+
+    ``batch`` (the step's :class:`~vmcache.sequences.batch.StepBatch` for exactly these
+    ``seq_ids`` and ``q_lens``, built once a step): the inputs were checked when it was
+    built, and where the default would be the per-sequence SDPA path (the CPU; ``impl``
+    None or ``"batched"``), the whole step runs as one gather and one SDPA call per kind of
+    sequence (:func:`~vmcache.kernels.batched.attend_batch`), softcap included.
 
     ``masks[i]`` (token trees): None for a causal sequence, or bool ``[q_lens[i], q_lens[i]]``,
     row j true at the tree tokens query j sees (itself and its ancestors; see
@@ -55,7 +61,17 @@ def attend(cache, layer: int, q, seq_ids, q_lens, scale=None, impl=None,
         else:   | a          |            b          |    prefill/decode, one call
                              | T + its mask |             SDPA, one call per tree
     """
-    if masks is not None and any(m is not None for m in masks):
+    trees = masks is not None and any(m is not None for m in masks)
+    if batch is not None and not trees and (impl == "batched" or (impl is None and not q.is_cuda)):
+        if tuple(seq_ids) != batch.seq_ids or tuple(q_lens) != batch.q_lens:
+            raise ValueError("batch was built for other sequences or query lengths")
+        if q.dim() != 3 or q.shape[0] != batch.num_tokens or q.shape[2] != cache.spec.head_dim:
+            raise ValueError(f"q must be [{batch.num_tokens}, N_Q, {cache.spec.head_dim}], "
+                             f"got {list(q.shape)}")  # fmt: skip
+        return batched.attend_batch(cache, layer, q, batch, scale, softcap)
+    if impl == "batched":
+        raise ValueError("impl 'batched' needs the step's batch (cache.batch(...))")
+    if trees:
         return _attend_trees(cache, layer, q, seq_ids, q_lens, scale, impl, softcap, masks)
     if softcap is not None and impl not in (None, "sdpa", "torch"):
         raise ValueError(f"impl {impl!r} has no logit soft-capping; use None or 'torch'")

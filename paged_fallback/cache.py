@@ -190,6 +190,19 @@ class PagedKVCache(SequenceCache):
     def _tables_of_layer(self, layer: int) -> list[int]:
         return [self._layer_at[layer][0]]
 
+    def _flat_rows(self, layer: int, kv: int) -> torch.Tensor:
+        return self._kv_pool[self._layer_at[layer][1], kv].view(-1, self.spec.row_elems)
+
+    def _flat_index(self, layer: int, seqs: torch.Tensor, positions: torch.Tensor):
+        """Row ``block·B + offset`` of the pool's flat view, through the block tables."""
+        t = self._layer_at[layer][0]
+        uniq, inv = torch.unique(seqs[:, 0], return_inverse=True)
+        rows = [self._group_of[t].row(s, t) for s in uniq.tolist()]
+        width = max(len(r) for r in rows)
+        tab = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+        blocks = tab[inv].gather(1, positions // self.block_size)
+        return blocks * self.block_size + positions % self.block_size
+
     def _store(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         t, slot = self._layer_at[layer]
         blocks, offs = self._slots(s, t, start, k.shape[0])

@@ -142,6 +142,8 @@ def test_the_engine_leaves_the_models_attention_alone(model):
     assert list(res.generated_tokens) == before  # transformers' continuous batching runs too
     # a step that fails midway restores the attention implementation all the same
     engine.runner.inner = None
+    s = engine.kv.new_sequence()
+    engine.kv.grow(s, 2)  # the runner's contract: the step's sequences are grown first
     with pytest.raises(AttributeError):
-        engine.runner.step([engine.kv.new_sequence()], [0], [[1, 2]])
+        engine.runner.step([s], [0], [[1, 2]])
     assert model.config._attn_implementation == "sdpa"

@@ -320,7 +320,13 @@ def test_beam_reorder_moves_no_kv_bytes_counted_where_bytes_move():
 
     def make(*a):
         kv = orig_make(*a)
-        real_copy, real_store = kv._copy_page, kv._store
+        real_copy, real_store, real_flat = kv._copy_page, kv._store, kv._store_flat
+        kv._store_flat = lambda layer, idx, k, v: (  # a step's rows written at once
+            stored.__setitem__(
+                0, stored[0] + k.numel() * k.element_size() + v.numel() * v.element_size()
+            )
+            or real_flat(layer, idx, k, v)
+        )
         kv._copy_page = lambda src, dst, used: (
             moved.__setitem__(0, moved[0] + used) or real_copy(src, dst, used)
         )

@@ -61,20 +61,24 @@ class StepCache(Cache):
         self.starts: list[int] = []
         self.q_lens: list[int] = []
         self.masks: list | None = None  # token trees' masks (None: every sequence causal)
+        self.batch = None  # the step's StepBatch (vmcache.sequences.batch), built by plan
         self.layers_written: set[int] = set()  # this step's layers whose K/V were written
         super().__init__(layers=[_StepLayer(self, i) for i in range(kv.spec.num_layers)])
 
     def plan(self, slots: list[int], starts: list[int], q_lens: list[int], masks=None) -> None:
+        """The step's sequences: checked, copied on write and indexed once here
+        (``kv.batch``), then every layer writes and reads them in one call each."""
         self.slots, self.starts, self.q_lens, self.masks = slots, starts, q_lens, masks
+        self.batch = self.kv.batch(slots, q_lens)
+        if list(self.batch.starts) != list(starts):
+            raise ValueError(f"the step's tokens must be each sequence's last: starts "
+                             f"{starts}, lengths {list(self.batch.kv_lens)}")  # fmt: skip
         self.layers_written = set()
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         k = k[0].transpose(0, 1).to(self.spec.dtype)  # [N, N_KV, d_h]
         v = v[0].transpose(0, 1).to(self.spec.dtype)
-        i = 0
-        for s, start, n in zip(self.slots, self.starts, self.q_lens):
-            self.kv.write(layer, s, start, k[i : i + n], v[i : i + n])
-            i += n
+        self.batch.write(layer, k, v)
         self.layers_written.add(layer)
         keys, values = stand_ins(self.spec, k.device, 1, k.shape[0])
         keys._vmcache = values._vmcache = (self, layer)
@@ -84,8 +88,9 @@ class StepCache(Cache):
                softcap: float | None = None) -> torch.Tensor:  # fmt: skip
         """query ``[1, N_Q, N, d_h]`` (packed) → ``[1, N, N_Q, d_h]``."""
         q = query[0].transpose(0, 1)
-        return kernels.attend(self.kv, layer, q, self.slots, self.q_lens, scale=scale,
-                              softcap=softcap, masks=self.masks)[None]  # fmt: skip
+        out = kernels.attend(self.kv, layer, q, self.slots, self.q_lens, scale=scale,
+                             softcap=softcap, masks=self.masks, batch=self.batch)  # fmt: skip
+        return out[None]
 
     def real_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Never called: a packed step has no padding mask (its sequences' lengths differ, so

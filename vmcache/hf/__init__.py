@@ -59,6 +59,7 @@ class _HFCache(Cache):
         self.rows: list[int] = []  # row i -> slot i of self.kv
         self._len = 0  # tokens every row holds (left padding stored, so all rows are equal)
         self._groups: dict[int, list[int]] | None = None  # prefill: leader -> identical rows
+        self._batch = None  # this step's StepBatch of every row (None: rows written apart)
         super().__init__(layers=[_Layer(self, i) for i in range(self.spec.num_layers)])
 
     def _make(self, spec: KVSpec, max_seqs: int, device: torch.device):
@@ -109,6 +110,15 @@ class _HFCache(Cache):
         v = v.to(self.spec.dtype).transpose(1, 2)
         if end > self._len:
             self._grow(end - self._len, k, v)
+        if self._groups is None and end == self._len:  # every row: one write per layer
+            batch = self._batch
+            if batch is None or not batch.fresh or batch.starts[0] != start:
+                batch = self._batch = self.kv.batch(self.rows, [q] * b)
+            batch.write(layer.idx, k.reshape(b * q, *k.shape[2:]), v.reshape(b * q, *v.shape[2:]))
+            layer.length = end
+            layer.dtype_in = dtype_in
+            return self._layer_kv(layer)
+        self._batch = None
         groups = self._groups or {r: [] for r in self.rows}
         for lead, rest in groups.items():
             same = [r for r in rest if torch.equal(k[r], k[lead]) and torch.equal(v[r], v[lead])]
@@ -182,8 +192,13 @@ class _HFCache(Cache):
         (:mod:`vmcache.kernels`) → ``[b, q, N_Q, d_h]``."""
         b, heads, q, dim = query.shape
         packed = query.transpose(1, 2).reshape(b * q, heads, dim)
+        batch = self._batch
+        if batch is not None and not (
+            batch.fresh and batch.q_lens[0] == q and batch.kv_lens[0] == self.layers[layer].length
+        ):
+            batch = None  # fmt: skip
         out = kernels.attend(self.kv, layer, packed, self.rows, [q] * b, scale=scale,
-                             softcap=softcap)  # fmt: skip
+                             softcap=softcap, batch=batch)  # fmt: skip
         return out.view(b, q, heads, dim)
 
     def real_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,7 +237,7 @@ class _HFCache(Cache):
         """Free every row (pages back to the pool); the cache object stays usable."""
         for r in self.rows:
             self.kv.free(r)
-        self.rows, self._len, self._groups = [], 0, None
+        self.rows, self._len, self._groups, self._batch = [], 0, None, None
         for layer in self.layers:
             layer.length = 0
 
@@ -268,7 +283,7 @@ class _HFCache(Cache):
             mine.length, mine.is_initialized = theirs.length, theirs.is_initialized
             mine.device = getattr(theirs, "device", None)
         new._options = copy.deepcopy(getattr(self, "_options", {}), memo)
-        new.rows, new._groups = list(self.rows), None
+        new.rows, new._groups, new._batch = list(self.rows), None, None
         if self.kv is not None:
             new.kv = new._make(self.spec, self.kv.max_seqs, self.kv.device)
             for r in self.rows:

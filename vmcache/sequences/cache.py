@@ -169,6 +169,10 @@ class VMKVCache(SequenceCache):
             t, i = self._layer_at[layer]
             self._row_views.append((tensors[t][:, :max_seq_len, i],
                                     tensors[t + 1][:, :max_seq_len, i]))  # fmt: skip
+        self._flat = [
+            tuple(tensors[t + kv][:, :, i].view(-1, R) for kv in (0, 1))
+            for t, i in (self._layer_at[layer] for layer in range(spec.num_layers))
+        ]
         self._views = [tuple(split_rows(x, H, D)[0].as_subclass(CacheView) for x in pair)
                        for pair in self._row_views]  # fmt: skip
         self._stager: Stager | None = None  # a wake's copies in flight (owned here)
@@ -220,6 +224,12 @@ class VMKVCache(SequenceCache):
 
     def _rows(self, layer: int, kv: int) -> torch.Tensor:
         return self._row_views[layer][kv]
+
+    def _flat_rows(self, layer: int, kv: int) -> torch.Tensor:
+        return self._flat[layer][kv]  # row s·L_row + t: token t of sequence s
+
+    def _flat_index(self, layer: int, seqs: torch.Tensor, positions: torch.Tensor):
+        return seqs * self.layer_row_tokens(layer) + positions
 
     def _store(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         n = k.shape[0]

@@ -34,6 +34,7 @@ from vmcache.prefix import ops as prefix_ops
 from vmcache.prefix.index import PrefixIndex
 from vmcache.prefix.tiers.digest import salt_bytes
 from vmcache.sequences import reserve
+from vmcache.sequences.batch import StepBatch
 from vmcache.sequences.beams import Beams, fork
 from vmcache.sequences.hooks import PhysicalHooks
 from vmcache.sequences.invariants import check_invariants
@@ -257,6 +258,14 @@ class SequenceCache(Transactions, PhysicalHooks):
         if splits:
             self._split_pages(splits)
         self._store(layer, s, start, k, v)
+
+    def batch(self, seq_ids, q_lens) -> StepBatch:
+        """One step's sequences, checked once (live, distinct, ``1 <= q_len <= seq_len``, the
+        new tokens inside each sliding window), every page they write copied on write now:
+        a :class:`~vmcache.sequences.batch.StepBatch` whose ``write`` stores a layer's K/V of
+        the whole step in one indexed copy, and which the kernels read in one gather. Each
+        sequence's new tokens are its last ``q_len`` positions (grow it first)."""
+        return StepBatch(self, list(seq_ids), list(q_lens))
 
     def _write_splits(self, layer: int, s: int, start: int, end: int) -> list[tuple[int, int, int]]:
         """(s, table, page) of ``layer``'s pages over positions ``[start, end)`` that another

@@ -33,6 +33,24 @@ class PhysicalHooks(Protocol):
         (VMKVCache) or ``[num_blocks, B, R]`` (PagedKVCache), R = ``spec.row_elems``."""
         raise NotImplementedError
 
+    def _flat_rows(self, layer: int, kv: int) -> torch.Tensor:
+        """``layer``'s stored K (``kv`` 0) or V (1) rows as one ``[rows, R]`` view, the rows
+        :meth:`_flat_index` numbers (a step's writes and reads are one indexed copy each)."""
+        raise NotImplementedError
+
+    def _flat_index(self, layer: int, seqs: torch.Tensor, positions: torch.Tensor):
+        """int64 ``[B, n]`` rows of :meth:`_flat_rows` holding position ``positions[b, j]``
+        of sequence ``seqs[b, 0]`` (host int64 ``[B, 1]`` and ``[B, n]``; mapped positions
+        only)."""
+        raise NotImplementedError
+
+    def _store_flat(self, layer: int, index: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> None:  # fmt: skip
+        """Stored rows ``[n, R]`` of K and V written at rows ``index`` (int64 ``[n]``, on the
+        device) of :meth:`_flat_rows`: a step's writes of every sequence, one copy each."""
+        for kv, x in ((0, k), (1, v)):
+            _bits(self._flat_rows(layer, kv)).index_copy_(0, index, _bits(x.detach()))
+
     def _store(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stored rows ``[n, R]`` of K and V written at positions ``start…start+n``."""
         raise NotImplementedError
@@ -75,3 +93,8 @@ class PhysicalHooks(Protocol):
         """A fill the pool calls as each chunk of ``live`` exists again on wake (VMKVCache),
         or None: ``_restore_all`` restores the contents."""
         return None
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """FP8 rows as their bytes: torch's indexed copies have no FP8 kernels on the CPU."""
+    return x.view(torch.uint8) if x.dtype.itemsize == 1 and x.dtype.is_floating_point else x

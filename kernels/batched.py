@@ -1,0 +1,119 @@
+"""Attention of a whole step in one SDPA call per kind of sequence: the CPU path of both
+caches when the caller hands a :class:`~vmcache.sequences.batch.StepBatch`.
+
+The batch gathers every sequence's history once (``batch.kv``: ``[B, span, N_KV, d_h]``,
+rows past a sequence's length repeat its last token); the queries are padded to the
+longest of their group and a boolean mask keeps each query to its own causal keys:
+
+    group:   decodes (q_len 1, one call), then prefills (one padded call, or one call each
+             when padding would more than double their queries)
+    query i of sequence b sits at position p = kv_len_b − q_len_b + i; key j at lo_b + j
+    (lo_b: the window's first mapped token):
+
+        keep(i, j) = j < kv_len_b − lo_b  and  lo_b + j <= p  [and lo_b + j > p − W]
+        padded query rows (i >= q_len_b) keep key 0 only; their output is dropped
+
+The masks and row indices are built once per step and window (kept in ``batch.memo``),
+then every layer of that group reuses them: per layer, two gathers, one or two SDPA calls
+and one scatter of the outputs, whatever the number of sequences.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from vmcache.kernels.common import _softcapped, layer_window
+
+
+@dataclass(frozen=True)
+class _Group:
+    rows: torch.Tensor | None  # int64 [G·max_q]: packed q row of each padded query (None: all)
+    sel: torch.Tensor | None  # int64 [G]: batch index of each sequence (None: the whole batch)
+    keep: torch.Tensor | None  # int64 [Σ q]: padded rows holding real queries (None: all)
+    out: torch.Tensor | None  # int64 [Σ q]: their packed rows (None: all, in order)
+    mask: torch.Tensor | None  # bool [G, 1, max_q, span] (None: every key of every query)
+    size: int
+    max_q: int
+
+
+def _plan_groups(batch, lo: torch.Tensor, span: int, window, device) -> list[_Group]:
+    n_seq = len(batch.seq_ids)
+    q_lens, kv_lens = torch.tensor(batch.q_lens), torch.tensor(batch.kv_lens)
+    first = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)[:-1]])
+    dec = [i for i, q in enumerate(batch.q_lens) if q == 1]
+    pre = [i for i, q in enumerate(batch.q_lens) if q > 1]
+    parts = [dec] if dec else []
+    if pre:
+        padded = len(pre) * max(batch.q_lens[i] for i in pre)
+        real = sum(batch.q_lens[i] for i in pre)
+        parts += [pre] if padded <= 2 * real else [[i] for i in pre]
+    groups = []
+    for part in parts:
+        sel = torch.tensor(part)
+        qs, kv, lo_g, base = q_lens[sel], kv_lens[sel], lo[sel], first[sel]
+        mq = int(qs.max())
+        i = torch.arange(mq)[None, :, None]  # [1, q, 1]
+        j = torch.arange(span)[None, None, :]  # [1, 1, span]
+        p = (kv - qs)[:, None, None] + i  # absolute position of query i
+        key = lo_g[:, None, None] + j  # absolute position of key j
+        mask = (j < (kv - lo_g)[:, None, None]) & (key <= p)
+        if window is not None:
+            mask &= key > p - window
+        real_q = i < qs[:, None, None]  # [G, q, 1]
+        mask = torch.where(real_q, mask, j == 0)
+        whole = len(part) == n_seq
+        full = bool(mask.all())
+        rows = (base[:, None] + torch.arange(mq)[None].clamp(max=qs[:, None] - 1)).view(-1)
+        flat_real = real_q[:, :, 0].reshape(-1)
+        keep = torch.nonzero(flat_real)[:, 0]
+        out = rows[keep]
+        identity = whole and mq == 1  # decodes only, in batch order
+        groups.append(_Group(
+            rows=None if identity else rows.to(device),
+            sel=None if whole else sel.to(device),
+            keep=None if identity else keep.to(device),
+            out=None if whole else out.to(device),
+            mask=None if full else mask[:, None].to(device),
+            size=len(part), max_q=mq,
+        ))  # fmt: skip
+    return groups
+
+
+def attend_batch(cache, layer: int, q: torch.Tensor, batch, scale: float | None = None,
+                 softcap: float | None = None) -> torch.Tensor:  # fmt: skip
+    """q packed ``[batch.num_tokens, N_Q, d_h]`` (batch order) → the same shape: causal
+    attention of every sequence of ``batch`` over its history in ``cache``, ``layer``'s
+    window applied; ``softcap``: Gemma 2's soft-capped logits (eager math, fp32 softmax)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    window = layer_window(cache, layer)
+    k, v = batch.kv(layer)  # [B, span, N_KV, d_h]
+    _, lo, span = batch.read_index(layer)
+    key = ("attend", batch.group(layer), window)
+    groups = batch.memo.get(key)
+    if groups is None:
+        groups = batch.memo[key] = _plan_groups(batch, lo, span, window, q.device)
+    heads, dim = q.shape[1], q.shape[2]
+    out = None if len(groups) == 1 else torch.empty_like(q)
+    for g in groups:
+        kg = k if g.sel is None else k.index_select(0, g.sel)
+        vg = v if g.sel is None else v.index_select(0, g.sel)
+        qg = q if g.rows is None else q.index_select(0, g.rows)
+        qg = qg.view(g.size, g.max_q, heads, dim).transpose(1, 2)
+        kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)
+        if softcap is None:
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
+                                               enable_gqa=True)  # fmt: skip
+        else:
+            o = _softcapped(qg, kg, vg, g.mask, scale, softcap)
+        o = o.transpose(1, 2).reshape(g.size * g.max_q, heads, dim)
+        if g.keep is not None:
+            o = o.index_select(0, g.keep)
+        if out is None and g.out is None:
+            return o
+        if out is None:
+            out = torch.empty_like(q)
+        out.index_copy_(0, g.out, o)
+    return out

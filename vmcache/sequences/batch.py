@@ -1,0 +1,141 @@
+"""StepBatch: one step's sequences, checked once, then written and read by every layer with
+one indexed copy each (plan, then run).
+
+A step brings ``q_lens[i]`` new tokens to sequence ``seq_ids[i]``, already grown to hold
+them; they are the last ``q_lens[i]`` positions of its length (``starts[i] = length −
+q_len``). Every layer writes their K/V with one ``index_copy_`` into the layer's stored rows
+seen as one flat ``[rows, R]`` tensor, and the attention gathers every sequence's history
+with one ``index_select``:
+
+    packed K/V:  | a: 3 new      | b: 1 | c: 2    |        [Σ q_lens, N_KV, d_h]
+    write index: | a·L+5 .. a·L+7 | b·L+9 | c·L+0 c·L+1 |   flat row of each new token
+                   (VMKVCache: slot·L_row + position; PagedKVCache: block·B + offset)
+    read index:  [B, span]: sequence i's positions w_i … length_i − 1, then its last one
+                 repeated to the longest span (masked out by the attention)
+
+The indices depend on the page-table group of a layer (its row size and its window), so
+they are built once per group and step, on the first layer that asks. Copy-on-write happens
+here, for every table at once, before any layer writes. Any change to the cache after the
+batch was built (a grow, a fork, a free, a split) makes it stale: using it then raises.
+
+Touches: the coordinator's checks (``_check_seq``), lengths (``_seqs``, read only), the
+groups' page tables (read), ``_split_pages`` (copy-on-write), ``_epoch`` (read), and the
+physical hooks ``_flat_rows``, ``_flat_index`` and ``_store_flat``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vmcache.errors import check_int
+from vmcache.sequences.hooks import _bits
+from vmcache.sequences.spec import check_kv
+
+
+class StepBatch:
+    """What :meth:`SequenceCache.batch` returns; see the module docstring. Fields are
+    read-only for its users: ``seq_ids``, ``q_lens``, ``starts``, ``kv_lens`` (tuples of
+    ints, batch order), ``max_q``, ``memo`` (a dict the kernels keep their per-step metadata
+    in, owned by :mod:`vmcache.kernels`)."""
+
+    def __init__(self, cache, seq_ids, q_lens) -> None:
+        seq_ids = [cache._check_seq(s) for s in seq_ids]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
+        if len(q_lens) != len(seq_ids):
+            raise ValueError("q_lens and seq_ids must have the same length")
+        q_lens = [check_int("q_len", n) for n in q_lens]
+        kv_lens = cache._seqs.lengths(seq_ids)
+        for s, n, q in zip(seq_ids, kv_lens, q_lens):
+            if not 1 <= q <= n:
+                raise ValueError(f"sequence {s}: q_len {q} must be in [1, seq_len={n}]")
+        if not seq_ids:
+            raise ValueError("a batch needs at least one sequence")
+        self._cache = cache
+        self.seq_ids, self.q_lens, self.kv_lens = tuple(seq_ids), tuple(q_lens), tuple(kv_lens)
+        self.starts = tuple(n - q for n, q in zip(kv_lens, q_lens))
+        self.max_q = max(q_lens)
+        self.num_tokens = sum(q_lens)
+        for g in cache._groups:  # sliding windows: the new tokens must still be mapped
+            for s, start in zip(seq_ids, self.starts):
+                if start < g.first_token(s):
+                    raise ValueError(f"sequence {s}: writing at {start}, before its window's "
+                                     f"first mapped token {g.first_token(s)}")  # fmt: skip
+        splits = []
+        for g in cache._groups:  # copy-on-write of every shared page the writes touch
+            for s, start, n in zip(seq_ids, self.starts, kv_lens):
+                j_lo, j_hi = start * g.u // g.P, g.pages_for(n)
+                splits += [(s, t, j) for t, j in g.splits(s, g.ids, j_lo, j_hi,
+                                                          cache.pool.refcount)]  # fmt: skip
+        if splits:
+            cache._split_pages(splits)
+        self._epoch = cache._epoch
+        self._writes: dict[int, torch.Tensor] = {}  # group index -> [Σ q] flat rows (owned here)
+        self._reads: dict[int, tuple] = {}  # group index -> (index, window starts, spans)
+        self.memo: dict = {}
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the cache is as it was when the batch was built (else using it raises)."""
+        return self._cache._epoch == self._epoch
+
+    def _check(self, cache) -> None:
+        if cache is not self._cache:
+            raise ValueError("this batch belongs to another cache")
+        if cache._epoch != self._epoch:
+            raise ValueError("the cache changed since this batch was built (a grow, fork, "
+                             "free or copy-on-write): build a new batch")  # fmt: skip
+
+    def group(self, layer: int) -> int:
+        """The page-table group ``layer`` belongs to: layers of one group share a batch's
+        indices (their row size and window are the same)."""
+        c = self._cache
+        g = c._group_of[c._tables_of_layer(c._check_layer(layer))[0]]
+        return c._groups.index(g)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the step's packed K and V ``[num_tokens, N_KV, d_h]`` (the cache's dtype and
+        device, batch order) for ``layer``: one indexed copy each."""
+        c = self._cache
+        self._check(c)
+        if check_kv(c.spec, c.device, k, v) != self.num_tokens:
+            raise ValueError(f"the batch writes {self.num_tokens} tokens, got {k.shape[0]}")
+        gi = self.group(layer)
+        idx = self._writes.get(gi)
+        if idx is None:
+            pos = torch.cat([torch.arange(a, n) for a, n in zip(self.starts, self.kv_lens)])
+            seqs = torch.repeat_interleave(torch.tensor(self.seq_ids), torch.tensor(self.q_lens))
+            idx = c._flat_index(layer, seqs[:, None], pos[:, None])[:, 0].to(c.device)
+            self._writes[gi] = idx
+        c._store_flat(layer, idx, *c._encode(layer, k, v))
+
+    def read_index(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(int64 ``[B, span]`` flat rows of every sequence's mapped history, each row from
+        its window start and padded with its last position; int64 ``[B]`` window starts;
+        ``span``, the longest history) for ``layer``'s group."""
+        c = self._cache
+        self._check(c)
+        gi = self.group(layer)
+        got = self._reads.get(gi)
+        if got is None:
+            g = c._groups[gi]
+            lo = torch.tensor([g.first_token(s) for s in self.seq_ids])
+            n = torch.tensor(self.kv_lens)
+            span = int((n - lo).max())
+            pos = torch.minimum(lo[:, None] + torch.arange(span)[None], n[:, None] - 1)
+            idx = c._flat_index(layer, torch.tensor(self.seq_ids)[:, None], pos)
+            got = self._reads[gi] = (idx.to(c.device), lo, span)
+        return got
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[B, span, N_KV, d_h]`` of every sequence's history (see
+        :meth:`read_index`; rows past a sequence's length repeat its last token), gathered in
+        one copy each, dequantized for FP8/INT8."""
+        c = self._cache
+        idx, _, span = self.read_index(layer)
+        flat = idx.view(-1)
+        k = _bits(c._flat_rows(layer, 0)).index_select(0, flat).view(c.spec.storage_dtype)
+        v = _bits(c._flat_rows(layer, 1)).index_select(0, flat).view(c.spec.storage_dtype)
+        k, v = c._decode(layer, k, v)
+        b = len(self.seq_ids)
+        return k.view(b, span, *k.shape[1:]), v.view(b, span, *v.shape[1:])
