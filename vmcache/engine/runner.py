@@ -1,16 +1,22 @@
-"""Runs one engine step of a transformers Llama-family model (Llama, Qwen2, Mistral, ...) over
-a vmcache cache: every scheduled sequence's new tokens packed into one row, RoPE positions
-per token, K/V written into the cache, attention straight from it (``vmcache.kernels``).
+"""Runs one engine step of a transformers decoder-only model (Llama, Qwen2, Mistral, Gemma
+2 / 3, ...) over a vmcache cache through the model's own forward: every scheduled sequence's
+new tokens packed into one row, RoPE positions per token, K/V written into the cache,
+attention straight from it (``vmcache.kernels``), logits of the rows asked for only
+(``logits_to_keep``).
 
     packed row:  | seq a: 37 prompt tokens | seq b: 1 | seq c: 1 | seq d: 12 prompt tokens |
     positions:   | 0 .. 36                  | 80      | 5        | 0 .. 11                  |
     q_lens:      [37, 1, 1, 12]   starts: [0, 80, 5, 0]   (K/V go to [start, start+q_len))
 
-The model's own decoder layers run unchanged, with ``attn_implementation="vmcache"`` for the
-length of each step only: the configs the layers read are switched when a step starts and
-restored when it ends (an exception included), so the user's model is left as it was (its
-``generate`` and ``generate_batch`` keep working between engine steps). The per-step plan
-(slots, starts, q_lens) is built once, then read by every layer.
+The model's forward runs unchanged (embedding, rotary per layer type, layers, norm, head,
+Gemma's final soft-capping: nothing of it is copied here), with the attention
+implementation :data:`~vmcache.hf.attention.STEP_ATTN_NAME` for the length of each step
+only (vmcache's attention, and a mask function that builds none): the configs the model
+reads are switched when a step starts and restored when it ends (an exception included), so
+the user's model is left as it was (its ``generate`` and ``generate_batch`` keep working
+between engine steps). The step's batch (:meth:`~vmcache.sequences.coordinator.SequenceCache.batch`:
+checked, copied on write, indexed) is built once, then every layer writes its K/V with one
+call and reads them with one.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from vmcache import kernels
-from vmcache.hf import ATTN_NAME, cache_keyword, stand_ins
+from vmcache.hf import cache_keyword, stand_ins
+from vmcache.hf.attention import STEP_ATTN_NAME
 from vmcache.kernels.common import TreeMasks
 from vmcache.sequences.spec import KVSpec
 
@@ -104,32 +111,21 @@ class ModelRunner:
 
     def __init__(self, model, kv) -> None:
         inner = getattr(model, "model", None)
-        needed = ("embed_tokens", "rotary_emb", "layers", "norm")
-        if (
-            inner is None
-            or not all(hasattr(inner, a) for a in needed)
-            or not hasattr(model, "lm_head")
-        ):
+        takes = inspect.signature(model.forward).parameters
+        if inner is None or not hasattr(inner, "layers") or "logits_to_keep" not in takes:
             raise TypeError(
-                "ModelRunner needs a transformers decoder-only model with model.embed_tokens, "
-                "model.rotary_emb, model.layers, model.norm and lm_head; got "
-                f"{type(model).__name__}"
+                "ModelRunner needs a transformers decoder-only model (model.model.layers, a "
+                f"forward taking logits_to_keep); got {type(model).__name__}"
             )
         # the kernels take each layer's window from the cache's spec: it must be the model's
         windows = KVSpec.from_hf_config(model.config).layer_windows
         if kv.spec.layer_windows != windows:
             raise ValueError(f"the cache's layer windows {kv.spec.layer_windows} are not the "
                              f"model's {windows}: build it with KVSpec.from_hf_config")  # fmt: skip
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
-        cfg = cfg or model.config
-        self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
-        # Gemma 3: one rotary embedding per layer type (local / global bases)
-        takes_type = "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters
-        self.layer_types = list(cfg.layer_types) if takes_type else None
-        # the configs the decoder layers read their attention implementation from (the
-        # model's and any other object a module holds), switched per step by _attention
+        # the configs the model reads its attention implementation from (the model's, its
+        # text config's and any other object a module holds), switched per step by _attention
         configs = {id(model.config): model.config}
-        for m in inner.layers.modules():
+        for m in model.modules():
             cfg_m = getattr(m, "config", None)
             if cfg_m is not None and hasattr(cfg_m, "_attn_implementation"):
                 configs.setdefault(id(cfg_m), cfg_m)
@@ -143,12 +139,12 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def _attention(self):
-        """``attn_implementation="vmcache"`` on the model's configs for one step, then what
-        they held before."""
+        """:data:`STEP_ATTN_NAME` on the model's configs for one step, then what they held
+        before."""
         before = [c._attn_implementation for c in self._configs]
         try:
             for c in self._configs:
-                c._attn_implementation = ATTN_NAME
+                c._attn_implementation = STEP_ATTN_NAME
             yield
         finally:
             for c, b in zip(self._configs, before):
@@ -182,16 +178,14 @@ class ModelRunner:
             return self._forward(ids, pos, q_lens, rows)
 
     def _forward(self, ids, pos, q_lens, rows) -> torch.Tensor:
-        h = self.inner.embed_tokens(ids)
-        if self.layer_types is None:
-            pes = [self.inner.rotary_emb(h, position_ids=pos)] * len(self.inner.layers)
+        ends = torch.tensor(q_lens).cumsum(0)
+        if rows is None:
+            last = ends - 1
         else:
-            by_type = {t: self.inner.rotary_emb(h, pos, t) for t in set(self.layer_types)}
-            pes = [by_type[t] for t in self.layer_types]
-        for layer, pe in zip(self.inner.layers, pes):
-            h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe,
-                      **{self.cache_arg: self.cache})  # fmt: skip
-            h = h[0] if isinstance(h, tuple) else h
+            last = torch.cat([torch.arange(int(e) - r, int(e)) for e, r in zip(ends, rows)])
+        keep = last.to(self.device)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=keep,
+                         **{self.cache_arg: self.cache})  # fmt: skip
         missing = len(self.inner.layers) - len(self.cache.layers_written)
         if missing:
             raise RuntimeError(
@@ -199,15 +193,7 @@ class ModelRunner:
                 f"cache (passed as {self.cache_arg}=): this transformers version or model "
                 "does not call cache.update; refusing to return logits computed without it"
             )
-        ends = torch.tensor(q_lens).cumsum(0)
-        if rows is None:
-            last = ends - 1
-        else:
-            last = torch.cat([torch.arange(int(e) - r, int(e)) for e, r in zip(ends, rows)])
-        logits = self.model.lm_head(self.inner.norm(h[0, last.to(self.device)])).float()
-        if self.final_softcap is not None:  # Gemma 2/3: as their forward does
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+        return out.logits[0].float()
 
 
 def _ancestors(parents: list[int] | None) -> torch.Tensor | None:

@@ -15,6 +15,9 @@ from transformers.modeling_utils import AttentionInterface
 from vmcache.sequences.spec import KVSpec
 
 ATTN_NAME = "vmcache"
+# the engine's packed step: the same attention function, and a mask function that builds
+# nothing (a packed row of several sequences has no one mask: the cache reads each itself)
+STEP_ATTN_NAME = "vmcache_packed_step"
 
 
 @runtime_checkable
@@ -73,7 +76,16 @@ def vmcache_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                                   scaling=scaling, **kwargs)  # fmt: skip
 
 
+def no_mask(*args, **kwargs) -> None:
+    """The mask function of :data:`STEP_ATTN_NAME`: no mask (the step's attention is causal
+    per sequence, read from the cache)."""
+    return None
+
+
 def register() -> None:
-    """Make ``attn_implementation="vmcache"`` available (idempotent; done on import)."""
+    """Make ``attn_implementation="vmcache"`` (and the engine's packed step,
+    :data:`STEP_ATTN_NAME`) available (idempotent; done on import)."""
     AttentionInterface.register(ATTN_NAME, vmcache_attention)
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    AttentionInterface.register(STEP_ATTN_NAME, vmcache_attention)
+    AttentionMaskInterface.register(STEP_ATTN_NAME, no_mask)
