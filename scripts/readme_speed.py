@@ -1,0 +1,94 @@
+"""Renderers of docs/results.md's speed tables on the trained model (benchmarks/bench_speed.py):
+the engine against transformers, the drop-in against DynamicCache, and the step profile
+before and after one write and one attention call per layer."""
+
+from __future__ import annotations
+
+from readme_format import f, md, newest, source
+
+GOALS = {  # workload: (engine_vm vs padded generate, vs generate_batch), from the issue
+    "uniform": (1.0, 0.5),
+    "chat": (0.6, 0.5),
+}
+
+
+def _t(cell) -> str:
+    s = cell["seconds"]
+    return f"{f(s['median'])} ({f(s['min'])}–{f(s['max'])})"
+
+
+def speed(name, doc) -> str:
+    rows = []
+    for r in doc["rows"]:
+        n = r["requests"]
+        rows.append([
+            r["workload"], n, r["generated_tokens"],
+            _t(r["engine_vm"]), _t(r["engine_paged"]), _t(r["generate_batch"]),
+            _t(r["padded_generate"]),
+            r["engine_vm"]["vs_padded_generate"], r["engine_vm"]["vs_generate_batch"],
+            r["paged_vs_vm"],
+            f"{r['engine_vm']['equal']} / {r['engine_paged']['equal']} / "
+            f"{r['padded_generate']['equal']} of {n}",
+        ])  # fmt: skip
+    verdicts = []
+    for r in doc["rows"]:
+        goal = GOALS.get(r["workload"])
+        if goal is None:
+            continue
+        vp, vb = r["engine_vm"]["vs_padded_generate"], r["engine_vm"]["vs_generate_batch"]
+        ok = vp <= goal[0] and vb <= goal[1]
+        verdicts.append(f"{r['workload']}: {'MEETS' if ok else 'MISSES'} the goal (≤ "
+                        f"{goal[0]}× padded, ≤ {goal[1]}× generate_batch; measured "
+                        f"{f(vp)}× and {f(vb)}×)")  # fmt: skip
+    paged_ok = all(r["paged_vs_vm"] <= 1.15 for r in doc["rows"])
+    verdicts.append("PagedKVCache within 1.15× of VMKVCache: " + ("yes" if paged_ok else
+                     "**no**"))  # fmt: skip
+    return (md(["workload", "requests", "tokens", "engine VM s", "engine paged s",
+                "generate_batch s", "padded generate s", "VM / padded", "VM / generate_batch",
+                "paged / VM", "equal to generate_batch (VM / paged / padded)"], rows)
+            + "\n" + "; ".join(verdicts) + ".\n\n" + source(name, doc))  # fmt: skip
+
+
+def dropin(name, doc) -> str:
+    rows = [[r["case"], _t(r["DynamicCache"]), r["VMCache"]["vs_dynamic"],
+             r["PagedCache"]["vs_dynamic"],
+             f(r["VMCache"]["equal"]) + " / " + f(r["PagedCache"]["equal"])]
+            for r in doc["dropin"]]  # fmt: skip
+    worst = max(max(r["VMCache"]["vs_dynamic"], r["PagedCache"]["vs_dynamic"])
+                for r in doc["dropin"])  # fmt: skip
+    verdict = ("MEETS" if worst <= 1.05 else "MISSES") + (
+        f" the goal (both ≤ 1.05× DynamicCache; the slowest measured {f(worst)}×)"
+    )
+    return (md(["case", "DynamicCache s", "VMCache / Dynamic", "PagedCache / Dynamic",
+                "tokens equal (VM / paged)"], rows) + "\n" + verdict + ".\n\n"
+            + source(name, doc))  # fmt: skip
+
+
+def profile(before, after) -> str:
+    (nb, db), (na, da) = before, after
+    pb, pa = db["rows"][0], da["rows"][0]
+    parts = list(dict.fromkeys([*pb["parts_s"], *pa["parts_s"]]))
+    rows = [
+        [
+            p,
+            pb["parts_s"].get(p, 0.0),
+            pb["parts_share"].get(p, 0.0) * 100,
+            pa["parts_s"].get(p, 0.0),
+            pa["parts_share"].get(p, 0.0) * 100,
+        ]
+        for p in parts
+    ]
+    rows.append(["total", pb["seconds_total"], 100.0, pa["seconds_total"], 100.0])  # fmt: skip
+    return (md(["part of the step", "before s", "before %", "after s", "after %"], rows)
+            + "\nBefore: " + source(nb, db) + "After: " + source(na, da))  # fmt: skip
+
+
+def profiles():
+    return newest("speed_profile_before-*.json"), newest("speed_profile-20??-*.json")
+
+
+BLOCKS = {
+    "speed": lambda: speed(*newest("speed-20??-*.json")),
+    "speed-dropin": lambda: dropin(*newest("speed-20??-*.json")),
+    "speed-profile": lambda: profile(*profiles()),
+}
