@@ -15,7 +15,7 @@ OLD_STAMP := $(OLD)/.vmcache-installed
 # Without an NVIDIA GPU take the CPU build first, so no multi-GB CUDA build is pulled.
 CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q torch==2.13.0; fi
 
-.PHONY: fetch-model bench bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes readme test test-newest test-oldest test-long coverage compile-sm90 lint \
+.PHONY: fetch-model bench bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed readme test test-newest test-oldest test-long coverage compile-sm90 lint \
 	gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -49,6 +49,12 @@ bench-30k: $(BENCH_STAMP)
 # KV memory against length on a hybrid sliding-window model (docs/results.md's window table)
 bench-window: $(STAMP)
 	$(PY) benchmarks/bench_window.py
+
+# the engine and the drop-in on the trained model against transformers' generate_batch, padded
+# generate and DynamicCache, and the step profile (docs/results.md's speed tables)
+bench-speed: $(STAMP) fetch-model
+	$(PY) benchmarks/bench_speed.py
+	$(PY) benchmarks/bench_speed.py --profile
 
 # messages, bytes and gloo wall time per sequence hand-off (docs/results.md's hand-off table)
 bench-handoff: $(STAMP)

@@ -9,8 +9,9 @@ WORKLOADS (prompts from real text, the model's chat template):
   chat     32 questions, stop at the model's EOS, at most 160 new tokens (padded: 2 × 16)
   mixed    12 requests: "summarize" prompts over standard-library docstrings of 30–1,500
            tokens, 16–96 new tokens each (EOS ignored), arriving as a Poisson process at
-           2 requests/s for the engines; generate_batch and padded generate (batches of 4,
-           longest prompts together) get every request at t = 0, which favours them
+           2 requests/s for the engines and transformers' continuous batching (its manager,
+           each request added at its arrival); padded generate (batches of 4, longest
+           prompts together) gets every request at t = 0, which favours it
 DROP-IN  one chat prompt at batch 1, 8 prompts left-padded at batch 8, one prompt with 4
          beams; 64 new tokens; VMCache / PagedCache / DynamicCache under the model's sdpa
 
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 from common import add_out_arg, save
 from transformers import DynamicCache, GenerationConfig
+from transformers.generation.continuous_batching.utils import WorkloadHints
 from vmcache.paged_fallback import PagedKVCache
 
 from vmcache.bench.compute_real import QUESTIONS
@@ -106,20 +108,35 @@ def engine_run(model, kind, prompts, new, stop, arrivals):
     return dt, [out[str(i)][0] for i in range(len(prompts))]
 
 
-def batch_run(model, prompts, new, stop, eos):
-    outs, dt = [None] * len(prompts), 0.0
-    for n in sorted(set(new)):  # one call per output length (one length but in mixed)
-        idx = [i for i, m in enumerate(new) if m == n]
-        gc = GenerationConfig(max_new_tokens=n, do_sample=False, pad_token_id=0,
-                              eos_token_id=sorted(eos) if stop else None)  # fmt: skip
+def batch_run(model, prompts, new, stop, eos, arrivals):
+    """transformers' continuous batching: one manager (what ``generate_batch`` runs) for
+    every request, each with its own ``max_new_tokens``, added at its arrival time; timed
+    from the manager's start (its set-up excluded, as the engine's is) to the last result."""
+    gc = GenerationConfig(max_new_tokens=max(new), do_sample=False, pad_token_id=0,
+                          eos_token_id=sorted(eos) if stop else None)  # fmt: skip
+    hints = WorkloadHints(max_prompt_length=max(map(len, prompts)),
+                          max_generated_length=max(new), num_requests=len(prompts))  # fmt: skip
+    outs = {}
+    with (
+        torch.inference_mode(),
+        model.continuous_batching_context_manager(
+            generation_config=gc, block=True, timeout=5, workload_hints=hints
+        ) as manager,
+    ):
         t = time.perf_counter()
-        res = model.generate_batch(inputs=[prompts[i] for i in idx], generation_config=gc,
-                                   progress_bar=False)  # fmt: skip
-        dt += time.perf_counter() - t
-        by_id = sorted(res.values(), key=lambda r: int(r.request_id.rsplit("_", 1)[-1]))
-        for i, r in zip(idx, by_id):
-            outs[i] = list(r.generated_tokens)
-    return dt, outs
+        ids = []
+        for i, (p, n) in enumerate(zip(prompts, new)):
+            if arrivals:
+                time.sleep(max(0.0, t + arrivals[i] - time.perf_counter()))
+            ids.append(manager.add_request(list(p), request_id=f"r{i}", max_new_tokens=n))
+        while len(outs) < len(ids):
+            res = manager.get_result(timeout=60)
+            if res is None:
+                raise RuntimeError("transformers' continuous batching stopped answering")
+            if res.is_finished():
+                outs[res.request_id] = list(res.generated_tokens)
+        dt = time.perf_counter() - t
+    return dt, [outs[f"r{i}"] for i in range(len(prompts))]
 
 
 def padded_run(model, tok, prompts, new, stop, eos, size):
@@ -158,7 +175,7 @@ def run_workloads(model, tok, names, repeats, quick=False) -> list[dict]:
         systems = {
             "engine_vm": lambda: engine_run(model, "vm", prompts, new, stop, arrivals),
             "engine_paged": lambda: engine_run(model, "paged", prompts, new, stop, arrivals),
-            "generate_batch": lambda: batch_run(model, prompts, new, stop, eos),
+            "generate_batch": lambda: batch_run(model, prompts, new, stop, eos, arrivals),
             "padded_generate": lambda: padded_run(model, tok, prompts, new, stop, eos, size),
         }
         times = {k: [] for k in systems}

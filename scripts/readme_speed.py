@@ -22,7 +22,7 @@ def speed(name, doc) -> str:
     for r in doc["rows"]:
         n = r["requests"]
         rows.append([
-            r["workload"], n, r["generated_tokens"],
+            r["workload"], n, "–".join(f(x) for x in r["prompt_tokens"]), r["generated_tokens"],
             _t(r["engine_vm"]), _t(r["engine_paged"]), _t(r["generate_batch"]),
             _t(r["padded_generate"]),
             r["engine_vm"]["vs_padded_generate"], r["engine_vm"]["vs_generate_batch"],
@@ -43,9 +43,10 @@ def speed(name, doc) -> str:
     paged_ok = all(r["paged_vs_vm"] <= 1.15 for r in doc["rows"])
     verdicts.append("PagedKVCache within 1.15× of VMKVCache: " + ("yes" if paged_ok else
                      "**no**"))  # fmt: skip
-    return (md(["workload", "requests", "tokens", "engine VM s", "engine paged s",
-                "generate_batch s", "padded generate s", "VM / padded", "VM / generate_batch",
-                "paged / VM", "equal to generate_batch (VM / paged / padded)"], rows)
+    return (md(["workload", "requests", "prompt tokens", "new tokens", "engine VM s",
+                "engine paged s", "generate_batch s", "padded generate s", "VM / padded",
+                "VM / generate_batch", "paged / VM",
+                "equal to generate_batch (VM / paged / padded)"], rows)
             + "\n" + "; ".join(verdicts) + ".\n\n" + source(name, doc))  # fmt: skip
 
 

@@ -25,10 +25,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its helper modules
 
 from readme_format import ROOT, f, md, newest, source  # noqa: E402
+from readme_memory import elastic, handoff, tiers, window  # noqa: E402
+from readme_prefix import prefix_shapes  # noqa: E402
+from readme_quant_spec import quant, spec  # noqa: E402
 from readme_real import compute_real, quant_headline, quant_ppl, spec_real  # noqa: E402
-from readme_round2 import elastic, handoff, tiers, window  # noqa: E402
-from readme_round3 import quant, spec  # noqa: E402
-from readme_round4 import prefix_shapes  # noqa: E402
+from readme_speed import BLOCKS as SPEED_BLOCKS  # noqa: E402
 
 README = os.path.join(ROOT, "README.md")
 DOCS = [README, os.path.join(ROOT, "docs", "results.md")]  # the files with generated blocks
@@ -215,6 +216,7 @@ BLOCKS = {
     "quant-ppl": lambda: quant_ppl(*newest("quant-*.json")),
     "spec-real": lambda: spec_real(*newest("spec_real-*.json")),
     "compute-real": lambda: compute_real(*_ab()),
+    **SPEED_BLOCKS,
 }
 
 

@@ -1,4 +1,4 @@
-"""docs/results.md blocks of round 3's capabilities (speculative decoding), rendered from their
+"""docs/results.md blocks of FP8 / INT8 K/V and speculative decoding, rendered from their
 benchmarks' JSON; used by scripts/render_readme.py."""
 
 from __future__ import annotations

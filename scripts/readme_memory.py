@@ -1,5 +1,6 @@
-"""README blocks of the capabilities built in round 2 (sliding windows, hand-off, elastic
-memory, prefix tiers), rendered from their benchmarks' JSON; used by scripts/render_readme.py."""
+"""README and docs/results.md blocks of memory over time and space (sliding windows, sequence
+hand-off, elastic memory, prefix tiers), rendered from their benchmarks' JSON; used by
+scripts/render_readme.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""docs/results.md blocks of round 4 (real models): prefix caching over every head shape,
+"""docs/results.md blocks of prefix caching over every head shape (the shapes of real models),
 rendered from benchmarks/bench_prefix_shapes.py's JSON; used by scripts/render_readme.py."""
 
 from __future__ import annotations
