@@ -50,6 +50,7 @@ class EngineStats(SchedulerStats):
     max_running: int = 0
     released_pages: int = 0  # free pages' memory given back (keep_free_pages)
     budget_waits: int = 0  # steps with nothing to run while a shared budget was taken
+    aborted_requests: int = 0  # requests dropped by abort() before they finished
     spec: SpecStats = field(default_factory=SpecStats)  # written by the speculation only
     step_s: list[float] = field(default_factory=list, repr=False)
 
@@ -306,6 +307,48 @@ class Engine:
             if len(seq.generated) + 1 < seq.req.params.max_new_tokens:  # (a stop frees it)
                 self.stats.premapped_pages += self.kv.memory.reserve(seq.slot, 1)
         return time.perf_counter() - tp
+
+    def _seqs_of(self, req_id: str) -> list[Seq]:
+        """The sequences of ``req_id`` still in the scheduler's queues."""
+        sched = self.scheduler
+        return [s for q in (sched.running, sched.waiting, sched.swapped) for s in q
+                if s.req.req_id == req_id]  # fmt: skip
+
+    def abort(self, req_id: str) -> bool:
+        """Drop request ``req_id`` now (between steps): its running sequences freed (pages
+        back to the pool, pages mapped ahead with them), its waiting ones dequeued, its
+        swapped ones' host copies dropped, forks of ``n > 1`` not made yet cancelled, a
+        draft model's slots freed. What it generated so far stays in :attr:`outputs`, with
+        the finish reason ``"abort"``. Returns False when nothing of it was left (finished
+        or aborted before); ``KeyError`` for an id never added."""
+        if req_id not in self.outputs:
+            raise KeyError(f"no request {req_id!r} was added")
+        sched, seqs = self.scheduler, self._seqs_of(req_id)
+        self._pending_forks.pop(req_id, None)
+        for seq in seqs:
+            if seq in sched.running:
+                self.kv.free(seq.slot)
+                sched.running.remove(seq)
+            elif seq in sched.swapped:
+                self.kv.swap.discard(seq.swap)
+                sched.swapped.remove(seq)
+                seq.swap = None
+            else:
+                sched.waiting.remove(seq)
+            seq.slot, seq.status, seq.finish_reason = None, Status.FINISHED, "abort"
+        out, reasons = self.outputs[req_id], self.finish_reasons[req_id]
+        by_index = {s.index: s for s in seqs}
+        dropped = [i for i, r in enumerate(reasons) if r is None]
+        for i in dropped:
+            reasons[i] = "abort"
+            out[i] = list(by_index[i].generated) if i in by_index else []
+        if not dropped:
+            return False
+        if self.speculation is not None:
+            self.speculation.finish(sched.running)  # a draft model's slots of these freed
+        self.stats.aborted_requests += 1
+        self.times[req_id][2] = time.perf_counter()
+        return True
 
     def serve(self, requests: list[Request], arrivals_s: list[float]) -> dict:
         """Open loop: request ``i`` is added ``arrivals_s[i]`` seconds (wall clock) after the

@@ -61,6 +61,12 @@ class Swap:
         self._release(handle)
         return s
 
+    def discard(self, handle: SwapHandle) -> None:
+        """Drop a swapped-out sequence's host copy without restoring it (its request was
+        aborted): the tier's bytes are free again; the handle cannot be restored after."""
+        self._check_handle(self._c, handle)
+        self._release(handle)
+
     def restore_pages(self, handle: SwapHandle) -> int:
         """Pages :meth:`restore` maps for ``handle`` (a window's released pages excluded)."""
         c = self._c
