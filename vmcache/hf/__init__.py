@@ -348,8 +348,14 @@ class PagedCache(_HFCache):
 
     def _gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every row from the layer's window start to its length, ``[b, N_KV, n,
-        d_h]``, gathered through the layer's block tables."""
-        lo, n = self.kv.window_start(layer, self.rows[0]), self.layers[layer].length
+        d_h]``, gathered through the layer's block tables: with this step's batch, one
+        gather of its index (built once a step for every layer of a table)."""
+        n = self.layers[layer].length
+        batch = self._batch
+        if batch is not None and batch.fresh and batch.kv_lens[0] == n:
+            k, v = batch.kv(layer)  # every row has one length: no padding
+            return k.transpose(1, 2), v.transpose(1, 2)
+        lo = self.kv.window_start(layer, self.rows[0])
         pos = torch.arange(lo, n, device=self.kv.device)
         tables = self.kv.block_tables(self.rows, layer).long()  # [b, blocks]
         blocks, offs = tables[:, pos // self._block_size], pos % self._block_size

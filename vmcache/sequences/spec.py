@@ -117,7 +117,7 @@ class KVSpec:
     @property
     def dtype_bytes(self) -> int:
         """b: bytes of one stored element (the storage dtype's)."""
-        return torch.empty((), dtype=self.storage_dtype).element_size()
+        return self.storage_dtype.itemsize
 
     def scales(self) -> torch.Tensor:
         """fp32 ``[N_L, 2, N_KV]`` dequantization scales (1.0 where none are given)."""
