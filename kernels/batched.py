@@ -96,7 +96,7 @@ def attend_batch(cache, layer: int, q: torch.Tensor, batch, scale: float | None 
     if groups is None:
         groups = batch.memo[key] = _plan_groups(batch, lo, span, window, q.device)
     heads, dim = q.shape[1], q.shape[2]
-    out = None if len(groups) == 1 else torch.empty_like(q)
+    out = torch.empty_like(q) if len(groups) > 1 else None  # one group: the whole batch
     for g in groups:
         kg = k if g.sel is None else k.index_select(0, g.sel)
         vg = v if g.sel is None else v.index_select(0, g.sel)
@@ -111,9 +111,7 @@ def attend_batch(cache, layer: int, q: torch.Tensor, batch, scale: float | None 
         o = o.transpose(1, 2).reshape(g.size * g.max_q, heads, dim)
         if g.keep is not None:
             o = o.index_select(0, g.keep)
-        if out is None and g.out is None:
+        if g.out is None:  # the whole batch, in order
             return o
-        if out is None:
-            out = torch.empty_like(q)
         out.index_copy_(0, g.out, o)
     return out

@@ -64,18 +64,16 @@ class StepCache(Cache):
 
     def __init__(self, kv) -> None:
         self.kv, self.spec = kv, kv.spec
-        self.slots: list[int] = []
-        self.starts: list[int] = []
-        self.q_lens: list[int] = []
         self.masks: list | None = None  # token trees' masks (None: every sequence causal)
-        self.batch = None  # the step's StepBatch (vmcache.sequences.batch), built by plan
+        # the step's StepBatch (vmcache.sequences.batch): its slots, starts and q_lens
+        self.batch = None
         self.layers_written: set[int] = set()  # this step's layers whose K/V were written
         super().__init__(layers=[_StepLayer(self, i) for i in range(kv.spec.num_layers)])
 
     def plan(self, slots: list[int], starts: list[int], q_lens: list[int], masks=None) -> None:
         """The step's sequences: checked, copied on write and indexed once here
         (``kv.batch``), then every layer writes and reads them in one call each."""
-        self.slots, self.starts, self.q_lens, self.masks = slots, starts, q_lens, masks
+        self.masks = masks
         self.batch = self.kv.batch(slots, q_lens)
         if list(self.batch.starts) != list(starts):
             raise ValueError(f"the step's tokens must be each sequence's last: starts "
@@ -95,8 +93,9 @@ class StepCache(Cache):
                softcap: float | None = None) -> torch.Tensor:  # fmt: skip
         """query ``[1, N_Q, N, d_h]`` (packed) → ``[1, N, N_Q, d_h]``."""
         q = query[0].transpose(0, 1)
-        out = kernels.attend(self.kv, layer, q, self.slots, self.q_lens, scale=scale,
-                             softcap=softcap, masks=self.masks, batch=self.batch)  # fmt: skip
+        b = self.batch
+        out = kernels.attend(self.kv, layer, q, b.seq_ids, b.q_lens, scale=scale,
+                             softcap=softcap, masks=self.masks, batch=b)  # fmt: skip
         return out[None]
 
     def real_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -133,6 +133,13 @@ class _HFCache(Cache):
         layer.dtype_in = dtype_in
         return self._layer_kv(layer)
 
+    def _step_batch(self, length: int, q: int | None = None):
+        """This step's batch when it still describes every row at ``length`` tokens (with
+        ``q`` new ones), else None."""
+        b = self._batch
+        ok = b is not None and b.fresh and b.kv_lens[0] == length and q in (None, b.q_lens[0])
+        return b if ok else None
+
     def _reads_itself(self, real: bool) -> bool:
         """Whether ``update`` may return stand-ins: the vmcache attention reads the cache
         itself (``real``: the caller wants the K/V themselves)."""
@@ -192,11 +199,7 @@ class _HFCache(Cache):
         (:mod:`vmcache.kernels`) → ``[b, q, N_Q, d_h]``."""
         b, heads, q, dim = query.shape
         packed = query.transpose(1, 2).reshape(b * q, heads, dim)
-        batch = self._batch
-        if batch is not None and not (
-            batch.fresh and batch.q_lens[0] == q and batch.kv_lens[0] == self.layers[layer].length
-        ):
-            batch = None  # fmt: skip
+        batch = self._step_batch(self.layers[layer].length, q)
         out = kernels.attend(self.kv, layer, packed, self.rows, [q] * b, scale=scale,
                              softcap=softcap, batch=batch)  # fmt: skip
         return out.view(b, q, heads, dim)
@@ -351,8 +354,8 @@ class PagedCache(_HFCache):
         d_h]``, gathered through the layer's block tables: with this step's batch, one
         gather of its index (built once a step for every layer of a table)."""
         n = self.layers[layer].length
-        batch = self._batch
-        if batch is not None and batch.fresh and batch.kv_lens[0] == n:
+        batch = self._step_batch(n)
+        if batch is not None:
             k, v = batch.kv(layer)  # every row has one length: no padding
             return k.transpose(1, 2), v.transpose(1, 2)
         lo = self.kv.window_start(layer, self.rows[0])

@@ -72,6 +72,7 @@ class StepBatch:
         self._epoch = cache._epoch
         self._writes: dict[int, torch.Tensor] = {}  # group index -> [Σ q] flat rows (owned here)
         self._reads: dict[int, tuple] = {}  # group index -> (index, window starts, spans)
+        self._group_at: dict[int, int] = {}  # layer -> group index (owned here)
         self.memo: dict = {}
 
     @property
@@ -89,9 +90,12 @@ class StepBatch:
     def group(self, layer: int) -> int:
         """The page-table group ``layer`` belongs to: layers of one group share a batch's
         indices (their row size and window are the same)."""
-        c = self._cache
-        g = c._group_of[c._tables_of_layer(c._check_layer(layer))[0]]
-        return c._groups.index(g)
+        gi = self._group_at.get(layer)
+        if gi is None:
+            c = self._cache
+            g = c._group_of[c._tables_of_layer(c._check_layer(layer))[0]]
+            gi = self._group_at[layer] = c._groups.index(g)
+        return gi
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the step's packed K and V ``[num_tokens, N_KV, d_h]`` (the cache's dtype and
