@@ -22,50 +22,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from vmcache.engine.request import Request, SamplingParams, Seq, Status, model_eos_ids
 from vmcache.engine.runner import ModelRunner
-from vmcache.engine.scheduler import Scheduler, SchedulerStats
-from vmcache.engine.speculation import SpecStats, Speculation
+from vmcache.engine.scheduler import Scheduler
+from vmcache.engine.speculation import Speculation
 from vmcache.engine.speculative import DraftModel, NgramDrafter, sample
+from vmcache.engine.stats import EngineStats
 from vmcache.errors import CacheFull
-
-
-@dataclass
-class EngineStats(SchedulerStats):
-    """The engine's counters; the scheduler writes its own (:class:`SchedulerStats`, the
-    fields this class inherits) and the speculation its :class:`SpecStats` (``spec``)."""
-
-    steps: int = 0
-    prefill_tokens: int = 0  # tokens fed in prefills (recomputed ones included)
-    generated_tokens: int = 0
-    map_s: float = 0.0  # time in the schedule phase (grows map what was not mapped ahead)
-    premap_s: float = 0.0  # time mapping next-step pages while the step runs (map_ahead)
-    premapped_pages: int = 0
-    model_s: float = 0.0  # time in model steps
-    elapsed_s: float = 0.0
-    max_running: int = 0
-    released_pages: int = 0  # free pages' memory given back (keep_free_pages)
-    budget_waits: int = 0  # steps with nothing to run while a shared budget was taken
-    aborted_requests: int = 0  # requests dropped by abort() before they finished
-    spec: SpecStats = field(default_factory=SpecStats)  # written by the speculation only
-    step_s: list[float] = field(default_factory=list, repr=False)
-
-    def as_dict(self) -> dict:
-        """Every counter, flat (the speculation's as ``spec_*`` / ``tree_*``), and rates."""
-        d = asdict(self)
-        d.pop("step_s")
-        for name, value in d.pop("spec").items():
-            d[name if name.startswith("tree_") else f"spec_{name}"] = value
-        steps = max(self.steps, 1)
-        rate = self.generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
-        d.update(map_ms_per_step=1e3 * self.map_s / steps, step_ms=1e3 * self.model_s / steps,
-                 premap_ms_per_step=1e3 * self.premap_s / steps, tok_per_s=rate,
-                 spec_acceptance=self.spec.acceptance)  # fmt: skip
-        return d
 
 
 @dataclass
@@ -110,19 +77,21 @@ class Engine:
         self.outputs: dict[str, list[list[int] | None]] = {}  # req_id -> n token lists
         self.finish_reasons: dict[str, list[str | None]] = {}  # req_id -> "stop" / "length"
         self._pending_forks: dict[str, int] = {}  # req_id -> sequences still to create
+        self._seqs: dict[str, dict[int, Seq]] = {}  # req_id -> its sequences made so far
         self.times: dict[str, list] = {}  # req_id -> [arrival, first token, finish] (perf_counter)
         # called with (seq, its forked siblings) once a prompt is prefilled and sampled, for
         # those still running (vmcache.distributed.disagg hands them to a decode worker)
         self.on_prefilled: Callable[[Seq, list[Seq]], None] | None = None
 
-    def add_request(self, req: Request, arrival_s: float | None = None) -> None:
-        """Queue a request (arrived at ``arrival_s``, a ``time.perf_counter()`` value; now by
-        default); bad input raises here, before anything changes."""
+    def check_request(self, req: Request) -> None:
+        """Raise what :meth:`add_request` would for ``req`` (``TypeError`` / ``ValueError``:
+        a bad prompt, stop ids past the vocabulary, more tokens than the cache can ever hold
+        for one sequence, an id in use); changes nothing."""
         if not isinstance(req, Request):
             raise TypeError(f"add_request takes a Request, got {type(req).__name__}")
         if req.req_id in self.outputs:
             raise ValueError(f"request id {req.req_id!r} is already in use")
-        prompt = list(req.prompt)
+        prompt = req.prompt
         if not prompt or not all(isinstance(t, int) and 0 <= t < self.vocab for t in prompt):
             raise ValueError(f"request {req.req_id!r}: prompt must be a non-empty list of token "
                              f"ids in [0, {self.vocab})")  # fmt: skip
@@ -139,18 +108,26 @@ class Engine:
         if peak > self.kv.pool.num_pages:
             raise ValueError(f"request {req.req_id!r}: {total} tokens need {peak} pages at "
                              f"once, the pool has {self.kv.pool.num_pages}")  # fmt: skip
+
+    def add_request(self, req: Request, arrival_s: float | None = None) -> None:
+        """Queue a request (arrived at ``arrival_s``, a ``time.perf_counter()`` value; now by
+        default); bad input raises here (:meth:`check_request`), before anything changes."""
+        self.check_request(req)
         self.outputs[req.req_id] = [None] * req.params.n
         self.finish_reasons[req.req_id] = [None] * req.params.n
         self.times[req.req_id] = [time.perf_counter() if arrival_s is None else arrival_s,
                                   None, None]  # fmt: skip
         self._pending_forks[req.req_id] = req.params.n - 1
-        self.scheduler.waiting.append(self._seq(req, 0, prompt))
+        self._seqs[req.req_id] = {}
+        self.scheduler.waiting.append(self._seq(req, 0, list(req.prompt)))
 
     def _seq(self, req: Request, index: int, tokens: list[int]) -> Seq:
         p = req.params
         g = torch.Generator().manual_seed(p.seed * 1_000_003 + index)
         stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
-        return Seq(req, index, list(tokens), g, stop_ids=stops)
+        seq = Seq(req, index, list(tokens), g, stop_ids=stops)
+        self._seqs.setdefault(req.req_id, {})[index] = seq
+        return seq
 
     def _sample(self, logits: torch.Tensor, seq: Seq) -> int:
         p: SamplingParams = seq.req.params
@@ -308,11 +285,32 @@ class Engine:
                 self.stats.premapped_pages += self.kv.memory.reserve(seq.slot, 1)
         return time.perf_counter() - tp
 
-    def _seqs_of(self, req_id: str) -> list[Seq]:
-        """The sequences of ``req_id`` still in the scheduler's queues."""
+    def _drop(self, seq: Seq, reason: str) -> None:
+        """Take ``seq`` out of whichever queue holds it (running: its pages freed; swapped: its
+        host copy dropped) and record it finished with ``reason`` and what it generated."""
         sched = self.scheduler
-        return [s for q in (sched.running, sched.waiting, sched.swapped) for s in q
-                if s.req.req_id == req_id]  # fmt: skip
+        if seq in sched.running:
+            self.kv.free(seq.slot)
+            sched.running.remove(seq)
+        elif seq in sched.swapped:
+            self.kv.swap.discard(seq.swap)
+            sched.swapped.remove(seq)
+            seq.swap = None
+        else:
+            sched.waiting.remove(seq)
+        seq.slot, seq.status, seq.finish_reason = None, Status.FINISHED, reason
+        rid = seq.req.req_id
+        self.finish_reasons[rid][seq.index] = reason
+        self.outputs[rid][seq.index] = list(seq.generated)
+
+    def _seqs_of(self, req_id: str) -> list[Seq]:
+        """The sequences of ``req_id`` still queued (running, waiting or swapped)."""
+        return [s for s in self._seqs.get(req_id, {}).values() if s.status is not Status.FINISHED]
+
+    def _record(self, req_id: str) -> list[str | None]:
+        if req_id not in self.outputs:
+            raise KeyError(f"no request {req_id!r} was added (or it was released)")
+        return self.finish_reasons[req_id]
 
     def abort(self, req_id: str) -> bool:
         """Drop request ``req_id`` now (between steps): its running sequences freed (pages
@@ -321,34 +319,62 @@ class Engine:
         draft model's slots freed. What it generated so far stays in :attr:`outputs`, with
         the finish reason ``"abort"``. Returns False when nothing of it was left (finished
         or aborted before); ``KeyError`` for an id never added."""
-        if req_id not in self.outputs:
-            raise KeyError(f"no request {req_id!r} was added")
-        sched, seqs = self.scheduler, self._seqs_of(req_id)
+        reasons, seqs = self._record(req_id), self._seqs[req_id]
+        live = [s for s in seqs.values() if s.status is not Status.FINISHED]
+        unmade = [i for i, r in enumerate(reasons) if r is None and i not in seqs]
         self._pending_forks.pop(req_id, None)
-        for seq in seqs:
-            if seq in sched.running:
-                self.kv.free(seq.slot)
-                sched.running.remove(seq)
-            elif seq in sched.swapped:
-                self.kv.swap.discard(seq.swap)
-                sched.swapped.remove(seq)
-                seq.swap = None
-            else:
-                sched.waiting.remove(seq)
-            seq.slot, seq.status, seq.finish_reason = None, Status.FINISHED, "abort"
-        out, reasons = self.outputs[req_id], self.finish_reasons[req_id]
-        by_index = {s.index: s for s in seqs}
-        dropped = [i for i, r in enumerate(reasons) if r is None]
-        for i in dropped:
-            reasons[i] = "abort"
-            out[i] = list(by_index[i].generated) if i in by_index else []
-        if not dropped:
+        if not live and not unmade:
             return False
+        for seq in live:
+            self._drop(seq, "abort")
+        for i in unmade:  # forks never made
+            reasons[i], self.outputs[req_id][i] = "abort", []
         if self.speculation is not None:
-            self.speculation.finish(sched.running)  # a draft model's slots of these freed
+            self.speculation.finish(self.scheduler.running)  # a draft model's slots of these freed
         self.stats.aborted_requests += 1
         self.times[req_id][2] = time.perf_counter()
         return True
+
+    def stop(self, req_id: str, index: int = 0) -> bool:
+        """Finish sequence ``index`` of ``req_id`` now with the finish reason ``"stop"`` (a
+        server matched a stop string in its text): freed as :meth:`abort` frees; the
+        request's other sequences run on. False if it had finished already; ``KeyError`` /
+        ``ValueError`` for an unknown request or an index whose sequence is not made yet."""
+        reasons = self._record(req_id)
+        seq = self._seqs[req_id].get(index)
+        if seq is None:
+            raise ValueError(f"request {req_id!r} has no sequence {index} (yet)")
+        if seq.status is Status.FINISHED:
+            return False
+        self._drop(seq, "stop")
+        if self.speculation is not None:
+            self.speculation.finish(self.scheduler.running)
+        if all(r is not None for r in reasons):
+            self.times[req_id][2] = time.perf_counter()
+        return True
+
+    def new_tokens(self, req_id: str, seen: list[int]) -> list[list[int]]:
+        """The tokens each of ``req_id``'s sequences generated after its first ``seen[i]``
+        (a streaming server's delta; a fork not made yet has none). Read between steps."""
+        self._record(req_id)
+        seqs = self._seqs[req_id]
+        return [seqs[i].generated[k:] if i in seqs else [] for i, k in enumerate(seen)]
+
+    def prefix_hit(self, req_id: str) -> int:
+        """Prompt tokens ``req_id``'s first admission found in the prefix cache (0 before)."""
+        self._record(req_id)
+        first = self._seqs[req_id].get(0)
+        return first.prefix_hit or 0 if first is not None else 0
+
+    def release(self, req_id: str) -> tuple[list[list[int]], list[str]]:
+        """Forget a finished request (a server's memory stays flat; its id can be used
+        again): returns its outputs and finish reasons. ``ValueError`` while it runs."""
+        reasons = self._record(req_id)
+        if any(r is None for r in reasons):
+            raise ValueError(f"request {req_id!r} has not finished; abort it first")
+        for store in (self._seqs, self.times, self._pending_forks):
+            store.pop(req_id, None)
+        return self.outputs.pop(req_id), self.finish_reasons.pop(req_id)
 
     def serve(self, requests: list[Request], arrivals_s: list[float]) -> dict:
         """Open loop: request ``i`` is added ``arrivals_s[i]`` seconds (wall clock) after the

@@ -108,7 +108,8 @@ class Seq:
     spec_k: int | None = None  # drafts it may propose next (adaptive speculation)
     spec_accepted: int | None = None  # drafts its last verification accepted
     stop_ids: frozenset[int] = frozenset()  # its stop tokens: the request's and the model's EOS
-    finish_reason: str | None = None  # "stop" or "length" once finished
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    prefix_hit: int | None = None  # prompt tokens its first admission found in the prefix cache
 
     def drop_draft(self) -> None:
         """Forget the draft tokens (not verified: a preemption, or no room this step)."""

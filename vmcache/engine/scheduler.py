@@ -36,6 +36,7 @@ class SchedulerStats:
     preempt_recompute: int = 0
     swap_bytes: int = 0  # bytes copied to the host tier by swap-outs
     recompute_tokens: int = 0  # tokens whose K/V were dropped and computed again
+    prefix_query_tokens: int = 0  # tokens admissions looked up in the prefix index
     prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix index
     prefix_waits: int = 0  # admissions deferred a step to hit a prefix being prefilled
 
@@ -142,6 +143,9 @@ class Scheduler:
             kv.free(slot)
             return 0
         seq.slot, seq.cached = slot, hit
+        if seq.prefix_hit is None:  # its first admission (a re-prefill counts in stats only)
+            seq.prefix_hit = hit
+        self.stats.prefix_query_tokens += n if kv.prefix is not None else 0
         self.stats.prefix_hit_tokens += hit
         return chunk
 
