@@ -190,14 +190,15 @@ def test_checkpoint_dir_gives_a_directory_a_sharded_load_reads(tmp_path):
 
 
 def test_the_launcher_loads_what_vmcache_models_loads():
-    """`python -m vmcache.serve --model` takes the embedded name (and paths, as load does)."""
+    """`python -m vmcache.distributed.launch --model` takes the embedded name (and paths, as
+    load does)."""
     from real_model import smol
 
-    from vmcache import serve
+    from vmcache.distributed import launch
 
     smol()  # skips unless cached
-    model = serve._load("smollm2-135m-instruct")
+    model = launch._load("smollm2-135m-instruct")
     assert type(model).__name__ == "LlamaForCausalLM" and not model.training
     assert model.config.num_hidden_layers == 30 and model.dtype == torch.float32
     with pytest.raises(FileNotFoundError, match="not an embedded name"):
-        serve._load("no-such-model")
+        launch._load("no-such-model")

@@ -118,8 +118,9 @@ def test_the_launcher_serves_disaggregated_and_matches_one_process():
     import subprocess
     import sys
 
-    res = subprocess.run([sys.executable, "-m", "vmcache.serve", "--mode", "disagg", "--check",
-                          "--requests", "4", "--prompt-len", "40", "--max-new-tokens", "6"],
+    res = subprocess.run([sys.executable, "-m", "vmcache.distributed.launch", "--mode", "disagg",
+                          "--check", "--requests", "4", "--prompt-len", "40",
+                          "--max-new-tokens", "6"],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
@@ -140,7 +141,7 @@ def test_a_cuda_cache_over_gloo_is_refused_and_control_follows_the_backend():
 
 
 def test_ranks_without_a_gpu_each_use_gloo_on_the_cpu():
-    from vmcache.serve import rank_device
+    from vmcache.distributed.launch import rank_device
 
     if torch.cuda.device_count():
         pytest.skip("a GPU is visible: test_each_rank_takes_its_own_gpu covers it")
@@ -149,7 +150,7 @@ def test_ranks_without_a_gpu_each_use_gloo_on_the_cpu():
 
 @pytest.mark.gpu
 def test_each_rank_takes_its_own_gpu():
-    from vmcache.serve import rank_device
+    from vmcache.distributed.launch import rank_device
 
     n = torch.cuda.device_count()
     backend, device = rank_device(n - 1, n)  # the last local rank of a node of n GPUs

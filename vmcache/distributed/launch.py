@@ -1,8 +1,8 @@
 """Serve requests over several processes: disaggregated prefill → decode, or tensor parallel.
 
-    python -m vmcache.serve --mode disagg [--cache vm|vm_token_major|paged] [options]
-    python -m vmcache.serve --mode tp --nproc 2 [options]
-    torchrun --nproc_per_node 2 -m vmcache.serve --mode disagg [options]
+    python -m vmcache.distributed.launch --mode disagg [--cache vm|vm_token_major|paged] [options]
+    python -m vmcache.distributed.launch --mode tp --nproc 2 [options]
+    torchrun --nproc_per_node 2 -m vmcache.distributed.launch --mode disagg [options]
 
 Without torchrun's environment (RANK, WORLD_SIZE, ...) it spawns ``--nproc`` processes itself
 and joins them in a process group: NCCL when there is a CUDA GPU per process, else gloo on
@@ -28,7 +28,9 @@ import torch.distributed as dist
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m vmcache.serve", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m vmcache.distributed.launch", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--mode", choices=("disagg", "tp"), default="disagg")
     p.add_argument("--nproc", type=int, default=2, help="processes to spawn (without torchrun)")
     p.add_argument("--cache", choices=("vm", "vm_token_major", "paged"), default="vm")
