@@ -15,13 +15,13 @@ OLD_STAMP := $(OLD)/.vmcache-installed
 # Without an NVIDIA GPU take the CPU build first, so no multi-GB CUDA build is pulled.
 CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q torch==2.13.0; fi
 
-.PHONY: fetch-model bench bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed readme test test-newest test-oldest test-long coverage compile-sm90 lint \
+.PHONY: fetch-model bench bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed bench-server serve readme test test-newest test-oldest test-long coverage compile-sm90 lint \
 	gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(call CPU_TORCH,$(VENV))
-	$(PIP) install -q -e '.[test,bench,hf]'
+	$(PIP) install -q -e '.[test,bench,hf,server]'
 	touch $(STAMP)
 
 $(OLD_STAMP): pyproject.toml
@@ -81,6 +81,10 @@ bench-quant: $(STAMP)
 # prefix caching over every head shape: tokens a block, prompt shared, waste (bookkeeping only)
 bench-prefix-shapes: $(STAMP)
 	cd benchmarks && ../$(PY) bench_prefix_shapes.py
+
+# the OpenAI-compatible server on the embedded model, loopback, port 8000 (flags: docs/guide.md)
+serve: $(STAMP) fetch-model
+	$(VENV)/bin/vmcache-server $(SERVE_ARGS)
 
 # the result tables of README.md and docs/results.md from the committed JSON (tests/test_readme_results.py checks them)
 readme: $(STAMP)

@@ -1,0 +1,122 @@
+"""The server's pure parts: a request body checked field by field (each bad field named in a
+400, another model a 404), incremental detokenization that never emits half a character and
+streams exactly the text decoded whole, and stop strings matched across token boundaries."""
+
+import pytest
+from real_model import smol
+
+from vmcache.server.protocol import APIError, Limits, parse
+from vmcache.server.text import Detokenizer, StopMatcher
+
+LIMITS = Limits("m", max_seq_len=512, max_n=4)
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_a_good_request_becomes_a_job_with_openais_defaults():
+    job = parse(dict(CHAT), "chat", LIMITS)
+    assert job.kind == "chat" and job.max_tokens is None and job.params.temperature == 1.0
+    assert job.messages == ({"role": "user", "content": "hi"},) and not job.stream
+    job = parse({"model": "m", "prompt": [5, 6], "max_tokens": 3, "temperature": 0, "n": 2,
+                 "stop": "x", "top_k": -1, "seed": 7, "stream": True,
+                 "stream_options": {"include_usage": True}, "user": "ignored"},
+                "completion", LIMITS)  # fmt: skip
+    assert job.prompt == (5, 6) and job.params.max_new_tokens == 3 and job.params.n == 2
+    assert job.stops == ("x",) and job.params.top_k == 0 and job.include_usage
+    assert parse({"model": "m", "prompt": "a"}, "completion", LIMITS).max_tokens == 16
+    parts = {**CHAT, "messages": [{"role": "developer", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}  # fmt: skip
+    assert parse(parts, "chat", LIMITS).messages == ({"role": "system", "content": "ab"},)
+    assert parse({**CHAT, "max_completion_tokens": 9}, "chat", LIMITS).max_tokens == 9
+
+
+BAD = [
+    ("chat", [1, 2], None),
+    ("chat", {"messages": CHAT["messages"]}, "model"),
+    ("chat", {**CHAT, "model": 3}, "model"),
+    ("chat", {**CHAT, "messages": []}, "messages"),
+    ("chat", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    ("chat", {**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages"),
+    (
+        "chat",
+        {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        "messages",
+    ),
+    ("chat", {**CHAT, "max_tokens": 0}, "max_tokens"),
+    ("chat", {**CHAT, "max_tokens": 513}, "max_tokens"),
+    ("chat", {**CHAT, "max_tokens": "5"}, "max_tokens"),
+    ("chat", {**CHAT, "max_tokens": True}, "max_tokens"),
+    ("chat", {**CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
+    ("chat", {**CHAT, "n": 0}, "n"),
+    ("chat", {**CHAT, "n": 5}, "n"),
+    ("chat", {**CHAT, "temperature": -0.1}, "temperature"),
+    ("chat", {**CHAT, "temperature": 2.5}, "temperature"),
+    ("chat", {**CHAT, "temperature": "hot"}, "temperature"),
+    ("chat", {**CHAT, "top_p": 0}, "top_p"),
+    ("chat", {**CHAT, "top_p": 1.5}, "top_p"),
+    ("chat", {**CHAT, "top_k": -2}, "top_k"),
+    ("chat", {**CHAT, "seed": -1}, "seed"),
+    ("chat", {**CHAT, "stop": ["a"] * 5}, "stop"),
+    ("chat", {**CHAT, "stop": [""]}, "stop"),
+    ("chat", {**CHAT, "stop": 3}, "stop"),
+    ("chat", {**CHAT, "stream": "yes"}, "stream"),
+    ("chat", {**CHAT, "stream_options": {"include_usage": 1}}, "stream_options"),
+    ("chat", {**CHAT, "logprobs": True}, "logprobs"),
+    ("chat", {**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
+    ("chat", {**CHAT, "stop_token_ids": [-1]}, "stop_token_ids"),
+    ("completion", {"model": "m"}, "prompt"),
+    ("completion", {"model": "m", "prompt": ""}, "prompt"),
+    ("completion", {"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    ("completion", {"model": "m", "prompt": [1, "a"]}, "prompt"),
+    ("completion", {"model": "m", "prompt": "a", "echo": True}, "echo"),
+]
+
+
+@pytest.mark.parametrize("kind,body,param", BAD)
+def test_each_bad_field_is_a_400_that_names_it(kind, body, param):
+    with pytest.raises(APIError) as e:
+        parse(body, kind, LIMITS)
+    assert e.value.status == 400 and e.value.param == param
+    err = e.value.body()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+
+
+def test_another_model_is_a_404_model_not_found():
+    with pytest.raises(APIError) as e:
+        parse({**CHAT, "model": "gpt-4"}, "chat", LIMITS)
+    assert e.value.status == 404 and e.value.code == "model_not_found"
+
+
+def test_stop_strings_are_found_across_pushes_and_held_back_while_they_may_start():
+    m = StopMatcher(("END", "\n\n"))
+    text = "abc EN"
+    assert m.find(text, 0) is None and m.safe(text) == len(text) - 2  # "EN" may begin END
+    text += "D tail"
+    assert m.find(text, 6) == 4  # found though it began before the new text
+    assert StopMatcher(()).safe("xyz") == 3 and StopMatcher(("a", "bb")).find("xbba", 0) == 1
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return smol()[1]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Zürich café — naïve résumé",
+        "日本語のテキスト, 中文",
+        "emoji 🙂👍🏽 and 🇫🇷 flags",
+        " leading  spaces\nand lines",
+    ],
+)
+def test_streamed_text_is_whole_characters_and_equals_the_text_decoded_whole(tokenizer, text):
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    prompt = tokenizer("Say:", add_special_tokens=False)["input_ids"]
+    d = Detokenizer(tokenizer, prompt)
+    pieces = [d.push([t], final=i == len(ids) - 1) for i, t in enumerate(ids)]
+    assert all("\ufffd" not in p for p in pieces)  # never half a character
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+    split = any("\ufffd" in tokenizer.decode([t]) for t in ids)  # a character over tokens
+    assert split or "emoji" not in text  # the emoji case does spread characters
+    if split:
+        assert any(p == "" for p in pieces[:-1])  # held back until whole

@@ -1,0 +1,226 @@
+"""``python -m vmcache.server`` / ``vmcache-server``: an OpenAI-compatible server over the
+engine, on the embedded SmolLM2-135M-Instruct by default, bound to loopback.
+
+    vmcache-server                                    # http://127.0.0.1:8000/v1
+    vmcache-server --cache paged --kv-dtype fp8 --pool-mib 512 --max-seqs 64
+    vmcache-server --model /path/to/checkpoint --host 0.0.0.0 --api-key-file key.txt
+
+Prefix caching is on (``--no-prefix-caching`` turns it off); ``--speculative`` drafts by
+prompt lookup. The settings chosen are printed at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+from pathlib import Path
+
+import torch
+
+KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "fp8": torch.float8_e4m3fn,
+             "int8": torch.int8}  # fmt: skip
+MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from vmcache.models import DEFAULT_MODEL
+
+    p = argparse.ArgumentParser(prog="vmcache-server", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="an embedded name, a checkpoint directory or a .gguf file "
+                        f"(default: {DEFAULT_MODEL})")  # fmt: skip
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients send as 'model' (default: --model's name)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="default: loopback only")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--cache", choices=("vm", "paged"), default="vm")
+    p.add_argument(
+        "--dtype",
+        choices=tuple(MODEL_DTYPES),
+        default="float32",
+        help="the model's weights and activations",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        choices=tuple(KV_DTYPES),
+        default="auto",
+        help="K/V storage (auto: the model's dtype; int8: per-token scales)",
+    )
+    p.add_argument("--pool-mib", type=_positive(float), default=256.0, help="KV pool size in MiB")
+    p.add_argument("--max-seqs", type=_positive(int), default=32, help="sequences running at once")
+    p.add_argument(
+        "--max-seq-len",
+        type=_positive(int),
+        default=2048,
+        help="prompt + completion tokens of one sequence",
+    )
+    p.add_argument("--max-batch-tokens", type=_positive(int), default=2048)
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="sequences that may wait beyond --max-seqs (then 429)",
+    )
+    p.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--speculative",
+        action="store_true",
+        help="prompt-lookup drafts (k=4), verified in the next step",
+    )
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help="a file holding the bearer token clients must send (read once)",
+    )
+    p.add_argument("--api-key", default=None,
+                   help="the bearer token itself (visible in the process list: prefer "
+                        "--api-key-file)")  # fmt: skip
+    p.add_argument("--request-timeout-s", type=_positive(float), default=600.0)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    args = p.parse_args(argv)
+    if args.max_waiting < 0:
+        p.error("--max-waiting must be >= 0")
+    if args.api_key_file is not None:
+        args.api_key = args.api_key_file.read_text().strip()
+        if not args.api_key:
+            p.error(f"{args.api_key_file} is empty")
+    return args
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build_engine(args, model):
+    """The cache and engine ``args`` describe, for ``model``."""
+    from vmcache import KVSpec, VMKVCache
+    from vmcache.engine import Engine, NgramDrafter
+    from vmcache.paged_fallback import PagedKVCache
+
+    kv_dtype = KV_DTYPES[args.kv_dtype]
+    granularity = "token" if kv_dtype is torch.int8 else "head"
+    spec = KVSpec.from_hf_config(model.config, kv_dtype=kv_dtype, kv_granularity=granularity)
+    pool = int(args.pool_mib * 2**20)
+    prefix = not args.no_prefix_caching
+    swap = pool if args.preemption == "swap" else None
+    rollback = 4 if args.speculative else 0
+    if args.cache == "paged":
+        kv = PagedKVCache(spec, pool_bytes=pool, max_seq_len=args.max_seq_len,
+                          max_seqs=args.max_seqs, prefix_caching=prefix, swap_bytes=swap,
+                          rollback_tokens=rollback)  # fmt: skip
+    else:
+        kv = VMKVCache(spec, args.max_seqs, args.max_seq_len, pool_bytes=pool,
+                       prefix_caching=prefix, swap_bytes=swap,
+                       rollback_tokens=rollback)  # fmt: skip
+    drafter = NgramDrafter(k=4) if args.speculative else None
+    return Engine(model, kv, preemption=args.preemption,
+                  max_batch_tokens=args.max_batch_tokens, speculative=drafter)  # fmt: skip
+
+
+def build_server(args, model=None, tokenizer=None):
+    """``(Server, EngineLoop)`` for ``args``: the model loaded (unless given with its
+    tokenizer), the engine loop started."""
+    from vmcache.models import load
+    from vmcache.server.app import Server
+    from vmcache.server.loop import EngineLoop
+    from vmcache.server.metrics import Metrics
+
+    if model is None or tokenizer is None:
+        model, tokenizer = load(args.model, dtype=MODEL_DTYPES[args.dtype])
+    engine = build_engine(args, model)
+    metrics = Metrics()
+    loop = EngineLoop(engine, tokenizer, max_waiting=args.max_waiting, observer=metrics)
+    metrics.attach(loop)
+    name = args.served_model_name or Path(str(args.model)).name
+    server = Server(loop, name, api_key=args.api_key, metrics=metrics,
+                    request_timeout_s=args.request_timeout_s)  # fmt: skip
+    loop.start()
+    return server, loop
+
+
+def main(argv=None) -> int:
+    import uvicorn
+
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not is_loopback(args.host) and args.api_key is None:
+        print(f"vmcache-server: serving on {args.host} without an API key: anyone who can "
+              "reach this port can use it (pass --api-key-file)", file=sys.stderr)  # fmt: skip
+    server, loop = build_server(args)
+    kv = loop.engine.kv
+    print(f"vmcache-server: model {server.limits.model!r}, cache {args.cache} "
+          f"({type(kv).__name__}), kv dtype {kv.spec.storage_dtype}, "
+          f"{kv.pool.num_pages} pages of {kv.page_bytes} bytes, max_seqs {kv.max_seqs}, "
+          f"max_seq_len {kv.max_seq_len}, prefix caching "
+          f"{'off' if args.no_prefix_caching else 'on'}, preemption {args.preemption}, "
+          f"speculative {'on' if args.speculative else 'off'}, "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr)  # fmt: skip
+    try:
+        uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
+    finally:
+        loop.close()
+    return 0
+
+
+class Running:
+    """A server run by uvicorn on a thread of this process (tests, benchmarks, notebooks):
+    ``url`` is its ``/v1`` base; :meth:`close` stops uvicorn, then the engine loop."""
+
+    def __init__(self, server, host: str = "127.0.0.1", port: int = 0,
+                 start_timeout_s: float = 30.0) -> None:  # fmt: skip
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        self.server = server
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}/v1"
+        config = uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=5)
+        self._uvicorn = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]},
+                                        name="vmcache-http", daemon=True)  # fmt: skip
+        self._thread.start()
+        deadline = time.monotonic() + start_timeout_s
+        while not self._uvicorn.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.02)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._uvicorn.should_exit = True
+        self._thread.join(timeout_s)
+        self.server.loop.close(timeout_s)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,277 @@
+"""One thread owns the engine: requests come in through :meth:`EngineLoop.submit`, text goes
+out through each request's sink, aborts and queries are answered between steps.
+
+    HTTP handlers ──submit / abort / query──▶ inbox ──▶ engine thread
+                                                          │ admit, step, detokenize,
+                  ◀──── sink(Delta | Done | Failed) ──────┘ match stop strings, release
+
+The engine is never touched from another thread (it is not thread-safe): everything goes
+through the inbox. It steps while any request is queued and blocks on the inbox otherwise.
+A sequence that hits a stop string is stopped before the next step; a finished request is
+released from the engine so a long-running server's memory stays flat. A step that raises
+fails the requests in flight (each gets :class:`Failed`, their pages freed) and the loop
+goes on: one request never takes the server down.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vmcache.engine.request import Request
+from vmcache.server.protocol import APIError
+from vmcache.server.text import Detokenizer, StopMatcher
+
+
+@dataclass(frozen=True)
+class Delta:
+    index: int  # which of the request's n sequences
+    text: str  # new text (may be empty on the chunk that carries finish_reason)
+    finish_reason: str | None  # "stop" / "length" on its last delta, else None
+
+
+@dataclass(frozen=True)
+class Done:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: APIError
+
+
+Event = Delta | Done | Failed
+
+
+class Observer:
+    """What the loop reports as it goes (metrics); the default records nothing."""
+
+    def request_finished(self, usage: Done, ttft_s: float, tpot_s: float | None,
+                         reason: str) -> None:  # fmt: skip
+        """A request ended: its token counts, time to first token and time per output token
+        (None under two tokens), and why its first sequence finished ("stop", "length",
+        "abort", "error")."""
+
+
+@dataclass(eq=False)
+class _Live:
+    """A request the loop is serving (loop thread only)."""
+
+    req: Request
+    sink: Callable[[Event], None]
+    detok: list[Detokenizer]
+    stops: StopMatcher
+    seen: list[int]  # tokens taken from the engine, per sequence
+    text: list[str]  # text so far, per sequence
+    sent: list[int]  # characters of text already sent
+    finish: list[str | None]
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_s: float | None = None
+
+
+class EngineLoop:
+    def __init__(self, engine, tokenizer, *, max_waiting: int = 256, idle_s: float = 0.05,
+                 observer: Observer | None = None) -> None:  # fmt: skip
+        """``max_waiting``: sequences that may wait beyond the ``max_seqs`` the cache runs;
+        a request past that is refused at once (429)."""
+        self.engine, self.tokenizer = engine, tokenizer
+        self.max_waiting, self.idle_s = max_waiting, idle_s
+        self.observer = observer or Observer()
+        self.tokenizer_lock = threading.Lock()  # HTTP threads encode, this thread decodes
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}  # owned by the loop thread
+        self._lock = threading.Lock()
+        self._outstanding = 0  # sequences submitted and not finished; under _lock
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vmcache-engine", daemon=True)
+        self.failures = 0  # steps that raised (loop thread writes)
+
+    # --- any thread ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._closing.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._closing.is_set()
+
+    def submit(self, prompt: list[int], params, stops: tuple[str, ...],
+               sink: Callable[[Event], None]) -> str:  # fmt: skip
+        """Queue a request; returns its id. :class:`APIError` (nothing queued) when the
+        engine would refuse it (400) or the queue is full (429)."""
+        if not self.alive:
+            raise APIError(503, "the engine is not running", type="server_error")
+        req = Request(f"req-{uuid.uuid4().hex}", tuple(prompt), params)
+        try:
+            self.engine.check_request(req)  # reads configuration only
+        except (TypeError, ValueError) as e:
+            raise APIError(400, str(e), param="max_tokens",
+                           code="context_length_exceeded") from None  # fmt: skip
+        with self._lock:
+            if self._outstanding + params.n > self.engine.kv.max_seqs + self.max_waiting:
+                raise APIError(429, "the server is at its queue limit; retry later",
+                               type="server_overloaded", code="queue_full")  # fmt: skip
+            self._outstanding += params.n
+        n = params.n
+        live = _Live(req, sink, [Detokenizer(self.tokenizer, prompt) for _ in range(n)],
+                     StopMatcher(stops), [0] * n, [""] * n, [0] * n, [None] * n)  # fmt: skip
+        self._inbox.put(("add", live))
+        return req.req_id
+
+    def abort(self, req_id: str) -> None:
+        """Drop ``req_id`` at the next step boundary (its pages freed); no-op once finished."""
+        self._inbox.put(("abort", req_id))
+
+    def query(self, fn: Callable, timeout_s: float = 5.0):
+        """``fn(engine)`` run on the loop thread between steps; its result (TimeoutError
+        when the loop does not answer within ``timeout_s``)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", fn, fut))
+        return fut.result(timeout_s)
+
+    # --- the loop thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._closing.is_set():
+            self._drain(block=not engine.scheduler.has_work())
+            if not engine.scheduler.has_work():
+                continue
+            try:
+                engine.step()
+                self._publish()
+            except Exception as e:  # a failed step fails what is in flight, not the server
+                self.failures += 1
+                self._fail_all(APIError(500, f"the engine failed: {type(e).__name__}: {e}",
+                                        type="server_error"))  # fmt: skip
+        self._fail_all(APIError(503, "the server is shutting down", type="server_error"))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._inbox.get(timeout=self.idle_s) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._command(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _command(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            live = cmd[1]
+            try:
+                self.engine.add_request(live.req, live.arrival_s)
+            except (TypeError, ValueError) as e:
+                self._forget(live, None)
+                live.sink(Failed(APIError(400, str(e))))
+                return
+            self._live[live.req.req_id] = live
+        elif kind == "abort":
+            live = self._live.get(cmd[1])
+            if live is not None:
+                self.engine.abort(live.req.req_id)
+                self._end(live, "abort")
+        elif kind == "call":
+            fn, fut = cmd[1], cmd[2]
+            try:
+                fut.set_result(fn(self.engine))
+            except Exception as e:
+                fut.set_exception(e)
+
+    def _publish(self) -> None:
+        """After a step: every live request's new text to its sink; stop strings applied;
+        finished requests released."""
+        engine = self.engine
+        for rid, live in list(self._live.items()):
+            new = engine.new_tokens(rid, live.seen)
+            reasons = engine.finish_reasons[rid]
+            for i, toks in enumerate(new):
+                if live.finish[i] is None and (toks or reasons[i] is not None):
+                    self._advance(live, i, toks, reasons[i])
+            if all(f is not None for f in live.finish):
+                self._end(live, live.finish[0])
+
+    def _advance(self, live: _Live, i: int, toks: list[int], reason: str | None) -> None:
+        live.seen[i] += len(toks)
+        if live.first_s is None and toks:
+            live.first_s = time.perf_counter()
+        with self.tokenizer_lock:
+            piece = live.detok[i].push(toks, final=reason is not None)
+        start = len(live.text[i])
+        text = live.text[i] = live.text[i] + piece
+        hit = live.stops.find(text, start)
+        if hit is not None:
+            text = live.text[i] = text[:hit]
+            if reason is None:
+                self.engine.stop(live.req.req_id, i)
+            reason = "stop"
+        upto = len(text) if reason is not None else live.stops.safe(text)
+        delta, live.sent[i] = text[live.sent[i] : upto], max(live.sent[i], upto)
+        live.finish[i] = reason
+        if delta or reason is not None:
+            live.sink(Delta(i, delta, reason))
+
+    def _end(self, live: _Live, reason: str | None) -> None:
+        """A request is done (finished, aborted or failed): usage to its sink, released."""
+        rid = live.req.req_id
+        done = Done(len(live.req.prompt), sum(live.seen), self.engine.prefix_hit(rid))
+        self._forget(live, rid)
+        if reason != "abort":
+            live.sink(done)
+        now, first = time.perf_counter(), live.first_s
+        ttft = (first if first is not None else now) - live.arrival_s
+        tokens = live.seen[0]
+        tpot = (now - first) / (tokens - 1) if first is not None and tokens > 1 else None
+        self.observer.request_finished(done, ttft, tpot, reason or "error")
+
+    def _forget(self, live: _Live, rid: str | None) -> None:
+        if rid is not None:
+            self._live.pop(rid, None)
+            self.engine.release(rid)
+        with self._lock:
+            self._outstanding -= live.req.params.n
+
+    def _fail_all(self, error: APIError) -> None:
+        for live in list(self._live.values()):
+            try:
+                self.engine.abort(live.req.req_id)
+            except Exception:  # the engine's state may be what failed: drop it regardless
+                pass
+            self._live.pop(live.req.req_id, None)
+            try:
+                self.engine.release(live.req.req_id)
+            except Exception:
+                pass
+            with self._lock:
+                self._outstanding -= live.req.params.n
+            live.sink(Failed(error))
+            done = Done(len(live.req.prompt), sum(live.seen), 0)
+            self.observer.request_finished(done, time.perf_counter() - live.arrival_s, None,
+                                           "error")  # fmt: skip
+
+
+def with_max_tokens(params, max_tokens: int | None, prompt_len: int, max_seq_len: int):
+    """``params`` with ``max_new_tokens`` = the request's ``max_tokens``, or what the
+    context leaves after the prompt when it gave none (chat's default)."""
+    room = max_seq_len - prompt_len
+    if max_tokens is None:
+        if room < 1:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; the context holds "
+                           f"{max_seq_len}", param="messages",
+                           code="context_length_exceeded")  # fmt: skip
+        max_tokens = room
+    return dataclasses.replace(params, max_new_tokens=max_tokens)

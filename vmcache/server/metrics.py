@@ -1,0 +1,109 @@
+"""``GET /metrics``: the Prometheus text format through ``prometheus_client``, with the names
+vLLM users already chart (``vllm:num_requests_running`` → ``vmcache:num_requests_running``)
+and the cache's own figures. One registry per server (no process-global state).
+
+Gauges and the engine's counters are read at scrape time on the engine thread
+(:meth:`EngineLoop.query`: no lock, no copy per step); latency histograms and per-request
+token counters are observed as requests finish.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from vmcache.server.loop import Done, EngineLoop, Observer
+
+PREFIX = "vmcache:"
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 640)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5, 10)
+
+
+def snapshot(engine) -> dict:
+    """What a scrape reports of ``engine`` (run on its thread)."""
+    kv, sched, st = engine.kv, engine.scheduler, engine.stats
+    cache = kv.stats()
+    return {
+        "running": len(sched.running), "waiting": len(sched.waiting),
+        "swapped": len(sched.swapped), "pages_used": cache.physical_pages,
+        "pages_total": cache.total_pages, "mapped_bytes": cache.mapped_bytes,
+        "prefix_queries": st.prefix_query_tokens, "prefix_hits": st.prefix_hit_tokens,
+        "preemptions": st.preempt_swap + st.preempt_recompute, "swap_bytes": st.swap_bytes,
+        "cow_bytes": cache.cow_bytes_copied, "cow_copies": cache.cow_copies,
+        "prefill_tokens": st.prefill_tokens, "steps": st.steps,
+    }  # fmt: skip
+
+
+class _EngineCollector:
+    def __init__(self, loop: EngineLoop) -> None:
+        self.loop = loop
+
+    def collect(self):
+        s = snapshot_of(self.loop)
+        p = PREFIX
+        yield _gauge(f"{p}num_requests_running", "Sequences running in the engine", s["running"])
+        yield _gauge(f"{p}num_requests_waiting", "Sequences waiting to be admitted", s["waiting"])
+        yield _gauge(f"{p}num_requests_swapped", "Sequences swapped to the host", s["swapped"])
+        usage = s["pages_used"] / s["pages_total"] if s["pages_total"] else 0.0
+        yield _gauge(f"{p}kv_cache_usage_perc", "Fraction of KV pages in use (1 = full)", usage)
+        yield _gauge(f"{p}kv_pages_used", "Physical KV pages in use", s["pages_used"])
+        yield _gauge(f"{p}kv_pages_total", "Physical KV pages the pool holds", s["pages_total"])
+        yield _gauge(f"{p}kv_mapped_bytes", "Bytes the live sequences' page tables map",
+                     s["mapped_bytes"])  # fmt: skip
+        for name, doc, key in (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix", "prefix_queries"),
+            ("prefix_cache_hits", "Prompt tokens served from the prefix cache", "prefix_hits"),
+            ("num_preemptions", "Sequences preempted (swap or recompute)", "preemptions"),
+            ("swap_bytes", "Bytes copied to the host tier by swap-outs", "swap_bytes"),
+            ("cow_bytes_copied", "Bytes copied on write (forked pages written)", "cow_bytes"),
+            ("prefill_computed_tokens", "Prompt tokens computed (cache hits excluded)",
+             "prefill_tokens"),
+            ("engine_steps", "Engine steps run", "steps"),
+        ):  # fmt: skip
+            c = CounterMetricFamily(p + name, doc)
+            c.add_metric([], s[key])
+            yield c
+
+
+def snapshot_of(loop: EngineLoop) -> dict:
+    return loop.query(snapshot)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc)
+    g.add_metric([], value)
+    return g
+
+
+class Metrics(Observer):
+    """The server's registry: the engine's figures at scrape time, and the observer the
+    engine loop reports finished requests to."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        p, r = PREFIX, self.registry
+        self.ttft = Histogram(f"{p}time_to_first_token_seconds", "Time to first token",
+                              buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
+        self.tpot = Histogram(f"{p}time_per_output_token_seconds", "Time per output token "
+                              "after the first", buckets=TPOT_BUCKETS, registry=r)  # fmt: skip
+        self.prompt = Counter(f"{p}prompt_tokens", "Prompt tokens of finished requests",
+                              registry=r)  # fmt: skip
+        self.generation = Counter(f"{p}generation_tokens", "Tokens generated for finished "
+                                  "requests", registry=r)  # fmt: skip
+        self.success = Counter(f"{p}request_success", "Requests ended, by finish reason",
+                               ["finished_reason"], registry=r)  # fmt: skip
+
+    def attach(self, loop: EngineLoop) -> None:
+        self.registry.register(_EngineCollector(loop))
+
+    def request_finished(self, usage: Done, ttft_s: float, tpot_s: float | None,
+                         reason: str) -> None:  # fmt: skip
+        self.ttft.observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+        self.prompt.inc(usage.prompt_tokens)
+        self.generation.inc(usage.completion_tokens)
+        self.success.labels(finished_reason=reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
