@@ -82,6 +82,12 @@ bench-quant: $(STAMP)
 bench-prefix-shapes: $(STAMP)
 	cd benchmarks && ../$(PY) bench_prefix_shapes.py
 
+# the server under 1 / 4 / 16 / 64 streaming clients on both caches beside transformers serve,
+# then a soak with random disconnects (docs/results.md's server tables)
+bench-server: $(STAMP) fetch-model
+	$(PIP) install -q -e '.[serve-anchor]'
+	cd benchmarks && ../$(PY) bench_server.py
+
 # the OpenAI-compatible server on the embedded model, loopback, port 8000 (flags: docs/guide.md)
 serve: $(STAMP) fetch-model
 	$(VENV)/bin/vmcache-server $(SERVE_ARGS)
