@@ -8,6 +8,7 @@ OpenAI's error format with the server still answering, prefix-cache hits reporte
 import concurrent.futures
 import json
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -258,6 +259,19 @@ def test_metrics_are_prometheus_text_with_the_engines_figures(srv):
     assert values["vmcache:generation_tokens_total"] >= 4
     assert values["vmcache:prefix_cache_hits_total"] <= values["vmcache:prefix_cache_queries_total"]
     assert 0 <= values["vmcache:kv_cache_usage_perc"] <= 1
+
+
+def test_a_scrape_does_not_wait_for_a_long_step(srv):
+    # the engine thread busy for 4 s (as a long prefill keeps it): /metrics still answers,
+    # from the snapshot the loop kept between steps, before the engine is free again
+    busy = threading.Thread(target=srv.server.loop.query, args=(lambda e: time.sleep(4),),
+                            kwargs={"timeout_s": 20})  # fmt: skip
+    busy.start()
+    time.sleep(0.3)
+    code, text = http("GET", root(srv) + "/metrics")
+    assert code == 200 and "vmcache:kv_pages_used" in text
+    assert busy.is_alive()  # answered while the engine was still busy
+    busy.join()
 
 
 def test_the_api_key_is_enforced(real):

@@ -60,6 +60,10 @@ class Observer:
         (None under two tokens), and why its first sequence finished ("stop", "length",
         "abort", "error")."""
 
+    def engine_state(self, engine) -> None:
+        """Called on the loop thread between steps, at most every ``state_every_s`` (and
+        when idle): a scrape reads what this keeps instead of waiting for a long step."""
+
 
 @dataclass(eq=False)
 class _Live:
@@ -79,11 +83,13 @@ class _Live:
 
 class EngineLoop:
     def __init__(self, engine, tokenizer, *, max_waiting: int = 256, idle_s: float = 0.05,
-                 observer: Observer | None = None) -> None:  # fmt: skip
+                 observer: Observer | None = None,
+                 state_every_s: float = 0.25) -> None:  # fmt: skip
         """``max_waiting``: sequences that may wait beyond the ``max_seqs`` the cache runs;
         a request past that is refused at once (429)."""
         self.engine, self.tokenizer = engine, tokenizer
-        self.max_waiting, self.idle_s = max_waiting, idle_s
+        self.max_waiting, self.idle_s, self.state_every_s = max_waiting, idle_s, state_every_s
+        self._observed_s = -float("inf")  # when the observer last saw the engine (loop thread)
         self.observer = observer or Observer()
         self.tokenizer_lock = threading.Lock()  # HTTP threads encode, this thread decodes
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -146,6 +152,9 @@ class EngineLoop:
         engine = self.engine
         while not self._closing.is_set():
             self._drain(block=not engine.scheduler.has_work())
+            if time.perf_counter() - self._observed_s >= self.state_every_s:
+                self.observer.engine_state(engine)
+                self._observed_s = time.perf_counter()
             if not engine.scheduler.has_work():
                 continue
             try:

@@ -35,11 +35,13 @@ def snapshot(engine) -> dict:
 
 
 class _EngineCollector:
-    def __init__(self, loop: EngineLoop) -> None:
-        self.loop = loop
+    def __init__(self, metrics: Metrics, loop: EngineLoop) -> None:
+        self.metrics, self.loop = metrics, loop
 
     def collect(self):
-        s = snapshot_of(self.loop)
+        # what the loop last kept (at most state_every_s plus one step old), so a scrape
+        # never waits on a long step; before the first, asked of the (idle) loop directly
+        s = self.metrics.latest or snapshot_of(self.loop)
         p = PREFIX
         yield _gauge(f"{p}num_requests_running", "Sequences running in the engine", s["running"])
         yield _gauge(f"{p}num_requests_waiting", "Sequences waiting to be admitted", s["waiting"])
@@ -80,6 +82,7 @@ class Metrics(Observer):
     engine loop reports finished requests to."""
 
     def __init__(self) -> None:
+        self.latest: dict | None = None  # the engine's last snapshot (written by the loop)
         self.registry = CollectorRegistry(auto_describe=False)
         p, r = PREFIX, self.registry
         self.ttft = Histogram(f"{p}time_to_first_token_seconds", "Time to first token",
@@ -94,7 +97,10 @@ class Metrics(Observer):
                                ["finished_reason"], registry=r)  # fmt: skip
 
     def attach(self, loop: EngineLoop) -> None:
-        self.registry.register(_EngineCollector(loop))
+        self.registry.register(_EngineCollector(self, loop))
+
+    def engine_state(self, engine) -> None:
+        self.latest = snapshot(engine)  # one reference swapped: scrapes read it whole
 
     def request_finished(self, usage: Done, ttft_s: float, tpot_s: float | None,
                          reason: str) -> None:  # fmt: skip
