@@ -72,12 +72,12 @@ def test_aborts_between_steps_give_everything_back(model, kind, policy):
                     and None in engine.finish_reasons[r.req_id]]  # fmt: skip
             if live and rng.random() < 0.3:
                 parked = [r for r in live if any(s.status.value != "running"
-                                                 for s in engine._seqs_of(r))]  # fmt: skip
+                                                 for s in engine.records.live(r))]  # fmt: skip
                 rid = rng.choice(parked if parked and rng.random() < 0.7 else live)
-                states |= {s.status.value for s in engine._seqs_of(rid)}
+                states |= {s.status.value for s in engine.records.live(rid)}
                 assert engine.abort(rid)
                 aborted.add(rid)
-                assert not engine._seqs_of(rid)
+                assert not engine.records.live(rid)
                 engine.kv.check_invariants()
         drained(engine)
         for r in requests:
@@ -109,7 +109,7 @@ def test_abort_with_forks_still_to_make_and_with_drafts(model):
     engine.add_request(Request("b", prompt[:10], SamplingParams(max_new_tokens=30)))
     engine.step()  # a's prefill: its two forks made
     engine.step()  # decodes with drafts proposed
-    assert len(engine._seqs_of("a")) == 3
+    assert len(engine.records.live("a")) == 3
     assert engine.abort("a")
     assert engine.finish_reasons["a"] == ["abort"] * 3
     out = engine.run()

@@ -1,5 +1,5 @@
-"""The engine's per-request calls a server drives between steps (``check_request``,
-``new_tokens``, ``stop``, ``abort``, ``prefix_hit``, ``release``), against a shadow of what each
+"""The engine's per-request calls a server drives between steps (``check_request``, ``stop``,
+``abort``, and ``records.new_tokens`` / ``prefix_hit`` / ``release``), against a shadow of what each
 request was sent: a state machine adds, steps, stops, aborts and releases requests in any
 order on both caches with prefix caching on; every stream's deltas add up to its output, a
 stopped sequence's siblings run on, nothing released can be reached again, and after the
@@ -48,7 +48,7 @@ class RequestsMachine(RuleBasedStateMachine):
 
     def _deltas(self, rid):
         seen = self.seen[rid]
-        for got, new in zip(seen, self.engine.new_tokens(rid, [len(s) for s in seen])):
+        for got, new in zip(seen, self.engine.records.new_tokens(rid, [len(s) for s in seen])):
             got += new
 
     def _live(self):
@@ -64,7 +64,7 @@ class RequestsMachine(RuleBasedStateMachine):
         self.engine.check_request(req)  # accepted by the check, so by add_request
         self.engine.add_request(req)
         self.sent[req.req_id], self.seen[req.req_id] = req, [[] for _ in range(n)]
-        assert self.engine.prefix_hit(req.req_id) == 0  # not admitted yet
+        assert self.engine.records.prefix_hit(req.req_id) == 0  # not admitted yet
 
     @precondition(lambda self: self.engine.scheduler.has_work())
     @rule()
@@ -79,14 +79,14 @@ class RequestsMachine(RuleBasedStateMachine):
         rid = sorted(self.sent)[pick % len(self.sent)]
         live = None in self.engine.finish_reasons[rid]
         assert self.engine.abort(rid) == live
-        assert None not in self.engine.finish_reasons[rid] and not self.engine._seqs_of(rid)
+        assert None not in self.engine.finish_reasons[rid] and not self.engine.records.live(rid)
 
     @precondition(lambda self: self.sent)
     @rule(pick=st.integers(0, 10**6), index=st.integers(0, 2))
     def stop(self, pick, index):
         rid = sorted(self.sent)[pick % len(self.sent)]
         reasons = list(self.engine.finish_reasons[rid])
-        if index >= len(reasons) or index not in self.engine._seqs[rid]:
+        if index >= len(reasons) or index not in self.engine.records.seqs[rid]:
             with pytest.raises(ValueError):
                 self.engine.stop(rid, index)
             assert self.engine.finish_reasons[rid] == reasons  # untouched
@@ -104,17 +104,18 @@ class RequestsMachine(RuleBasedStateMachine):
         rid = sorted(self.sent)[pick % len(self.sent)]
         if rid in self._live():
             with pytest.raises(ValueError):
-                self.engine.release(rid)
+                self.engine.records.release(rid)
             assert rid in self.engine.outputs  # still there
             return
         self._deltas(rid)
-        outputs, reasons = self.engine.release(rid)
+        outputs, reasons = self.engine.records.release(rid)
         assert outputs == self.seen[rid]  # the streamed deltas add up to the answer
         assert None not in reasons and len(outputs) == self.sent[rid].params.n
         limit = self.sent[rid].params.max_new_tokens
         for out, why in zip(outputs, reasons):
             assert len(out) == limit if why == "length" else len(out) <= limit
-        for call in (self.engine.abort, self.engine.prefix_hit, self.engine.release):
+        records = self.engine.records
+        for call in (self.engine.abort, records.prefix_hit, records.release):
             with pytest.raises(KeyError):
                 call(rid)
         del self.sent[rid], self.seen[rid]
@@ -124,7 +125,7 @@ class RequestsMachine(RuleBasedStateMachine):
         self.engine.kv.check_invariants()
         kv = self.engine.kv
         for rid in self.sent:
-            hit = self.engine.prefix_hit(rid)
+            hit = self.engine.records.prefix_hit(rid)
             assert 0 <= hit <= len(self.sent[rid].prompt)
             if hit:
                 assert hit % kv.prefix.tokens_per_block == 0  # whole cached pages only
@@ -132,12 +133,12 @@ class RequestsMachine(RuleBasedStateMachine):
     def teardown(self):
         for rid in [r for r in self.sent if r in self.engine.outputs]:
             self.engine.abort(rid)
-            self.engine.release(rid)
+            self.engine.records.release(rid)
         kv = self.engine.kv
         assert not self.engine.scheduler.has_work() and kv.sequences == []
         assert kv.swap.held_bytes == 0
         assert kv.pool.num_used == kv.prefix.stats().cached_pages  # every other page back
-        assert not self.engine.outputs and not self.engine._seqs and not self.engine.times
+        assert not self.engine.outputs and not self.engine.records.seqs and not self.engine.times
         kv.check_invariants()
         kv.close()
 
@@ -189,5 +190,5 @@ def test_prefix_hit_reports_the_cached_prompt_tokens():
     engine.run([first])
     engine.run([Request("b", SHARED + (7,), SamplingParams(max_new_tokens=2))])
     page = engine.kv.prefix.tokens_per_block
-    assert engine.prefix_hit("a") == 0
-    assert engine.prefix_hit("b") == len(SHARED) // page * page > 0
+    assert engine.records.prefix_hit("a") == 0
+    assert engine.records.prefix_hit("b") == len(SHARED) // page * page > 0

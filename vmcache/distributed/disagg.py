@@ -206,11 +206,7 @@ def _admit(engine, arrival) -> None:
         raise ValueError(f"the prefill worker's request description is invalid: {exc}") from exc
     forks = min(len(entries) - 1, kv.num_free_slots)
     slots = [arrival.slot] + (kv.fork(arrival.slot, forks) if forks else [])
-    rid = req.req_id
-    if rid not in engine.outputs:
-        engine.outputs[rid] = [None] * req.params.n
-        engine.finish_reasons[rid] = [None] * req.params.n
-        engine.times[rid] = [time.perf_counter(), time.perf_counter(), None]
+    engine.records.adopt(req, time.perf_counter())
     for i, (index, tokens, generated, state) in enumerate(entries):
         seq = engine._seq(req, index, tokens)
         seq.generator.set_state(state)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vmcache.engine.records import Records
 from vmcache.engine.request import Request, SamplingParams, Seq, Status, model_eos_ids
 from vmcache.engine.runner import ModelRunner
 from vmcache.engine.scheduler import Scheduler
@@ -74,14 +75,27 @@ class Engine:
         self.speculation = None  # drafts proposed before scheduling, verified after
         if speculative is not None:
             self.speculation = Speculation(speculative, cache, self.vocab, self.stats.spec)
-        self.outputs: dict[str, list[list[int] | None]] = {}  # req_id -> n token lists
-        self.finish_reasons: dict[str, list[str | None]] = {}  # req_id -> "stop" / "length"
-        self._pending_forks: dict[str, int] = {}  # req_id -> sequences still to create
-        self._seqs: dict[str, dict[int, Seq]] = {}  # req_id -> its sequences made so far
-        self.times: dict[str, list] = {}  # req_id -> [arrival, first token, finish] (perf_counter)
+        # every request's sequences, outputs, finish reasons and times, until released
+        # (a server reads its streams' deltas there: records.new_tokens / prefix_hit / release)
+        self.records = Records()
         # called with (seq, its forked siblings) once a prompt is prefilled and sampled, for
         # those still running (vmcache.distributed.disagg hands them to a decode worker)
         self.on_prefilled: Callable[[Seq, list[Seq]], None] | None = None
+
+    @property
+    def outputs(self) -> dict[str, list[list[int] | None]]:
+        """req_id -> its n token lists (None while that sequence runs)."""
+        return self.records.outputs
+
+    @property
+    def finish_reasons(self) -> dict[str, list[str | None]]:
+        """req_id -> why each sequence finished ("stop", "length", "abort"; None: running)."""
+        return self.records.finish_reasons
+
+    @property
+    def times(self) -> dict[str, list]:
+        """req_id -> [arrival, first token, finish] (``time.perf_counter()`` seconds)."""
+        return self.records.times
 
     def check_request(self, req: Request) -> None:
         """Raise what :meth:`add_request` would for ``req`` (``TypeError`` / ``ValueError``:
@@ -113,12 +127,7 @@ class Engine:
         """Queue a request (arrived at ``arrival_s``, a ``time.perf_counter()`` value; now by
         default); bad input raises here (:meth:`check_request`), before anything changes."""
         self.check_request(req)
-        self.outputs[req.req_id] = [None] * req.params.n
-        self.finish_reasons[req.req_id] = [None] * req.params.n
-        self.times[req.req_id] = [time.perf_counter() if arrival_s is None else arrival_s,
-                                  None, None]  # fmt: skip
-        self._pending_forks[req.req_id] = req.params.n - 1
-        self._seqs[req.req_id] = {}
+        self.records.open(req, arrival_s)
         self.scheduler.waiting.append(self._seq(req, 0, list(req.prompt)))
 
     def _seq(self, req: Request, index: int, tokens: list[int]) -> Seq:
@@ -126,7 +135,7 @@ class Engine:
         g = torch.Generator().manual_seed(p.seed * 1_000_003 + index)
         stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
         seq = Seq(req, index, list(tokens), g, stop_ids=stops)
-        self._seqs.setdefault(req.req_id, {})[index] = seq
+        self.records.register(seq)
         return seq
 
     def _sample(self, logits: torch.Tensor, seq: Seq) -> int:
@@ -142,21 +151,13 @@ class Engine:
         self.stats.generated_tokens += 1
         reason = seq.done()
         if reason is not None:
-            seq.finish_reason = reason
-            self.finish_reasons[seq.req.req_id][seq.index] = reason
-            self.kv.free(seq.slot)
-            self.scheduler.running.remove(seq)
-            seq.slot, seq.status = None, Status.FINISHED
-            out = self.outputs[seq.req.req_id]
-            out[seq.index] = seq.generated
-            if all(o is not None for o in out):
-                self.times[seq.req.req_id][2] = time.perf_counter()
+            self._drop(seq, reason)
 
     def _fork_siblings(self, seq: Seq, logits: torch.Tensor) -> list[Seq]:
         """After a request's prefill: its other n−1 sequences share the prompt's pages
         (returned: those that got a slot)."""
         rid = seq.req.req_id
-        want = self._pending_forks.pop(rid, 0)
+        want = self.records.pending_forks.pop(rid, 0)
         if not want:
             return []
         sched = self.scheduler
@@ -299,18 +300,7 @@ class Engine:
         else:
             sched.waiting.remove(seq)
         seq.slot, seq.status, seq.finish_reason = None, Status.FINISHED, reason
-        rid = seq.req.req_id
-        self.finish_reasons[rid][seq.index] = reason
-        self.outputs[rid][seq.index] = list(seq.generated)
-
-    def _seqs_of(self, req_id: str) -> list[Seq]:
-        """The sequences of ``req_id`` still queued (running, waiting or swapped)."""
-        return [s for s in self._seqs.get(req_id, {}).values() if s.status is not Status.FINISHED]
-
-    def _record(self, req_id: str) -> list[str | None]:
-        if req_id not in self.outputs:
-            raise KeyError(f"no request {req_id!r} was added (or it was released)")
-        return self.finish_reasons[req_id]
+        self.records.finish(seq, reason)
 
     def abort(self, req_id: str) -> bool:
         """Drop request ``req_id`` now (between steps): its running sequences freed (pages
@@ -319,20 +309,16 @@ class Engine:
         draft model's slots freed. What it generated so far stays in :attr:`outputs`, with
         the finish reason ``"abort"``. Returns False when nothing of it was left (finished
         or aborted before); ``KeyError`` for an id never added."""
-        reasons, seqs = self._record(req_id), self._seqs[req_id]
-        live = [s for s in seqs.values() if s.status is not Status.FINISHED]
-        unmade = [i for i, r in enumerate(reasons) if r is None and i not in seqs]
-        self._pending_forks.pop(req_id, None)
+        live, unmade = self.records.live(req_id), self.records.unmade(req_id)
+        self.records.pending_forks.pop(req_id, None)
         if not live and not unmade:
             return False
         for seq in live:
             self._drop(seq, "abort")
-        for i in unmade:  # forks never made
-            reasons[i], self.outputs[req_id][i] = "abort", []
+        self.records.give_up(req_id, unmade, "abort")
         if self.speculation is not None:
             self.speculation.finish(self.scheduler.running)  # a draft model's slots of these freed
         self.stats.aborted_requests += 1
-        self.times[req_id][2] = time.perf_counter()
         return True
 
     def stop(self, req_id: str, index: int = 0) -> bool:
@@ -340,8 +326,8 @@ class Engine:
         server matched a stop string in its text): freed as :meth:`abort` frees; the
         request's other sequences run on. False if it had finished already; ``KeyError`` /
         ``ValueError`` for an unknown request or an index whose sequence is not made yet."""
-        reasons = self._record(req_id)
-        seq = self._seqs[req_id].get(index)
+        self.records.reasons(req_id)
+        seq = self.records.seqs[req_id].get(index)
         if seq is None:
             raise ValueError(f"request {req_id!r} has no sequence {index} (yet)")
         if seq.status is Status.FINISHED:
@@ -349,32 +335,7 @@ class Engine:
         self._drop(seq, "stop")
         if self.speculation is not None:
             self.speculation.finish(self.scheduler.running)
-        if all(r is not None for r in reasons):
-            self.times[req_id][2] = time.perf_counter()
         return True
-
-    def new_tokens(self, req_id: str, seen: list[int]) -> list[list[int]]:
-        """The tokens each of ``req_id``'s sequences generated after its first ``seen[i]``
-        (a streaming server's delta; a fork not made yet has none). Read between steps."""
-        self._record(req_id)
-        seqs = self._seqs[req_id]
-        return [seqs[i].generated[k:] if i in seqs else [] for i, k in enumerate(seen)]
-
-    def prefix_hit(self, req_id: str) -> int:
-        """Prompt tokens ``req_id``'s first admission found in the prefix cache (0 before)."""
-        self._record(req_id)
-        first = self._seqs[req_id].get(0)
-        return first.prefix_hit or 0 if first is not None else 0
-
-    def release(self, req_id: str) -> tuple[list[list[int]], list[str]]:
-        """Forget a finished request (a server's memory stays flat; its id can be used
-        again): returns its outputs and finish reasons. ``ValueError`` while it runs."""
-        reasons = self._record(req_id)
-        if any(r is None for r in reasons):
-            raise ValueError(f"request {req_id!r} has not finished; abort it first")
-        for store in (self._seqs, self.times, self._pending_forks):
-            store.pop(req_id, None)
-        return self.outputs.pop(req_id), self.finish_reasons.pop(req_id)
 
     def serve(self, requests: list[Request], arrivals_s: list[float]) -> dict:
         """Open loop: request ``i`` is added ``arrivals_s[i]`` seconds (wall clock) after the

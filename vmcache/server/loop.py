@@ -206,7 +206,7 @@ class EngineLoop:
         finished requests released."""
         engine = self.engine
         for rid, live in list(self._live.items()):
-            new = engine.new_tokens(rid, live.seen)
+            new = engine.records.new_tokens(rid, live.seen)
             reasons = engine.finish_reasons[rid]
             for i, toks in enumerate(new):
                 if live.finish[i] is None and (toks or reasons[i] is not None):
@@ -237,7 +237,7 @@ class EngineLoop:
     def _end(self, live: _Live, reason: str | None) -> None:
         """A request is done (finished, aborted or failed): usage to its sink, released."""
         rid = live.req.req_id
-        done = Done(len(live.req.prompt), sum(live.seen), self.engine.prefix_hit(rid))
+        done = Done(len(live.req.prompt), sum(live.seen), self.engine.records.prefix_hit(rid))
         self._forget(live, rid)
         if reason != "abort":
             live.sink(done)
@@ -250,7 +250,7 @@ class EngineLoop:
     def _forget(self, live: _Live, rid: str | None) -> None:
         if rid is not None:
             self._live.pop(rid, None)
-            self.engine.release(rid)
+            self.engine.records.release(rid)
         with self._lock:
             self._outstanding -= live.req.params.n
 
@@ -262,7 +262,7 @@ class EngineLoop:
                 pass
             self._live.pop(live.req.req_id, None)
             try:
-                self.engine.release(live.req.req_id)
+                self.engine.records.release(live.req.req_id)
             except Exception:
                 pass
             with self._lock:
