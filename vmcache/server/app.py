@@ -50,8 +50,18 @@ class _Subscription:
         except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
             pass
 
-    async def next(self, timeout_s: float):
-        return await asyncio.wait_for(self._queue.get(), timeout_s)
+    async def next(self, deadline: float):
+        """The next event; None after ``PING_S`` without one (time to ping, or to look at
+        the client); ``TimeoutError`` past ``deadline`` (``time.monotonic()``)."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        try:
+            return await asyncio.wait_for(self._queue.get(), min(PING_S, left))
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise
+            return None
 
 
 class _Stream(StreamingResponse):
@@ -191,15 +201,13 @@ class Server:
         deadline = time.monotonic() + self.request_timeout_s
         while True:
             try:
-                ev = await sub.next(min(PING_S, max(deadline - time.monotonic(), 0.001)))
+                ev = await sub.next(deadline)
             except TimeoutError:
-                if time.monotonic() >= deadline:
-                    err = APIError(504, "the request timed out", type="server_error")
-                    yield _sse(err.body())
-                    return
+                yield _sse(APIError(504, "the request timed out", type="server_error").body())
+                return
+            if ev is None:
                 yield ": ping\n\n"  # noticed by a write if the client is gone
-                continue
-            if isinstance(ev, Delta):
+            elif isinstance(ev, Delta):
                 ch = protocol.choice(kind, ev.index, ev.text, ev.finish_reason, delta=True)
                 yield _sse(protocol.envelope(kind, name, model, created, [ch], chunk=True))
             elif isinstance(ev, Done):
@@ -220,11 +228,14 @@ class Server:
         deadline = time.monotonic() + self.request_timeout_s
         while True:
             try:
-                ev = await sub.next(min(PING_S, max(deadline - time.monotonic(), 0.001)))
+                ev = await sub.next(deadline)
+                gone = ev is None and await request.is_disconnected()
             except TimeoutError:
-                if time.monotonic() >= deadline or await request.is_disconnected():
-                    self.loop.abort(rid)
-                    return _error(APIError(504, "the request timed out", type="server_error"))
+                gone = True
+            if gone:
+                self.loop.abort(rid)
+                return _error(APIError(504, "the request timed out", type="server_error"))
+            if ev is None:
                 continue
             if isinstance(ev, Delta):
                 texts[ev.index] += ev.text
