@@ -80,7 +80,7 @@ def run_point(dev, spec, batch, ctx, iters) -> list[dict]:
         cands["paged/triton"] = lambda: kernels.decode(pg, 0, q, seqs[1], impl="triton")
     kvs = [(k_plain[b, :ctx], v_plain[b, :ctx]) for b in range(batch)]
     cands["contiguous/sdpa on torch.empty"] = lambda: sdpa_per_sequence(q, [1] * batch, kvs, None)
-    cands["paged/torch (gather+sdpa)"] = lambda: kernels.decode(pg, 0, q, seqs[1], impl="torch")
+    cands["paged/sdpa (gather+sdpa)"] = lambda: kernels.decode(pg, 0, q, seqs[1], impl="sdpa")
     rows = [timed_row(name, fn, dev, iters, batch, ctx, kv_bytes) for name, fn in cands.items()]
     base = {r["impl"].split(" on ")[0]: r["us"] for r in rows if r["impl"].endswith("torch.empty")}
     for r in rows:
@@ -130,9 +130,9 @@ QUANT = {"fp8": (torch.float8_e4m3fn, "head"), "int8-token": (torch.int8, "token
 def quantized_rows(dev, spec, batch, ctx, iters, q, k_plain, v_plain, base_rows) -> list[dict]:
     """The FP8 / INT8 twins: the cache's own decode path over quantized K/V, and its time
     over the same impl's on the compute-dtype caches (``vs_bf16``)."""
-    impl_vm, impl_pg = ("triton", "triton") if dev.type == "cuda" else ("sdpa", "torch")
+    impl_vm, impl_pg = ("triton", "triton") if dev.type == "cuda" else ("sdpa", "sdpa")
     names = {"vm": f"contiguous/{impl_vm} on vmcache", "paged": "paged/triton"
-             if dev.type == "cuda" else "paged/torch (gather+sdpa)"}  # fmt: skip
+             if dev.type == "cuda" else "paged/sdpa (gather+sdpa)"}  # fmt: skip
     base = {r["impl"]: r["us"] for r in base_rows}
     rows = []
     for tag, (kv_dtype, granularity) in QUANT.items():

@@ -50,26 +50,26 @@ def one(head_dim, kv_heads, storage, layout, backend) -> dict:
     with VMKVCache(spec, REQUESTS, SYSTEM + OWN, layout=layout, backend=be, own_backend=True,
                    prefix_caching=True) as c:  # fmt: skip
         row = spec.bytes_per_token_per_layer * (LAYERS if layout == "token_major" else 1)
-        ix = c.prefix
+        ix = c.prefix.index
         for r in range(REQUESTS):
             tokens = system + [30_000 + r] * OWN
             s = c.new_sequence(prefix_tokens=tokens)
             hit = c.seq_len(s)
             c.grow(s, len(tokens) - hit, token_ids=tokens[hit:])
-            c.cache_prefix(s)
+            c.prefix.publish(s)
             if r:
                 hits.append(hit)
             tables = 2 * LAYERS if layout == "layer_major" else 2
-            mapped = tables * -(-len(tokens) * row // c.page_size)
+            mapped = tables * -(-len(tokens) * row // c.config.page_size)
             pages.append(mapped)
-            waste.append(mapped * c.page_size - len(tokens) * spec.bytes_per_token)
+            waste.append(mapped * c.config.page_size - len(tokens) * spec.bytes_per_token)
         st = c.stats()
         physical = st.physical_pages
     enlarged = math.lcm(granule, row)
     big = -(-page // enlarged) * enlarged  # the least whole-token page >= the default
     big_pages = tables * -(-(SYSTEM + OWN) * row // big)
     return {"head_dim": head_dim, "kv_heads": kv_heads, "storage": storage, "layout": layout,
-            "backend": backend, "row_bytes": row, "page_bytes": c.page_size,
+            "backend": backend, "row_bytes": row, "page_bytes": c.config.page_size,
             "pages_per_block": ix.pages_per_table, "tokens_per_block": ix.tokens_per_block,
             "hit_tokens": sum(hits), "shareable_tokens": (REQUESTS - 1) * SYSTEM,
             "hit_pct": 100 * sum(hits) / ((REQUESTS - 1) * SYSTEM),

@@ -47,6 +47,7 @@ from common import add_out_arg, save
 
 from vmcache.bench.compute_real import QUESTIONS, SYSTEM
 from vmcache.bench.real import NAME
+from vmcache.sequences.invariants import check_invariants
 
 LEVELS = {1: 8, 4: 16, 16: 32, 64: 64}  # concurrent clients -> requests sent
 NEW = 64
@@ -296,9 +297,9 @@ def soak(n: int, clients: int = 32, seed: int = 0, cache: str = "vm", new: int =
 
         def inspect_(e):
             kv = e.kv
-            kv.check_invariants()
-            return {"pages_used_after": kv.pool.num_used,
-                    "prefix_cached_pages": kv.prefix.stats().cached_pages,
+            check_invariants(kv)
+            return {"pages_used_after": kv.elastic.used_pages,
+                    "prefix_cached_pages": kv.prefix.index.stats().cached_pages,
                     "sequences_after": len(kv.sequences), "engine_records_after": len(e.outputs),
                     "swap_bytes_held": kv.swap.held_bytes, "invariants": "held"}  # fmt: skip
 

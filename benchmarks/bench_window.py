@@ -66,7 +66,7 @@ def run(kind: str, model, ids: torch.Tensor, checkpoints: list[int]):
             rows.append({"cache": kind, "tokens": pos, "kv_bytes": held_bytes(kind, cache)})
     if kind != "dynamic":  # the bound: one page per sliding table past the minimum
         kv = cache.kv
-        slack = sum(len(g.ids) for g in kv._groups if g.sliding) * kv.page_bytes
+        slack = sum(len(g.ids) for g in kv._groups if g.sliding) * kv.config.page_bytes
         for r in rows:
             r["slack_bytes"] = slack
     return rows, logits

@@ -38,6 +38,7 @@ from vmcache.kernels import triton_decode, triton_prefill  # noqa: E402
 from vmcache.kernels.common import layer_window, packed_trees  # noqa: E402
 from vmcache.kernels.plan import plan  # noqa: E402
 from vmcache.paged_fallback import PagedKVCache  # noqa: E402
+from vmcache.paged_fallback.cache import layers_per_table  # noqa: E402
 
 from vmcache import KVSpec, VMKVCache  # noqa: E402
 from vmcache.memory.backends.host import HostBackend  # noqa: E402
@@ -88,7 +89,7 @@ class CompileOnlyDriver:
 def build(mode: str, spec: KVSpec, max_len: int = 5000):
     """A cache laid out as on the GPU, two live sequences; returns (cache, seq_ids)."""
     if mode == "paged":
-        tables = spec.num_layers // PagedKVCache.layers_per_table(spec)
+        tables = spec.num_layers // layers_per_table(spec)
         cache = PagedKVCache(spec, num_blocks=2 * tables * -(-max_len // 16), block_size=16,
                              max_seq_len=max_len, max_seqs=4)  # fmt: skip
     else:
@@ -103,8 +104,13 @@ def build(mode: str, spec: KVSpec, max_len: int = 5000):
 
 def _views(cache, mode: str, p, layer: int):
     if mode == "paged":
-        return cache.k_pool(layer), cache.v_pool(layer), p.tables, cache.block_size
-    return cache.k_cache(layer), cache.v_cache(layer), p.slots, 1
+        return (
+            cache.views.k_pool(layer),
+            cache.views.v_pool(layer),
+            p.tables,
+            cache.config.block_size,
+        )
+    return cache.views.k_cache(layer), cache.views.v_cache(layer), p.slots, 1
 
 
 def decode_launches(cache, mode: str, seqs: list[int], layer: int = 0) -> list:
@@ -117,7 +123,7 @@ def decode_launches(cache, mode: str, seqs: list[int], layer: int = 0) -> list:
     _, runs = triton_decode.launches(q, k, v, table, p.lens, max_len=p.max_kv,
                                      paged=mode == "paged", block=block,
                                      window=layer_window(cache, layer),
-                                     kv_scales=cache.kv_scales_for(layer))  # fmt: skip
+                                     kv_scales=cache.views.kv_scales_for(layer))  # fmt: skip
     return runs
 
 
@@ -140,7 +146,7 @@ def prefill_launches(cache, mode: str, seqs: list[int], layer: int = 0,
     _, runs = triton_prefill.launches(q, k, v, table, p.lens, p.starts, max_q=p.max_q,
                                       paged=mode == "paged", block=block,
                                       window=layer_window(cache, layer),
-                                      kv_scales=cache.kv_scales_for(layer), tree_masks=packed,
+                                      kv_scales=cache.views.kv_scales_for(layer), tree_masks=packed,
                                       mask_starts=p.mask_starts)  # fmt: skip
     return runs
 

@@ -24,6 +24,7 @@ from vmcache import CacheFull, KVSpec, VMKVCache
 from vmcache.memory.backends import make_backend
 from vmcache.memory.backends.host import HostBackend
 from vmcache.memory.backends.strict import CUDA_GRANULARITY, StrictBackend
+from vmcache.sequences.invariants import check_invariants
 
 
 def spec_for(page_size: int) -> KVSpec:
@@ -66,7 +67,7 @@ def check_all(c, seqs, check, violations: list[str], where: str) -> None:
     for s in seqs:
         check(s, "periodic")
     try:
-        c.check_invariants()
+        check_invariants(c)
     except AssertionError as exc:
         violations.append(f"{where}: invariant broken: {exc!r}")
 
@@ -77,10 +78,10 @@ def finish(c, seqs, check) -> int:
     for s in list(seqs):
         check(s, "final")
         c.free(s)
-    if c.prefix is not None:
-        c.prefix.clear()
+    if c.prefix.index is not None:
+        c.prefix.index.clear()
     st = c.stats()
-    c.check_invariants()
+    check_invariants(c)
     c.close()
     return st.total_pages - st.free_pages
 
@@ -89,7 +90,7 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
     """Run ``ops`` random operations; returns counts, operations/s and violations."""
     rng = random.Random(seed)
     c = make()
-    dev = c.device
+    dev = c.config.device
     spec = c.spec
     H, D = spec.num_kv_heads, spec.head_dim
     shadow: dict[int, torch.Tensor] = {}  # seq -> [N_L, 2, len, H, D] on the CPU
@@ -136,7 +137,7 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
                 shadow[s] = torch.zeros(spec.num_layers, 2, 0, H, D)
             elif op == "grow" and seqs:
                 s = rng.choice(seqs)
-                n = min(rng.randint(1, 70), c.max_seq_len - shadow[s].shape[2])
+                n = min(rng.randint(1, 70), c.config.max_seq_len - shadow[s].shape[2])
                 c.grow(s, n)
                 shadow[s] = torch.cat([shadow[s], torch.zeros(spec.num_layers, 2, n, H, D)], 2)
                 if s in dirty and n:  # unknown bytes (a truncated tail): make them known
@@ -196,7 +197,7 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
                 check(s, op)
             elif op == "reserve" and seqs:
                 s = rng.choice(seqs)
-                c.memory.reserve(s, rng.randint(1, 100))  # best effort, changes no content
+                c.elastic.reserve(s, rng.randint(1, 100))  # best effort, changes no content
                 check(s, op)
             elif op == "write_group" and seqs:
                 live = [x for x in seqs if shadow[x].shape[2]]
@@ -213,7 +214,7 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
             done[op] = done.get(op, 0) + 1
         except CacheFull:
             counts["cachefull"] += 1
-            slots_short = op in ("new", "fork") and c.num_free_slots < 3
+            slots_short = op in ("new", "fork") and c.elastic.free_slots < 3
             counts["slots_full" if slots_short else "pool_full"] += 1
         if i % check_every == 0:
             check_all(c, shadow, check, violations, f"op {i}")

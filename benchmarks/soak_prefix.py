@@ -111,7 +111,7 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 200) -> dict:
             elif op == "append" and seqs:
                 s = rng.choice(seqs)
                 ids = prompt(1)
-                if len(tokens[s]) + len(ids) > c.max_seq_len:
+                if len(tokens[s]) + len(ids) > c.config.max_seq_len:
                     continue
                 append(s, ids)
                 check(s, op)
@@ -139,7 +139,7 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 200) -> dict:
                 c.free(s)
                 del tokens[s]
             elif op == "cache_prefix" and seqs:
-                c.cache_prefix(rng.choice(seqs))
+                c.prefix.publish(rng.choice(seqs))
             elif op == "swap_out" and seqs:
                 s = rng.choice(seqs)
                 swapped.append((c.swap.out(s), tokens.pop(s)))
@@ -150,12 +150,12 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 200) -> dict:
                 tokens[s] = ids
                 check(s, op)
             elif op == "evict":
-                c.prefix.reclaim(rng.randint(1, 8))
+                c.prefix.index.reclaim(rng.randint(1, 8))
             else:
                 continue
             done[op] = done.get(op, 0) + 1
         except CacheFull:
-            slots_short = op in ("new", "fork") and not c.num_free_slots
+            slots_short = op in ("new", "fork") and not c.elastic.free_slots
             counts["slots_full" if slots_short else "pool_full"] += 1
         if i % check_every == 0:
             check_all(c, tokens, check, violations, f"op {i}")

@@ -24,21 +24,29 @@ def _module(cache):
     raise TypeError(f"cache must be a VMKVCache or PagedKVCache, got {type(cache).__name__}")
 
 
-def decode(cache, layer: int, q: torch.Tensor, seq_ids, scale=None, impl=None) -> torch.Tensor:
+def decode(cache, layer: int, q: torch.Tensor, seq_ids, scale=None, impl=None,
+           plans: dict | None = None) -> torch.Tensor:  # fmt: skip
+    """One token a sequence. ``plans``: the step's plan memo (FlashInfer's wrapper): a dict the
+    caller holds for one step and passes to every layer's call, so only the first layer
+    builds and uploads the step's metadata (:func:`~vmcache.kernels.plan.plan`); None uses
+    the one ``cache.views.plans`` keeps."""
     mod = _module(cache)
     seq_ids = check_inputs(cache, layer, q, seq_ids)
-    return mod.decode(cache, layer, q, seq_ids, scale=scale, impl=impl)
+    return mod.decode(cache, layer, q, seq_ids, scale=scale, impl=impl, plans=plans)
 
 
-def prefill(cache, layer: int, q, seq_ids, q_lens, scale=None, impl=None) -> torch.Tensor:
+def prefill(cache, layer: int, q, seq_ids, q_lens, scale=None, impl=None,
+            plans: dict | None = None) -> torch.Tensor:  # fmt: skip
+    """Packed new tokens over each sequence's cached prefix; ``plans`` as in :func:`decode`."""
     mod = _module(cache)
     q_lens = [int(x) for x in q_lens]
     seq_ids = check_inputs(cache, layer, q, seq_ids, q_lens)
-    return mod.prefill(cache, layer, q, seq_ids, q_lens, scale=scale, impl=impl)
+    return mod.prefill(cache, layer, q, seq_ids, q_lens, scale=scale, impl=impl, plans=plans)
 
 
 def attend(cache, layer: int, q, seq_ids, q_lens, scale=None, impl=None,
-           softcap: float | None = None, masks=None, batch=None) -> torch.Tensor:  # fmt: skip
+           softcap: float | None = None, masks=None, batch=None,
+           plans: dict | None = None) -> torch.Tensor:  # fmt: skip
     """Packed variable-length attention (q ``[Σ q_lens, N_Q, d_h]``): :func:`decode` when
     every sequence brings one token, else :func:`prefill`. ``softcap`` (logit soft-capping,
     Gemma 2) has no fused kernel here: it runs the per-sequence torch path on any device.
@@ -48,6 +56,8 @@ def attend(cache, layer: int, q, seq_ids, q_lens, scale=None, impl=None,
     built, and where the default would be the per-sequence SDPA path (the CPU; ``impl``
     None or ``"batched"``), the whole step runs as one gather and one SDPA call per kind of
     sequence (:func:`~vmcache.kernels.batched.attend_batch`), softcap included.
+
+    ``plans``: the step's plan memo, as in :func:`decode`.
 
     ``masks[i]`` (token trees): None for a causal sequence, or bool ``[q_lens[i], q_lens[i]]``,
     row j true at the tree tokens query j sees (itself and its ancestors; see
@@ -72,27 +82,28 @@ def attend(cache, layer: int, q, seq_ids, q_lens, scale=None, impl=None,
     if impl == "batched":
         raise ValueError("impl 'batched' needs the step's batch (cache.batch(...))")
     if trees:
-        return _attend_trees(cache, layer, q, seq_ids, q_lens, scale, impl, softcap, masks)
-    if softcap is not None and impl not in (None, "sdpa", "torch"):
-        raise ValueError(f"impl {impl!r} has no logit soft-capping; use None or 'torch'")
+        return _attend_trees(cache, layer, q, seq_ids, q_lens, scale, impl, softcap, masks,
+                             plans)  # fmt: skip
+    if softcap is not None and impl not in (None, "sdpa"):
+        raise ValueError(f"impl {impl!r} has no logit soft-capping; use None or 'sdpa'")
     _module(cache)
     q_lens = [int(x) for x in q_lens]
     seq_ids = check_inputs(cache, layer, q, seq_ids, q_lens)
-    return _run(cache, layer, q, seq_ids, q_lens, scale, impl, softcap)
+    return _run(cache, layer, q, seq_ids, q_lens, scale, impl, softcap, plans)
 
 
-def _run(cache, layer, q, seq_ids, q_lens, scale, impl, softcap):
+def _run(cache, layer, q, seq_ids, q_lens, scale, impl, softcap, plans=None):
     """:func:`attend` on inputs already checked: the per-sequence torch path with
     ``softcap``, else decode when every sequence brings one token, else prefill."""
     if softcap is not None:
         return attend_cache_views(cache, layer, q, seq_ids, q_lens, scale, softcap)
     mod = _module(cache)
     if all(n == 1 for n in q_lens):
-        return mod.decode(cache, layer, q, seq_ids, scale=scale, impl=impl)
-    return mod.prefill(cache, layer, q, seq_ids, q_lens, scale=scale, impl=impl)
+        return mod.decode(cache, layer, q, seq_ids, scale=scale, impl=impl, plans=plans)
+    return mod.prefill(cache, layer, q, seq_ids, q_lens, scale=scale, impl=impl, plans=plans)
 
 
-def _attend_trees(cache, layer, q, seq_ids, q_lens, scale, impl, softcap, masks):
+def _attend_trees(cache, layer, q, seq_ids, q_lens, scale, impl, softcap, masks, plans=None):
     q_lens = [int(x) for x in q_lens]
     seq_ids = check_inputs(cache, layer, q, seq_ids, q_lens)
     if len(masks) != len(seq_ids):
@@ -106,7 +117,7 @@ def _attend_trees(cache, layer, q, seq_ids, q_lens, scale, impl, softcap, masks)
     small = all(m is None or m.shape[0] <= MAX_TREE_TOKENS for m in masks)
     if softcap is None and (impl == "triton" or (impl is None and q.is_cuda and small)):
         return _module(cache).prefill(cache, layer, q, seq_ids, q_lens, scale=scale,
-                                      impl="triton", masks=masks)  # fmt: skip
+                                      impl="triton", masks=masks, plans=plans)  # fmt: skip
     starts = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
     rows = [torch.arange(starts[i], starts[i + 1]) for i in range(len(q_lens))]
     tree = [i for i, m in enumerate(masks) if m is not None]
@@ -119,5 +130,5 @@ def _attend_trees(cache, layer, q, seq_ids, q_lens, scale, impl, softcap, masks)
     if rest:
         pick = torch.cat([rows[i] for i in rest]).to(q.device)
         out[pick] = _run(cache, layer, q[pick], [seq_ids[i] for i in rest],
-                         [q_lens[i] for i in rest], scale, impl, softcap)  # fmt: skip
+                         [q_lens[i] for i in rest], scale, impl, softcap, plans)  # fmt: skip
     return out

@@ -22,8 +22,8 @@ def check_inputs(cache, layer: int, q: torch.Tensor, seq_ids, q_lens=None) -> li
             f"q must be [tokens, N_Q, {spec.head_dim}] with N_Q a multiple of "
             f"{spec.num_kv_heads}, got {list(q.shape)}"
         )
-    if q.device.type != cache.device.type:
-        raise ValueError(f"q must be on {cache.device}, got {q.device}")
+    if q.device.type != cache.config.device.type:
+        raise ValueError(f"q must be on {cache.config.device}, got {q.device}")
     if len(set(seq_ids)) != len(seq_ids):
         raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
     lens = [cache.seq_len(s) for s in seq_ids]
@@ -38,7 +38,7 @@ def check_inputs(cache, layer: int, q: torch.Tensor, seq_ids, q_lens=None) -> li
                 raise ValueError(f"sequence {s}: q_len {ql} must be in [1, seq_len={n}]")
     elif any(n < 1 for n in lens):
         raise ValueError("decode needs every sequence to hold at least one token")
-    cache._check_layer(layer)
+    cache.views.check_layer(layer)
     return seq_ids
 
 

@@ -91,11 +91,11 @@ def flat_rows(x: torch.Tensor, l_row: int) -> torch.Tensor:
     return x.as_strided((x.shape[0] * l_row, x.shape[2], x.shape[3]), (t_stride, x.stride(2), 1))
 
 
-def _aten_fa2(cache, layer, q, seq_ids, q_lens, scale):
-    p = plan(cache, seq_ids, q_lens, varlen=True, layer=layer)
-    l_row, w = cache.layer_row_tokens(layer), layer_window(cache, layer)
-    k = flat_rows(cache.k_cache(layer), l_row)
-    v = flat_rows(cache.v_cache(layer), l_row)
+def _aten_fa2(cache, layer, q, seq_ids, q_lens, scale, plans):
+    p = plan(cache, seq_ids, q_lens, varlen=True, layer=layer, plans=plans)
+    l_row, w = cache.views.layer_row_tokens(layer), layer_window(cache, layer)
+    k = flat_rows(cache.views.k_cache(layer), l_row)
+    v = flat_rows(cache.views.v_cache(layer), l_row)
     window = {} if w is None else dict(window_size_left=w - 1, window_size_right=0)
     out = torch.ops.aten._flash_attention_forward(
         q.index_select(0, p.perm), k, v, p.cu_q, p.cu_k, p.max_q, p.max_kv, 0.0, True, False,
@@ -104,8 +104,9 @@ def _aten_fa2(cache, layer, q, seq_ids, q_lens, scale):
     return out.index_select(0, p.inv)
 
 
-def decode(cache, layer, q, seq_ids, scale=None, impl=None):
-    """q: ``[B, N_Q, d_h]`` → ``[B, N_Q, d_h]``; attends over each sequence's whole length."""
+def decode(cache, layer, q, seq_ids, scale=None, impl=None, plans=None):
+    """q: ``[B, N_Q, d_h]`` → ``[B, N_Q, d_h]``; attends over each sequence's whole length.
+    ``plans``: the step's plan memo (:func:`~vmcache.kernels.plan.plan`)."""
     quantized = cache.spec.quantized
     impl = impl or available_impls(q, quantized)[0]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -114,25 +115,26 @@ def decode(cache, layer, q, seq_ids, scale=None, impl=None):
     if quantized and impl not in ("triton", "sdpa"):
         raise ValueError(f"impl {impl!r} cannot read FP8/INT8 K/V; use 'triton' or 'sdpa'")
     if impl == "aten_fa2":
-        return _aten_fa2(cache, layer, q, seq_ids, [1] * len(seq_ids), scale)
+        return _aten_fa2(cache, layer, q, seq_ids, [1] * len(seq_ids), scale, plans)
     if impl == "sdpa":
         return attend_cache_views(cache, layer, q, seq_ids, [1] * len(seq_ids), scale)
-    p = plan(cache, seq_ids, [1] * len(seq_ids), layer=layer)
+    p = plan(cache, seq_ids, [1] * len(seq_ids), layer=layer, plans=plans)
     w = layer_window(cache, layer)
     if impl == "flash_attn":  # window_size=(W − 1, 0): keys (p − W, p], FA reads no others
         window = (-1, -1) if w is None else (w - 1, 0)
-        out = _flash_attn()(q.unsqueeze(1), cache.k_cache(layer), cache.v_cache(layer),
+        out = _flash_attn()(q.unsqueeze(1), cache.views.k_cache(layer), cache.views.v_cache(layer),
                             cache_seqlens=p.lens, cache_batch_idx=p.slots, softmax_scale=scale,
                             causal=True, window_size=window)  # fmt: skip
         return out.squeeze(1)
     return triton_decode.decode(
-        q, cache.k_cache(layer), cache.v_cache(layer), p.slots, p.lens, max_len=p.max_kv,
+        q, cache.views.k_cache(layer), cache.views.v_cache(layer), p.slots, p.lens,
+        max_len=p.max_kv,
         paged=False, block=1, scale=scale, window=w,
-        kv_scales=cache.kv_scales_for(layer),
+        kv_scales=cache.views.kv_scales_for(layer),
     )  # fmt: skip
 
 
-def prefill(cache, layer, q, seq_ids, q_lens, scale=None, impl=None, masks=None):
+def prefill(cache, layer, q, seq_ids, q_lens, scale=None, impl=None, masks=None, plans=None):
     """q packed ``[Σ q_lens, N_Q, d_h]``; causal over the cached prefix plus the new tokens.
     Default: aten FA2 where it runs, else our Triton prefill on CUDA (FP8/INT8 K/V too), else
     SDPA per sequence (dequantized copies for FP8/INT8). ``masks`` (token trees, Triton
@@ -149,13 +151,13 @@ def prefill(cache, layer, q, seq_ids, q_lens, scale=None, impl=None, masks=None)
         raise ValueError(f"impl {impl!r} cannot read FP8/INT8 K/V; use 'triton' or 'sdpa'")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if impl == "aten_fa2":
-        return _aten_fa2(cache, layer, q, seq_ids, list(q_lens), scale)
+        return _aten_fa2(cache, layer, q, seq_ids, list(q_lens), scale, plans)
     if impl == "sdpa":
         return attend_cache_views(cache, layer, q, seq_ids, q_lens, scale)
     trees, packed = packed_trees(masks)
-    p = plan(cache, seq_ids, list(q_lens), layer=layer, trees=trees)
+    p = plan(cache, seq_ids, list(q_lens), layer=layer, trees=trees, plans=plans)
     return triton_prefill.prefill(
-        q, cache.k_cache(layer), cache.v_cache(layer), p.slots, p.lens, p.starts,
+        q, cache.views.k_cache(layer), cache.views.v_cache(layer), p.slots, p.lens, p.starts,
         max_q=p.max_q, paged=False, block=1, scale=scale, window=layer_window(cache, layer),
-        kv_scales=cache.kv_scales_for(layer), tree_masks=packed, mask_starts=p.mask_starts,
+        kv_scales=cache.views.kv_scales_for(layer), tree_masks=packed, mask_starts=p.mask_starts,
     )  # fmt: skip

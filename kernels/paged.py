@@ -8,37 +8,39 @@ from vmcache.kernels.common import attend_cache_views, layer_window, packed_tree
 from vmcache.kernels.plan import plan
 
 
-def decode(cache, layer: int, q, seq_ids: list[int], scale=None, impl=None):
-    """q: ``[B, N_Q, d_h]``; returns ``[B, N_Q, d_h]``. impl: None (auto), "triton", "torch"."""
+def decode(cache, layer: int, q, seq_ids: list[int], scale=None, impl=None, plans=None):
+    """q: ``[B, N_Q, d_h]``; returns ``[B, N_Q, d_h]``. impl: None (auto), "triton", "sdpa"
+    (gather + SDPA per sequence). ``plans``: the step's plan memo (:func:`plan`)."""
     if impl is None:  # interpreted Triton on the CPU is for tests (impl="triton"), never default
-        impl = "triton" if q.is_cuda else "torch"
+        impl = "triton" if q.is_cuda else "sdpa"
     if impl == "triton":
-        p = plan(cache, seq_ids, [1] * len(seq_ids), layer=layer)
+        p = plan(cache, seq_ids, [1] * len(seq_ids), layer=layer, plans=plans)
         return triton_decode.decode(
-            q, cache.k_pool(layer), cache.v_pool(layer), p.tables, p.lens, max_len=p.max_kv,
-            paged=True, block=cache.block_size, scale=scale, window=layer_window(cache, layer),
-            kv_scales=cache.kv_scales_for(layer),
+            q, cache.views.k_pool(layer), cache.views.v_pool(layer), p.tables, p.lens,
+            max_len=p.max_kv, paged=True, block=cache.config.block_size, scale=scale,
+            window=layer_window(cache, layer),
+            kv_scales=cache.views.kv_scales_for(layer),
         )  # fmt: skip
-    if impl == "torch":
+    if impl == "sdpa":
         return attend_cache_views(cache, layer, q, seq_ids, [1] * len(seq_ids), scale)
-    raise ValueError(f"unknown paged decode impl {impl!r}; expected 'triton' or 'torch'")
+    raise ValueError(f"unknown paged decode impl {impl!r}; expected 'triton' or 'sdpa'")
 
 
-def prefill(cache, layer, q, seq_ids, q_lens, scale=None, impl=None, masks=None):
+def prefill(cache, layer, q, seq_ids, q_lens, scale=None, impl=None, masks=None, plans=None):
     """q packed ``[Σ q_lens, N_Q, d_h]``. impl: None (auto: "triton" on CUDA), "triton",
-    "torch" (gather + SDPA per sequence). ``masks`` (token trees, Triton only): see
+    "sdpa" (gather + SDPA per sequence). ``masks`` (token trees, Triton only): see
     :func:`vmcache.kernels.api.attend`."""
     if impl is None:  # interpreted Triton on the CPU is for tests (impl="triton"), never default
-        impl = "triton" if q.is_cuda else "torch"
+        impl = "triton" if q.is_cuda else "sdpa"
     if impl == "triton":
         trees, packed = packed_trees(masks)
-        p = plan(cache, seq_ids, list(q_lens), layer=layer, trees=trees)
+        p = plan(cache, seq_ids, list(q_lens), layer=layer, trees=trees, plans=plans)
         return triton_prefill.prefill(
-            q, cache.k_pool(layer), cache.v_pool(layer), p.tables, p.lens, p.starts,
-            max_q=p.max_q, paged=True, block=cache.block_size, scale=scale,
-            window=layer_window(cache, layer), kv_scales=cache.kv_scales_for(layer),
+            q, cache.views.k_pool(layer), cache.views.v_pool(layer), p.tables, p.lens, p.starts,
+            max_q=p.max_q, paged=True, block=cache.config.block_size, scale=scale,
+            window=layer_window(cache, layer), kv_scales=cache.views.kv_scales_for(layer),
             tree_masks=packed, mask_starts=p.mask_starts,
         )  # fmt: skip
-    if impl == "torch":
+    if impl == "sdpa":
         return attend_cache_views(cache, layer, q, seq_ids, q_lens, scale)
-    raise ValueError(f"unknown paged prefill impl {impl!r}; expected 'triton' or 'torch'")
+    raise ValueError(f"unknown paged prefill impl {impl!r}; expected 'triton' or 'sdpa'")

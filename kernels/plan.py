@@ -6,7 +6,7 @@ the plan (one int32 buffer, one host-to-device copy), the others find it by key,
 layer uploads or synchronises:
 
     key    = (seq_ids, q_lens, kv_lens)           every cache: the lengths the kernels bound
-           + cache._epoch                         PagedKVCache: block tables move on CoW/grow
+           + cache.views.epoch                    PagedKVCache: block tables move on CoW/grow
     slots  [B] int32      sequence ids (VMKVCache rows, block-table rows)
     lens   [B] int32      kv lengths, batch order
     starts [B+1] int32    cumulative q lengths, batch order (the Triton prefill's rows of q)
@@ -46,24 +46,32 @@ class StepPlan:
 
 
 def plan(cache, seq_ids: list[int], q_lens: list[int], *, varlen: bool = False,
-         layer: int = 0, trees: tuple[bool, ...] | None = None) -> StepPlan:  # fmt: skip
+         layer: int = 0, trees: tuple[bool, ...] | None = None,
+         plans: dict | None = None) -> StepPlan:  # fmt: skip
     """The step's plan for ``seq_ids`` (validated by the caller) with ``q_lens`` queries each,
     for the layers that share ``layer``'s block table (PagedKVCache) or row size (VMKVCache);
     ``varlen`` adds the sorted varlen metadata (aten FA2), ``trees`` (a flag per sequence)
     the token trees' mask offsets (the Triton prefill's tree masks). Every field is a view of
-    one int32 buffer, uploaded in one copy. Cached on the cache (``cache._step_plan``, a dict
-    by table / row size, owned here); counted in ``cache._plans_built``."""
-    kv_lens = cache._seqs.lengths(seq_ids)
-    paged = hasattr(cache, "block_tables")
-    variant = cache.table_of_layer(layer) if paged else cache.layer_row_tokens(layer)
-    key = (tuple(seq_ids), tuple(q_lens), tuple(kv_lens), cache._epoch if paged else 0,
+    one int32 buffer, uploaded in one copy. Reads the cache's public views only (lengths,
+    epoch, block rows, the layer's table or row size, the device).
+
+    ``plans``: the memo the caller holds for the step (FlashInfer's wrapper: a dict by table /
+    row size, entries owned here), so the step's later layers find the plan and upload
+    nothing; default: the one ``cache.views.plans`` keeps for callers that hold none. Every
+    plan built is counted in ``cache.views.plans_built``."""
+    cv = cache.views
+    kv_lens = cv.lengths(seq_ids)
+    paged = hasattr(cv, "block_tables")
+    variant = cv.table_of_layer(layer) if paged else cv.layer_row_tokens(layer)
+    key = (tuple(seq_ids), tuple(q_lens), tuple(kv_lens), cv.epoch if paged else 0,
            tuple(trees) if trees else ())  # fmt: skip
-    memo = cache._step_plan if isinstance(cache._step_plan, dict) else {}
+    memo = cv.plans if plans is None else plans
     old = memo.get(variant)
     if old is not None and old.key == key and (old.perm is not None or not varlen):
         return old
-    if old is None or old.key != key:
-        memo = {k: p for k, p in memo.items() if p.key == key}  # another step: drop its plans
+    if old is None or old.key != key:  # another step: drop its plans
+        for k in [k for k, p in memo.items() if p.key != key]:
+            del memo[k]
     b = len(seq_ids)
     starts = [0]
     for n in q_lens:
@@ -77,7 +85,7 @@ def plan(cache, seq_ids: list[int], q_lens: list[int], *, varlen: bool = False,
     width = 0
     if paged:
         t = variant
-        tabs = [[max(p, 0) for p in cache._group_of[t].row(s, t)] for s in seq_ids]  # RELEASED → 0
+        tabs = [[max(p, 0) for p in cv.block_row(s, t)] for s in seq_ids]  # RELEASED → 0
         width = max([len(t) for t in tabs] + [1])
         parts["tables"] = [p for t in tabs for p in t + [0] * (width - len(t))]
     if varlen:
@@ -104,7 +112,7 @@ def plan(cache, seq_ids: list[int], q_lens: list[int], *, varlen: bool = False,
         offsets[name] = len(packed)
         packed += values + [0] * (-len(values) % 4)
     host = torch.tensor(packed, dtype=torch.int32)
-    dev = cache.device
+    dev = cache.config.device
     flat = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host
     views = {name: flat[at : at + len(parts[name])] for name, at in offsets.items()}
     if paged:
@@ -114,6 +122,5 @@ def plan(cache, seq_ids: list[int], q_lens: list[int], *, varlen: bool = False,
                  views.get("cu_q"), views.get("cu_k"), views.get("used_k"),
                  views.get("mask_starts"))  # fmt: skip
     memo[variant] = p
-    cache._step_plan = memo
-    cache._plans_built += 1
+    cv.plans_built += 1
     return p

@@ -28,15 +28,23 @@ from __future__ import annotations
 import math
 
 import torch
+from vmcache.paged_fallback.views import PagedViews
 
 from vmcache.memory.pool import PagePool
+from vmcache.sequences.config import CacheConfig
 from vmcache.sequences.coordinator import SequenceCache, _check_int
+from vmcache.sequences.handoff import TableRuns
 from vmcache.sequences.quant import split_rows
 from vmcache.sequences.spec import KVSpec
 from vmcache.sequences.tables import PageTables
-from vmcache.sequences.transfer import Wire
 
 STAGE_BYTES = 64 << 20  # the most a device-side gather of blocks (tiers, sleep) allocates
+
+
+def layers_per_table(spec: KVSpec) -> int:
+    """G: the layers one block table serves (gcd of the layer counts per attention type;
+    every layer for a model whose layers attend alike). A sequence has N_L / G tables."""
+    return math.gcd(*(len(layers) for _, layers in spec.attention_groups))
 
 
 def block_address(t: int, block_size: int) -> tuple[int, int]:
@@ -94,7 +102,7 @@ class PagedKVCache(SequenceCache):
         if (num_blocks is None) == (pool_bytes is None):
             raise ValueError("give exactly one of num_blocks and pool_bytes")
         per_type = spec.attention_groups
-        G = self.layers_per_table(spec)
+        G = layers_per_table(spec)
         self._layer_at: dict[int, tuple[int, int]] = {}  # layer -> (block table, slot)
         windows = []
         for w, layers in per_type:
@@ -108,8 +116,6 @@ class PagedKVCache(SequenceCache):
         if _check_int("num_blocks", num_blocks) <= 0:
             raise ValueError(f"the pool must hold at least one block, got {num_blocks}")
         dev = torch.device(device)
-        self.block_size = block_size
-        self.num_blocks = num_blocks
         self._layers_per_block = G
         shape = (G, 2, num_blocks, block_size, spec.row_elems)  # stored rows (see quant.py)
         self._kv_pool = torch.zeros(shape, dtype=spec.storage_dtype, device=dev)
@@ -117,58 +123,31 @@ class PagedKVCache(SequenceCache):
                         chunk_pages=num_blocks)  # fmt: skip
         groups = [PageTables([t], w, max_seqs, 1, block_size, rollback_tokens)
                   for t, w in enumerate(windows)]  # fmt: skip
-        super().__init__(
-            spec, max_seqs, max_seq_len, pool, groups=groups, page_bytes=block_bytes,
-            device=dev, swap_bytes=swap_bytes, prefix_caching=prefix_caching,
-            prefix_tiers=prefix_tiers,
-        )  # fmt: skip
+        config = CacheConfig(max_seqs, max_seq_len, dev, block_bytes, "paged", block_size,
+                             num_blocks)  # fmt: skip
+        super().__init__(spec, config, pool, groups=groups, swap_bytes=swap_bytes,
+                         prefix_caching=prefix_caching, prefix_tiers=prefix_tiers)  # fmt: skip
         self._max_blocks_per_seq = -(-max_seq_len // block_size)
+        self.views = PagedViews(self)  # facet: what the kernels read
 
-    @staticmethod
-    def layers_per_table(spec: KVSpec) -> int:
-        """G: the layers one block table serves (gcd of the layer counts per attention type;
-        every layer for a model whose layers attend alike). A sequence has N_L / G tables."""
-        return math.gcd(*(len(layers) for _, layers in spec.attention_groups))
+    # --- kernel-facing views (cache.views reads them) --------------------------------------
+    def _block_pool(self, layer: int, kv: int) -> torch.Tensor:
+        return split_rows(self._rows(layer, kv), self.spec.num_kv_heads, self.spec.head_dim)[0]
 
-    # --- kernel-facing views -----------------------------------------------------------
-    def k_pool(self, layer: int) -> torch.Tensor:
-        """``[num_blocks, B, N_KV, d_h]`` K blocks of ``layer`` (read through the block
-        table of :meth:`table_of_layer`)."""
-        return self._split(self._rows(self._check_layer(layer), 0))
-
-    def v_pool(self, layer: int) -> torch.Tensor:
-        return self._split(self._rows(self._check_layer(layer), 1))
-
-    def _split(self, rows: torch.Tensor) -> torch.Tensor:
-        return split_rows(rows, self.spec.num_kv_heads, self.spec.head_dim)[0]
-
-    def table_of_layer(self, layer: int) -> int:
-        """The block table ``layer`` reads (0 unless the model mixes attention types)."""
-        return self._layer_at[self._check_layer(layer)][0]
-
-    def block_tables(self, seq_ids: list[int], layer: int = 0) -> torch.Tensor:
-        """``[len(seq_ids), max_blocks]`` int32 on the device: ``layer``'s block tables,
-        padded with 0, and 0 where a sliding window released a block (kernels read neither:
-        they stop at each sequence's length and start at its window)."""
-        t = self.table_of_layer(layer)
-        tabs = [self._group_of[t].row(self._check_seq(s), t) for s in seq_ids]
-        width = max([len(r) for r in tabs] + [1])
-        out = torch.zeros((len(tabs), width), dtype=torch.int32)
-        for i, r in enumerate(tabs):
-            out[i, : len(r)] = torch.tensor(r, dtype=torch.int32).clamp_(min=0)
-        return out.to(self.device)
+    def _table_of_layer(self, layer: int) -> int:
+        return self._layer_at[layer][0]
 
     def _slots(self, s: int, t: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(start, start + n)
         table = torch.tensor(self._group_of[t].row(s, t), dtype=torch.long)
-        return table[pos // self.block_size].to(self.device), (pos % self.block_size).to(
-            self.device
-        )
+        return table[pos // self.config.block_size].to(self.config.device), (
+            pos % self.config.block_size
+        ).to(self.config.device)
 
     def kv(self, layer: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[seq_len − w, N_KV, d_h]`` K and V of sequence ``s`` from ``w =
         window_start(layer, s)`` (a gather: blocks are scattered)."""
-        w, n = self.window_start(layer, s), self._seqs.length(s)
+        w, n = self._window_start(layer, s), self._seqs.length(s)
         t, slot = self._layer_at[layer]
         blocks, offs = self._slots(s, t, w, n - w)
         k, v = self._kv_pool[slot, 0, blocks, offs], self._kv_pool[slot, 1, blocks, offs]
@@ -200,8 +179,8 @@ class PagedKVCache(SequenceCache):
         rows = [self._group_of[t].row(s, t) for s in uniq.tolist()]
         width = max(len(r) for r in rows)
         tab = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
-        blocks = tab[inv].gather(1, positions // self.block_size)
-        return blocks * self.block_size + positions % self.block_size
+        blocks = tab[inv].gather(1, positions // self.config.block_size)
+        return blocks * self.config.block_size + positions % self.config.block_size
 
     def _store(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         t, slot = self._layer_at[layer]
@@ -212,11 +191,11 @@ class PagedKVCache(SequenceCache):
     def _load(self, layer: int, s: int, positions: torch.Tensor):
         t, slot = self._layer_at[layer]
         table = torch.tensor(self._group_of[t].row(s, t), dtype=torch.long)
-        blocks = table[positions // self.block_size].to(self.device)
-        offs = (positions % self.block_size).to(self.device)
+        blocks = table[positions // self.config.block_size].to(self.config.device)
+        offs = (positions % self.config.block_size).to(self.config.device)
         return self._kv_pool[slot, 0, blocks, offs], self._kv_pool[slot, 1, blocks, offs]
 
-    def _wire(self, s: int, t: int, j0: int, length: int) -> Wire:
+    def _runs(self, s: int, t: int, j0: int, length: int) -> TableRuns:
         """One view per block per layer slot and K/V (``[B, R]``; the last block to
         ``length`` only), as block-granular transfers go; packed: the full blocks gathered by
         one index, then the last block's tokens.
@@ -225,13 +204,13 @@ class PagedKVCache(SequenceCache):
             views:   for slot g, for K then V: b0, b1, b2[:used]   (stored rows [n, R])
             packed:  pool[:, :, [b0, b1]] (G, 2, 2, B, R)  +  pool[:, :, b2, :used]
         """
-        B, pool = self.block_size, self._kv_pool
+        B, pool = self.config.block_size, self._kv_pool
         blocks = self._group_of[t].row(s, t)[j0 : -(-length // B)]
         used = length - (j0 + len(blocks) - 1) * B if blocks else 0
         sizes = [B] * (len(blocks) - 1) + [used] * bool(blocks)
         views = [pool[g, kv, b, :n] for g in range(pool.shape[0]) for kv in (0, 1)
                  for b, n in zip(blocks, sizes)]  # fmt: skip
-        full = torch.tensor(blocks[:-1], dtype=torch.long, device=self.device)
+        full = torch.tensor(blocks[:-1], dtype=torch.long, device=self.config.device)
         full_shape = pool.shape[:2] + (len(full),) + pool.shape[3:]
         tail_shape = pool.shape[:2] + (used,) + pool.shape[4:]
 
@@ -249,17 +228,17 @@ class PagedKVCache(SequenceCache):
             if blocks:
                 pool[:, :, blocks[-1], :used] = buf[cut:].view(tail_shape)
 
-        return Wire(views, gather, scatter)
+        return TableRuns(views, gather, scatter)
 
     # --- prefix tier hooks (vmcache.prefix.tiers): a block's bytes across its slots and K/V ----
     def _read_pages(self, pages: list[int], pin: bool = False) -> torch.Tensor:
         """uint8 ``[len(pages), page_bytes]`` host copy of ``pages`` (blocks across slots and
         K/V), gathered on the device in bounded chunks (:data:`STAGE_BYTES`), so a sleep of
         the whole pool needs no second pool's worth of device memory."""
-        out = torch.empty((len(pages), self.page_bytes), dtype=torch.uint8, pin_memory=pin)
+        out = torch.empty((len(pages), self.config.page_bytes), dtype=torch.uint8, pin_memory=pin)
         for i in range(0, len(pages), self._stage_blocks):
             chunk = pages[i : i + self._stage_blocks]
-            idx = torch.tensor(chunk, dtype=torch.long, device=self.device)
+            idx = torch.tensor(chunk, dtype=torch.long, device=self.config.device)
             blocks = self._kv_pool[:, :, idx].movedim(2, 0)  # [n, G, 2, B, ...]: one temporary
             dst = out[i : i + len(chunk)].view(self._kv_pool.dtype).view(blocks.shape)
             dst.copy_(blocks)  # strided source, straight into the host rows
@@ -269,16 +248,16 @@ class PagedKVCache(SequenceCache):
         pool = self._kv_pool
         for i in range(0, len(pages), self._stage_blocks):
             chunk = pages[i : i + self._stage_blocks]
-            idx = torch.tensor(chunk, dtype=torch.long, device=self.device)
+            idx = torch.tensor(chunk, dtype=torch.long, device=self.config.device)
             shape = (len(chunk),) + pool.shape[:2] + pool.shape[3:]
-            part = data[i : i + len(chunk)].to(self.device).contiguous()
+            part = data[i : i + len(chunk)].to(self.config.device).contiguous()
             pool[:, :, idx] = part.view(pool.dtype).view(shape).movedim(0, 2)
 
     @property
     def _stage_blocks(self) -> int:
-        return max(1, STAGE_BYTES // self.page_bytes)
+        return max(1, STAGE_BYTES // self.config.page_bytes)
 
-    # --- sleep / wake hooks (vmcache.elastic) ------------------------------------------
+    # --- sleep / wake hooks (cache.elastic) ---------------------------------------------
     def _device_bytes(self) -> int:
         return self._kv_pool.untyped_storage().nbytes()
 
@@ -286,7 +265,7 @@ class PagedKVCache(SequenceCache):
         saved = self._read_pages(live) if keep else None
         nbytes = self._device_bytes()
         self._kv_pool.untyped_storage().resize_(0)  # k_pool / v_pool views share it
-        if self.device.type == "cuda":  # back to the device, not to torch's cache of blocks
+        if self.config.device.type == "cuda":  # back to the device, not to torch's cache of blocks
             torch.cuda.empty_cache()
         return saved, nbytes
 
@@ -298,8 +277,8 @@ class PagedKVCache(SequenceCache):
             self._write_pages(live, saved)
 
     def close(self) -> None:
-        self._close_tiers()
-        if self.pool.asleep:
+        self.prefix.close_tiers()
+        if self._pool.asleep:
             return
         for s in self.sequences:
             self.free(s)

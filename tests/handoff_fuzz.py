@@ -6,7 +6,7 @@ its cache is as it was (another sequence's K/V, pages, slots, invariants).
 Both ranks draw the same trials from one seed. Each trial runs in a fresh process group (a
 deadline closes gloo's connection; leftovers of a broken trial never reach the next one).
 The hostile peer never sends a message *longer* than the receive the receiver posts: gloo
-ends the receiving process on that (see vmcache/distributed/transfer.py); shorter ones, any
+ends the receiving process on that (see vmcache/distributed/handoff.py); shorter ones, any
 content, any header, any order of stopping are fair.
 """
 
@@ -21,8 +21,9 @@ from handoff_scenarios import KINDS, _same, build, fill, state
 
 from vmcache import CacheFull
 from vmcache.distributed import TransferError, recv_sequence, send_sequence, wire
-from vmcache.distributed import transfer as T
+from vmcache.distributed import handoff as T
 from vmcache.memory.budget import LocalBudget
+from vmcache.sequences.invariants import check_invariants
 
 DEADLINE_S = 1.0  # the receiver's
 HOSTILE_WAIT_S = 0.3  # how long the hostile peer waits on its own messages
@@ -48,8 +49,8 @@ def _h_recv(t, g):
 
 
 def _valid(c, s, extra):
-    m = c.transfer.manifest(s)
-    runs = T._runs(c.transfer.wires(s), False)
+    m = c.handoff.manifest(s)
+    runs = T._buffers(c.handoff.runs(s), False)
     meta = wire.encode_meta(m.firsts, m.token_ids, m.salt, extra)
     header = [T.MAGIC, T.VERSION, T.OK, m.length, len(runs), sum(r.numel() for r in runs),
               len(meta), T.layout_key(c)]  # fmt: skip
@@ -58,7 +59,7 @@ def _valid(c, s, extra):
 
 def _meta_field(rng, c, s):
     """A meta with one field made hostile (the header's byte count kept consistent)."""
-    m = c.transfer.manifest(s)
+    m = c.handoff.manifest(s)
     firsts, ids, salt = list(m.firsts), m.token_ids, m.salt
     what = rng.choice(["first", "ids", "salt tag", "salt len", "extra json", "extra deep",
                        "extra nan", "extra long", "groups"])  # fmt: skip
@@ -189,12 +190,12 @@ def fuzz(rank: int, trials: int, seed: int) -> list:
             try:
                 arrival = recv_sequence(c, 0, g, timeout_s=DEADLINE_S)
                 outcome, why = "arrived", ""
-                c.check_invariants()
+                check_invariants(c)
                 c.free(arrival.slot)
             except (TransferError, CacheFull) as exc:
                 outcome, why = type(exc).__name__, str(exc)[:160]
             took = time.monotonic() - t0
-            c.check_invariants()
+            check_invariants(c)
             after = state(c)
             if outcome == "arrived":  # cumulative counters moved; nothing else may have
                 after["stats"] = before["stats"]
@@ -237,7 +238,7 @@ def _commit_lost(rank, c, s):
         outcome = type(exc).__name__
     finally:
         T._send = real
-    c.check_invariants()
+    check_invariants(c)
     dist.barrier()
     return {"kind": "vm", "step": "commit lost", "outcome": outcome, "why": "commit",
             "seconds": 0.0, "same": _same(before, state(c))}  # fmt: skip
@@ -278,7 +279,7 @@ def _full_after_accept(rank, c, s):
         outcome = "arrived"
     except (CacheFull, TransferError) as exc:
         outcome = type(exc).__name__
-    r.check_invariants()
+    check_invariants(r)
     same = _same(before, state(r))
     r.close()
     dist.barrier()

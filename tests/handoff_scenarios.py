@@ -13,7 +13,8 @@ from caches import WINDOWED, paged, vm
 
 from vmcache import CacheFull
 from vmcache.distributed import TransferError, recv_sequence, send_sequence
-from vmcache.distributed import transfer as wire
+from vmcache.distributed import handoff as wire
+from vmcache.sequences.invariants import check_invariants
 
 KINDS = {
     "vm": lambda **kw: vm(pages=96, **kw),
@@ -28,17 +29,17 @@ def state(c) -> dict:
     layers = range(c.spec.num_layers)
     return {
         "stats": c.stats(),
-        "refcounts": [c.pool.refcount(p) for p in range(c.pool.num_pages)],
-        "seqs": {s: (c.transfer.manifest(s), c.page_table(s)) for s in c.sequences},
+        "refcounts": [c._pool.refcount(p) for p in range(c._pool.num_pages)],
+        "seqs": {s: (c.handoff.manifest(s), c.views.page_table(s)) for s in c.sequences},
         "kv": {s: [torch.cat(c.kv(layer, s)).clone() for layer in layers] for s in c.sequences},
     }
 
 
 def content(c, s) -> dict:
     layers = range(c.spec.num_layers)
-    m = c.transfer.manifest(s)
+    m = c.handoff.manifest(s)
     return {"manifest": (m.length, m.firsts, m.token_ids, m.salt),
-            "window_starts": [c.window_start(layer, s) for layer in layers],
+            "window_starts": [c.views.window_start(layer, s) for layer in layers],
             "kv": [torch.cat(c.kv(layer, s)).clone() for layer in layers]}  # fmt: skip
 
 
@@ -66,8 +67,8 @@ def build(kind, case, gen):
         c = KINDS[kind](prefix_caching=True)
         a = c.new_sequence(salt="tenant-a")
         fill(c, a, 70, gen)
-        c.cache_prefix(a)
-        b = c.new_sequence(prefix_tokens=c.transfer.manifest(a).token_ids[:66], salt="tenant-a")
+        c.prefix.publish(a)
+        b = c.new_sequence(prefix_tokens=c.handoff.manifest(a).token_ids[:66], salt="tenant-a")
         fill(c, b, 9, gen)  # b maps a's full pages (shared), then its own
         return c, b
     c = KINDS[kind]()
@@ -100,14 +101,15 @@ def pair(rank: int) -> dict:
                     st = send_sequence(c, s, 1, packed=packed, extra={"req": key})
                     out[key] = {"sent": content(c, s), "before": before, "after": state(c),
                                 "stats": st, "plan": wire.plan_handoff(c, s, packed)}  # fmt: skip
-                    c.check_invariants()
+                    check_invariants(c)
                 else:
                     c = receiver_for(kind, case)
                     arrival = recv_sequence(c, 0)
-                    c.check_invariants()
+                    check_invariants(c)
                     s = arrival.slot
                     out[key] = {"got": content(c, s), "extra": arrival.extra,
-                                "stats": arrival.stats, "pages": c.mapped_pages(s)}  # fmt: skip
+                                "stats": arrival.stats,
+                                "pages": c.elastic.mapped_pages(s)}  # fmt: skip
                 c.close()
         out[(kind, "refusals")] = refusals(rank, kind, gen)
     return out
@@ -126,12 +128,12 @@ def refusals(rank, kind, gen) -> dict:
             except (CacheFull, TransferError, KeyError) as exc:
                 res[name] = type(exc).__name__
             res[name + "_same"] = _same(before, state(c))
-        c.check_invariants()
+        check_invariants(c)
         c.close()
         return res
     c = KINDS[kind]()
     hog = c.new_sequence()  # leaves fewer pages than a 45-token sequence maps
-    while c.pool.num_available >= c.pages_for_tokens(45):
+    while c._pool.num_available >= c.elastic.pages_for_tokens(45):
         if not c.can_grow(hog, 8):
             hog = c.new_sequence()
         c.grow(hog, 8)
@@ -146,7 +148,7 @@ def refusals(rank, kind, gen) -> dict:
         except (CacheFull, TransferError) as exc:
             res[name] = type(exc).__name__
         res[name + "_same"] = _same(before, state(c))
-        c.check_invariants()
+        check_invariants(c)
     c.close()
     return res
 
@@ -216,5 +218,5 @@ def lost_peer(rank: int, kind: str) -> dict:
 
 
 def _ok(c) -> bool:
-    c.check_invariants()
+    check_invariants(c)
     return True

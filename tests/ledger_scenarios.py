@@ -9,6 +9,7 @@ from caches import SPEC, strict_host
 
 from vmcache import CacheFull, VMKVCache
 from vmcache.memory.ledger import SharedBudget
+from vmcache.sequences.invariants import check_invariants
 
 TOTAL = 24  # pages in the shared budget
 MIN0 = 4  # rank 0's guaranteed minimum
@@ -77,12 +78,12 @@ def shared(rank: int, path: str) -> dict:
         out["held_1_after"] = budget.held
         for s in seqs + more:
             c.free(s)
-        out["trimmed"] = c.memory.trim()
+        out["trimmed"] = c.elastic.trim()
         out["held_1_trimmed"] = budget.held
     dist.barrier(group=pair)
     if rank == 0:
         out["room_0_after_trim"] = budget.available()
-    c.check_invariants()
+    check_invariants(c)
     for s in c.sequences:
         c.free(s)
     c.close()

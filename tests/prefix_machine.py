@@ -19,6 +19,7 @@ from hypothesis.stateful import (
 from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import CacheFull, VMKVCache
+from vmcache.sequences.invariants import check_invariants
 
 PREFIX_COVERAGE: dict[str, Counter] = {}  # kind -> lookups, hits, hit tokens, swap_in
 
@@ -84,7 +85,7 @@ class PrefixMachine(RuleBasedStateMachine):
         s = self.c.new_sequence(prefix_tokens=self.seeded)
         append(self.c, s, self.seeded[self.c.seq_len(s) :] + [0] * (P // 2))
         self.c.free(s)  # indexes its full pages
-        assert self.c.prefix.stats().cached_pages > 0
+        assert self.c.prefix.index.stats().cached_pages > 0
 
     def _pages(self, chunks):
         P = tpp(self.c)
@@ -94,9 +95,9 @@ class PrefixMachine(RuleBasedStateMachine):
     def teardown(self):
         for s in list(self.tokens):
             self.c.free(s)
-        self.c.prefix.clear()
+        self.c.prefix.index.clear()
         assert self.c.stats().physical_pages == 0
-        self.c.check_invariants()
+        check_invariants(self.c)
 
     seqs = property(lambda self: sorted(self.tokens))
 
@@ -135,7 +136,7 @@ class PrefixMachine(RuleBasedStateMachine):
         s = data.draw(st.sampled_from(self.seqs))
         ids = self._ids(data, 3)
         n = len(ids)
-        if not ids or len(self.tokens[s]) + n > self.c.max_seq_len:
+        if not ids or len(self.tokens[s]) + n > self.c.config.max_seq_len:
             return
         try:
             append(self.c, s, ids)
@@ -169,7 +170,7 @@ class PrefixMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def grow_as_can_grow_says(self, data):
         s = data.draw(st.sampled_from(self.seqs))
-        ids = self._ids(data, 5)[: self.c.max_seq_len - len(self.tokens[s])]
+        ids = self._ids(data, 5)[: self.c.config.max_seq_len - len(self.tokens[s])]
         if ids:
             self._grow_checked(s, ids)
 
@@ -179,8 +180,8 @@ class PrefixMachine(RuleBasedStateMachine):
         """Grow the live sequences a page at a time until the pool (after evicting what
         it can) refuses; can_grow is checked at every step."""
         for s in self.seqs:
-            while len(self.tokens[s]) < self.c.max_seq_len:
-                ids = self._ids(data, 1)[: self.c.max_seq_len - len(self.tokens[s])]
+            while len(self.tokens[s]) < self.c.config.max_seq_len:
+                ids = self._ids(data, 1)[: self.c.config.max_seq_len - len(self.tokens[s])]
                 if ids and not self._grow_checked(s, ids):
                     return
 
@@ -240,14 +241,14 @@ class PrefixMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def cache_prefix(self, data):
-        self.c.cache_prefix(data.draw(st.sampled_from(self.seqs)))
+        self.c.prefix.publish(data.draw(st.sampled_from(self.seqs)))
 
     @rule(n=st.integers(1, 30))
     def evict(self, n):
-        in_use = {p for s in self.tokens for t in self.c.page_table(s) for p in t}
-        before = set(self.c.prefix.references())
-        self.c.prefix.reclaim(n)
-        evicted = before - set(self.c.prefix.references())
+        in_use = {p for s in self.tokens for t in self.c.views.page_table(s) for p in t}
+        before = set(self.c.prefix.index.references())
+        self.c.prefix.index.reclaim(n)
+        evicted = before - set(self.c.prefix.index.references())
         assert not evicted & in_use  # never a page a sequence maps
 
     @invariant()
@@ -256,4 +257,4 @@ class PrefixMachine(RuleBasedStateMachine):
             assert self.c.seq_len(s) == len(ids)
             k, v = self.c.kv(1, s)
             assert torch.equal(k, kv_of(ids)) and torch.equal(v, -k)
-        self.c.check_invariants()
+        check_invariants(self.c)

@@ -61,7 +61,7 @@ def disagg(rank: int) -> dict:
             engine = Engine(m, cache(kind, pages=pages), max_batch_tokens=48)
             got = serve_disaggregated(engine, requests(), packed=packed)
             res = {"outputs": got, "log": engine.handoff_log.as_dict(),
-                   "left": engine.kv.pool.num_used, "stats": engine.stats.as_dict()}  # fmt: skip
+                   "left": engine.kv._pool.num_used, "stats": engine.stats.as_dict()}  # fmt: skip
             if rank == 0:
                 ref = Engine(m, cache(kind, pages=prefill_pages), max_batch_tokens=48)
                 res["single"] = ref.run(requests())
@@ -71,7 +71,7 @@ def disagg(rank: int) -> dict:
     engine = Engine(m, cache("vm", pages=pages), max_batch_tokens=48,
                     speculative=NgramDrafter(k=4) if rank == 1 else None)  # fmt: skip
     got = serve_disaggregated(engine, requests())
-    out["speculative"] = {"outputs": got, "left": engine.kv.pool.num_used,
+    out["speculative"] = {"outputs": got, "left": engine.kv._pool.num_used,
                           "stats": engine.stats.as_dict()}  # fmt: skip
     return out
 
@@ -90,7 +90,7 @@ def tp(rank: int, ckpt: str) -> dict:
         def step(engine=engine, tables=tables, real_step=real_step):
             real_step()
             kv = engine.kv
-            tables.append({s: (kv.seq_len(s), kv.page_table(s)) for s in kv.sequences})
+            tables.append({s: (kv.seq_len(s), kv.views.page_table(s)) for s in kv.sequences})
 
         engine.step = step
         out[kind] = {"outputs": engine.run(requests()), "tables": tables,

@@ -10,6 +10,7 @@ import torch
 from vmcache import DriverError, KVSpec, VMKVCache
 from vmcache.memory.backends.host import HostBackend
 from vmcache.memory.backends.strict import CUDA_GRANULARITY, PageRuleError, StrictBackend
+from vmcache.sequences.invariants import check_invariants
 
 G = CUDA_GRANULARITY
 
@@ -91,9 +92,9 @@ def test_the_cache_keeps_the_rules_at_2_mib(layout):
     c.beams.truncate(kids[1], 100)
     back = c.swap.restore(c.swap.out(s))
     assert torch.equal(c.kv(0, back)[0], k)
-    c.memory.reserve(back, 3000)
+    c.elastic.reserve(back, 3000)
     c.grow(back, 3000)
-    c.check_invariants()
+    check_invariants(c)
     c.close()
     assert be.mapped_pages() == 0
     be.close()
@@ -114,10 +115,10 @@ def test_printing_a_whole_cache_view_reads_nothing():
         "from vmcache import KVSpec, VMKVCache\n"
         "c = VMKVCache(KVSpec(2, 2, 16, torch.float32), 4, 4096, page_size=4096)\n"
         "s = c.new_sequence(); c.grow(s, 3)\n"
-        "text = repr(c.k_cache(0)) + str(c.v_cache(1)) + repr(c)\n"
+        "text = repr(c.views.k_cache(0)) + str(c.views.v_cache(1)) + repr(c)\n"
         "assert 'CacheView' in text and 'shape=(4, 4096, 2, 16)' in text, text\n"
         "print(c.kv(0, s)[0].sum())  # the valid prefix is a plain tensor and prints\n"
-        "assert type(c.k_cache(0)[s, :3]) is torch.Tensor\n"
+        "assert type(c.views.k_cache(0)[s, :3]) is torch.Tensor\n"
         "print('ok')\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

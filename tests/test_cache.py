@@ -3,6 +3,7 @@ import torch
 
 from vmcache import CacheFull, KVSpec, VMKVCache
 from vmcache.memory.backends.host import process_map_count
+from vmcache.sequences.invariants import check_invariants
 
 
 def rand_kv(spec, n, seed=0):
@@ -31,7 +32,7 @@ def snapshot(cache):
         s: [tuple(t.clone() for t in cache.kv(layer, s)) for layer in range(cache.spec.num_layers)]
         for s in cache.sequences
     }
-    return cache.stats(), {s: cache.page_table(s) for s in cache.sequences}, content
+    return cache.stats(), {s: cache.views.page_table(s) for s in cache.sequences}, content
 
 
 def assert_same(a, b):
@@ -73,7 +74,7 @@ def test_fork_shares_prompt_and_splits_only_tail(make_cache, layout):
             )
             assert (k[1000] == i + 1).all() and (v[1000] == -(i + 1)).all()
     assert c.seq_len(s) == 1000
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_grow_maps_exactly_the_pages_needed(make_cache, small_spec):
@@ -85,7 +86,7 @@ def test_grow_maps_exactly_the_pages_needed(make_cache, small_spec):
         pages = -(-total * tb // 4096)
         assert c.stats().mapped_bytes == 2 * small_spec.num_layers * pages * 4096
         assert c.stats().used_bytes == small_spec.kv_bytes(total)
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_cow_is_total_both_directions(make_cache, small_spec):
@@ -102,7 +103,7 @@ def test_cow_is_total_both_directions(make_cache, small_spec):
     c.write(1, s, 0, k, v)  # the parent writes; children keep the old bytes
     assert torch.equal(c.kv(1, b)[0], c.kv(1, a)[0])
     assert not torch.equal(c.kv(1, b)[0][:3], k)
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_free_returns_every_page(make_cache, small_spec):
@@ -116,7 +117,7 @@ def test_free_returns_every_page(make_cache, small_spec):
         c.free(s)
     st = c.stats()
     assert st.physical_pages == 0 and st.free_pages == st.total_pages
-    c.check_invariants()
+    check_invariants(c)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -136,7 +137,7 @@ def test_swap_round_trip_is_byte_identical(make_cache, dtype):
         assert k2.view(torch.uint8).equal(k.view(torch.uint8)) and torch.equal(v2, v)
     with pytest.raises(ValueError, match="already"):
         c.swap.restore(h)
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_swap_tier_limit_is_cachefull(make_cache, small_spec):
@@ -182,7 +183,7 @@ def test_cachefull_leaves_state_untouched(make_cache, small_spec):
     c.free(s)
     c.grow(child, 1)  # now the tail is private: no split, no new page
     assert c.stats().physical_pages == 8
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_cachefull_on_write_split(make_cache, small_spec):
@@ -213,7 +214,7 @@ def test_lengths_follow_grow_and_free(make_cache, small_spec):
     c.grow(b, 9)
     assert [c.seq_len(a), c.seq_len(b)] == [5, 9] and c.sequences == [a, b]
     c.free(a)
-    assert c.sequences == [b] and c.seq_len(b) == 9 and c.num_free_slots == 2
+    assert c.sequences == [b] and c.seq_len(b) == 9 and c.elastic.free_slots == 2
     with pytest.raises(KeyError):
         c.seq_len(a)
 
@@ -222,7 +223,7 @@ def test_token_major_layer_view_is_strided(make_cache, small_spec):
     c = make_cache(small_spec, layout="token_major")
     s = c.new_sequence()
     written = fill(c, s, 33)
-    k0 = c.k_cache(0)
+    k0 = c.views.k_cache(0)
     assert k0.shape == (8, 256, 2, 16) and not k0.is_contiguous()
     for layer, (k, v) in enumerate(written):
         assert torch.equal(c.kv(layer, s)[0], k) and torch.equal(c.kv(layer, s)[1], v)
@@ -234,7 +235,7 @@ def test_kv_views_are_zero_copy(make_cache, small_spec):
     s = c.new_sequence()
     fill(c, s, 10)
     k, _ = c.kv(1, s)
-    assert k.data_ptr() == c.k_cache(1)[s].data_ptr()
+    assert k.data_ptr() == c.views.k_cache(1)[s].data_ptr()
     k[0].fill_(5.0)  # writes land in the cache's memory
     assert (c.kv(1, s)[0][0] == 5.0).all()
 

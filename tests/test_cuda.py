@@ -10,6 +10,7 @@ from vmcache.kernels.reference import dense_attention
 from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import KVSpec, VMKVCache, kernels
+from vmcache.sequences.invariants import check_invariants
 
 pytestmark = pytest.mark.gpu
 
@@ -83,8 +84,8 @@ def test_cache_fork_cow_swap_on_gpu(layout):
         assert torch.equal(c.kv(0, back)[0][:1000], k) and torch.equal(c.kv(1, back)[1][:1000], -k)
         c.beams.truncate(back, 10)
         c.beams.assign([kids[1]], [back])
-        c.check_invariants()
-        assert "CacheView" in repr(c.k_cache(0))  # printing reads no unmapped memory
+        check_invariants(c)
+        assert "CacheView" in repr(c.views.k_cache(0))  # printing reads no unmapped memory
 
 
 # 2 layers, 8 KV heads, d 128: a 2 MiB page holds 1,024 tokens (layer_major) or 512
@@ -126,13 +127,13 @@ def _every_impl(cache, kind, seqs, written, q_lens, dtype, windows=(None, None))
         ref = torch.stack([dense_attention(q[i : i + 1].cpu().float(),
                                            *(t.float() for t in written[s, layer]), window=w)[0]
                            for i, s in enumerate(seqs)])  # fmt: skip
-        impls = ["triton", "torch"] if kind == "paged" else contiguous.available_impls(q)
+        impls = ["triton", "sdpa"] if kind == "paged" else contiguous.available_impls(q)
         for impl in impls:
             out = kernels.decode(cache, layer, q, seqs, impl=impl).float().cpu()
             torch.testing.assert_close(out, ref, **TOL[dtype], msg=f"decode {impl} L{layer}")
             ran.add(impl)
         pre = (
-            ["triton", "torch"]
+            ["triton", "sdpa"]
             if kind == "paged"
             else [
                 i
@@ -218,7 +219,7 @@ def test_windowed_decode_and_prefill_after_pages_were_unmapped(kind, dtype, shap
                 written[s, layer] = new if old is None else tuple(
                     torch.cat([a, b]) for a, b in zip(old, new))  # fmt: skip
         seqs.append(s)
-    assert cache.window_start(0, seqs[-1]) > 0 and cache.stats().window_released_pages > 0
+    assert cache.views.window_start(0, seqs[-1]) > 0 and cache.stats().window_released_pages > 0
     _every_impl(cache, kind, seqs, written, q_lens, dtype, windows=(w, None))
     torch.cuda.synchronize()
     cache.close()
@@ -245,14 +246,14 @@ def test_handoff_wires_read_and_fill_gpu_pages_in_place(layout):
     assert msgs == (2 * 4 * 157 if layout == "paged" else 8 if layout == "layer_major" else 2)
 
     def fill(t):
-        for src, dst in zip(a.transfer.wires(s), b.transfer.wires(t)):
+        for src, dst in zip(a.handoff.runs(s), b.handoff.runs(t)):
             dst.unpack(src.packed().clone())
 
-    t = b.transfer.adopt(a.transfer.manifest(s), fill)
+    t = b.handoff.adopt(a.handoff.manifest(s), fill)
     for layer in range(4):
         for x, y in zip(a.kv(layer, s), b.kv(layer, t)):
             assert torch.equal(x, y)
-    b.check_invariants()
+    check_invariants(b)
 
 
 @pytest.mark.parametrize("keep", ["host", "none"])
@@ -264,21 +265,21 @@ def test_sleep_releases_device_memory_and_wake_maps_the_same_addresses(keep):
         k = torch.randn(3000, 8, 128, device="cuda", dtype=torch.bfloat16)
         for layer in range(2):
             c.write(layer, s, 0, k, -k)
-        view, ptr = c.k_cache(1), c.k_cache(1).data_ptr()
-        held = c.memory.resident_bytes
+        view, ptr = c.views.k_cache(1), c.views.k_cache(1).data_ptr()
+        held = c.elastic.resident_bytes
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         reserved = torch.cuda.memory_reserved()
-        assert c.memory.sleep(keep=keep) == held and c.memory.resident_bytes == 0
+        assert c.elastic.sleep(keep=keep) == held and c.elastic.resident_bytes == 0
         # no empty_cache(): the copy out allocated nothing on the device (per-run copies into
         # an exact host tensor), and cuMemRelease gave every page back to the device
         assert torch.cuda.memory_reserved() == reserved
         assert torch.cuda.mem_get_info()[0] >= free_before + held
-        c.memory.wake()
-        assert c.k_cache(1).data_ptr() == ptr  # same virtual addresses
+        c.elastic.wake()
+        assert c.views.k_cache(1).data_ptr() == ptr  # same virtual addresses
         want = k if keep == "host" else torch.zeros_like(k)
         assert torch.equal(view[s, :3000], want)  # a view from before sleep reads the bytes
-        c.check_invariants()
+        check_invariants(c)
 
 
 def test_a_paged_sleep_returns_its_block_tensor_to_the_device():
@@ -295,9 +296,9 @@ def test_a_paged_sleep_returns_its_block_tensor_to_the_device():
     torch.cuda.synchronize()
     free_before = torch.cuda.mem_get_info()[0]
     pool_bytes = c._kv_pool.untyped_storage().nbytes()
-    c.memory.sleep(keep="host")
+    c.elastic.sleep(keep="host")
     assert torch.cuda.mem_get_info()[0] >= free_before + pool_bytes - (64 << 20)
-    c.memory.wake()
+    c.elastic.wake()
     assert torch.equal(c.kv(1, s)[0], -k)
     c.close()
 
@@ -321,16 +322,16 @@ def test_prefix_tiers_round_trip_gpu_pages(kind, tmp_path):
     for layer in range(2):
         c.write(layer, s, 0, k, -k)
     c.free(s)
-    c.prefix.clear()  # to disk, one device copy
+    c.prefix.index.clear()  # to disk, one device copy
     s = c.new_sequence(prefix_tokens=ids)
     n = c.seq_len(s)
-    assert n > 0 and c.prefix.stats().tier_hit_tokens == n
+    assert n > 0 and c.prefix.index.stats().tier_hit_tokens == n
     for layer in range(2):
         kk, vv = c.kv(layer, s)
         assert torch.equal(kk, k[:n]) and torch.equal(vv, -k[:n])
-    assert c.tier_stats().device_copies == 2
+    assert c.prefix.tier_stats().device_copies == 2
     c.free(s)
-    c.check_invariants()
+    check_invariants(c)
     c.close()
 
 
@@ -350,6 +351,6 @@ def test_token_trees_run_in_the_triton_prefill_and_match_sdpa(kind):
     q = torch.randn(sum(q_lens), 32, 128, device="cuda").to(torch.bfloat16)
     fast = kernels.attend(cache, 0, q, picked, q_lens, masks=masks).float()
     slow = kernels.attend(cache, 0, q, picked, q_lens, masks=masks,
-                          impl="torch" if kind == "paged" else "sdpa").float()  # fmt: skip
+                          impl="sdpa").float()  # fmt: skip
     torch.testing.assert_close(fast, slow, **TOL[torch.bfloat16])
     cache.close()

@@ -13,6 +13,7 @@ from vmcache.kernels.reference import dense_attention
 from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import KVSpec, VMKVCache, kernels
+from vmcache.sequences.invariants import check_invariants
 
 pytestmark = pytest.mark.gpu
 
@@ -51,7 +52,7 @@ def test_compiled_quantized_decode_matches_the_reference(kind, kv_dtype, granula
         ref = torch.stack([dense_attention(q[i : i + 1].float(),
                                            *(x.float() for x in cache.kv(layer, s)))[0]
                            for i, s in enumerate(seqs)])  # fmt: skip
-        for impl in ("triton", "torch" if kind == "paged" else "sdpa"):
+        for impl in ("triton", "sdpa"):
             out = kernels.decode(cache, layer, q, seqs, impl=impl).float()
             torch.testing.assert_close(out, ref, **TOL, msg=f"{impl} layer {layer}")
     if kind != "paged":
@@ -68,7 +69,7 @@ def test_quantized_prefill_reads_the_bytes_in_triton_and_dequantizes_for_sdpa(ki
     cache, seqs = _fill(kind, spec, [5, 600, 2049])
     q_lens = [3, 17, 64]
     q = torch.randn(sum(q_lens), 32, 128, device="cuda").to(torch.bfloat16)
-    for impl in ("triton", "torch" if kind == "paged" else "sdpa", None):
+    for impl in ("triton", "sdpa", None):
         out = kernels.prefill(cache, 1, q, seqs, q_lens, impl=impl).float()
         start = 0
         for s, n in zip(seqs, q_lens):
@@ -105,7 +106,7 @@ def test_the_engine_over_fp8_on_the_gpu_agrees_across_caches(granularity):
                             max_seq_len=256, max_seqs=8)):  # fmt: skip
         engine = Engine(model, kv)
         outs.append(engine.run(reqs))
-        kv.check_invariants()
+        check_invariants(kv)
         assert engine.stats.as_dict()["generated_tokens"] == 6 * 24
     same = sum(a == b for r in reqs for a, b in zip(outs[0][r.req_id][0], outs[1][r.req_id][0]))
     assert same >= 0.9 * 6 * 24

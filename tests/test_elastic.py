@@ -11,6 +11,7 @@ from hypothesis.stateful import invariant, rule
 from test_interface import COVERAGE, POOLS, CacheMachine, _machine_class
 
 from vmcache import CacheFull
+from vmcache.sequences.invariants import check_invariants
 
 
 def fill(c, s, n, value):
@@ -36,19 +37,21 @@ def test_trim_gives_free_pages_back_and_they_come_back_on_demand():
     a, b = c.new_sequence(), c.new_sequence()
     fill(c, a, 100, 1)
     fill(c, b, 100, 2)
-    held = c.memory.resident_bytes
+    held = c.elastic.resident_bytes
     c.free(b)
     want = contents(c)
-    free_pages = c.pool.num_free
-    released = c.memory.trim()
-    assert released > 0 and c.memory.resident_bytes == held - released
-    assert c.memory.resident_bytes == c.stats().physical_pages * c.page_bytes  # only mapped pages
-    assert c.pool.num_free == free_pages  # what a grow can get is unchanged
+    free_pages = c._pool.num_free
+    released = c.elastic.trim()
+    assert released > 0 and c.elastic.resident_bytes == held - released
+    assert (
+        c.elastic.resident_bytes == c.stats().physical_pages * c.config.page_bytes
+    )  # only mapped pages
+    assert c._pool.num_free == free_pages  # what a grow can get is unchanged
     assert same(want, contents(c))  # mapped pages untouched
     b = c.new_sequence()
     fill(c, b, 100, 3)  # created again, as zeros, then written
     assert torch.equal(c.kv(0, b)[0], torch.full((100, 2, 16), 3.0))
-    c.check_invariants()
+    check_invariants(c)
     c.close()
 
 
@@ -56,24 +59,24 @@ def test_a_lower_limit_refuses_growth_and_a_higher_one_allows_it():
     c = vm(pages=64)
     s = c.new_sequence()
     fill(c, s, 64, 1)  # 2 pages per table, 8 in all
-    c.memory.set_limit(8 * c.page_bytes)
-    assert c.memory.resident_bytes == 8 * c.page_bytes  # the free chunk went back at once
+    c.elastic.set_limit(8 * c.config.page_bytes)
+    assert c.elastic.resident_bytes == 8 * c.config.page_bytes  # the free chunk went back at once
     assert not c.can_grow(s, 32)
     with pytest.raises(CacheFull, match="budget"):
         c.grow(s, 32)
     assert c.seq_len(s) == 64
-    c.memory.set_limit(12 * c.page_bytes)
+    c.elastic.set_limit(12 * c.config.page_bytes)
     assert c.can_grow(s, 32)
     fill(c, s, 32, 2)
-    c.memory.set_limit(0)  # below what is mapped: nothing mapped is touched
-    assert c.seq_len(s) == 96 and c.memory.resident_bytes == 12 * c.page_bytes
+    c.elastic.set_limit(0)  # below what is mapped: nothing mapped is touched
+    assert c.seq_len(s) == 96 and c.elastic.resident_bytes == 12 * c.config.page_bytes
     assert not c.can_grow(s, 32) and c.can_grow(s, 0)
     c.free(s)
-    c.memory.trim()
-    assert c.memory.resident_bytes == 0
-    c.check_invariants()
+    c.elastic.trim()
+    assert c.elastic.resident_bytes == 0
+    check_invariants(c)
     with pytest.raises(ValueError):
-        c.memory.set_limit(-1)
+        c.elastic.set_limit(-1)
     c.close()
 
 
@@ -85,22 +88,22 @@ def test_a_lowered_limit_holds_once_the_sequences_over_it_end(kind):
     a, b = c.new_sequence(), c.new_sequence()
     fill(c, a, 64, 1)
     fill(c, b, 64, 2)
-    used = c.pool.num_used
+    used = c._pool.num_used
     limit = used // 2
-    c.memory.set_limit(limit * c.page_bytes)
-    assert c.pool.num_created == used  # mapped pages stay until their sequences end
+    c.elastic.set_limit(limit * c.config.page_bytes)
+    assert c._pool.num_created == used  # mapped pages stay until their sequences end
     c.free(b)
-    assert c.pool.num_created == max(limit, c.pool.num_used)  # b's pages went back
-    assert c.pool.budget.held == c.pool.num_created
+    assert c._pool.num_created == max(limit, c._pool.num_used)  # b's pages went back
+    assert c._pool.budget.held == c._pool.num_created
     assert not c.can_grow(a, 64)
     with pytest.raises(CacheFull, match="budget"):
         c.grow(a, 64)
     c.free(a)
-    assert c.pool.num_created <= limit
+    assert c._pool.num_created <= limit
     s = c.new_sequence()
     fill(c, s, 16, 3)
-    assert c.pool.num_created <= limit
-    c.check_invariants()
+    assert c._pool.num_created <= limit
+    check_invariants(c)
     c.close()
 
 
@@ -109,14 +112,14 @@ def test_nothing_starts_while_asleep(kind):
     c = FACTORIES[kind]()
     s = c.new_sequence()
     fill(c, s, 8, 1)
-    c.memory.sleep()
-    free_slots = c.num_free_slots
+    c.elastic.sleep()
+    free_slots = c.elastic.free_slots
     with pytest.raises(RuntimeError, match="asleep"):
         c.new_sequence()
     with pytest.raises(RuntimeError, match="asleep"):
         c.new_sequence(prefix_tokens=[1, 2, 3])
-    assert c.num_free_slots == free_slots and c.sequences == [s]
-    c.memory.wake()
+    assert c.elastic.free_slots == free_slots and c.sequences == [s]
+    c.elastic.wake()
     assert c.new_sequence() != s
     c.close()
 
@@ -131,35 +134,35 @@ def test_sleep_and_wake_keep_every_sequence_at_the_same_addresses(kind):
         c.write(layer, a, 0, k, -k)
     (b,) = c.fork(a)
     fill(c, b, 5, 9)  # copy-on-write of the shared tail
-    c.cache_prefix(a)
+    c.prefix.publish(a)
     handle = c.swap.out(c.fork(a)[0])
-    want, tables = contents(c), {s: c.page_table(s) for s in c.sequences}
+    want, tables = contents(c), {s: c.views.page_table(s) for s in c.sequences}
     views = [c.kv(layer, a) for layer in range(2)]  # taken before sleep
     ptrs = [t.data_ptr() for v in views for t in v]
-    released = c.memory.sleep()
-    assert released > 0 and c.memory.asleep
-    if c.memory.releases:
-        assert c.memory.resident_bytes == 0
+    released = c.elastic.sleep()
+    assert released > 0 and c.elastic.asleep
+    if c.elastic.releases:
+        assert c.elastic.resident_bytes == 0
         assert c._backend.live_handles() == 0  # every page released (the strict backend counts)
     else:
         assert c._kv_pool.untyped_storage().nbytes() == 0
     with pytest.raises(RuntimeError, match="asleep"):
         c.grow(a, 1)
     with pytest.raises(RuntimeError, match="asleep"):
-        c.memory.sleep()
-    c.memory.wake()
-    assert not c.memory.asleep
-    assert same(want, contents(c)) and tables == {s: c.page_table(s) for s in c.sequences}
-    if c.memory.releases:  # the same virtual addresses: views taken before read the bytes
+        c.elastic.sleep()
+    c.elastic.wake()
+    assert not c.elastic.asleep
+    assert same(want, contents(c)) and tables == {s: c.views.page_table(s) for s in c.sequences}
+    if c.elastic.releases:  # the same virtual addresses: views taken before read the bytes
         assert [t.data_ptr() for v in views for t in v] == ptrs
         assert torch.equal(views[0][0], k) and torch.equal(views[1][1], -k)
-    assert c.cached_prefix_tokens(list(range(40))) > 0  # the prefix index survived
+    assert c.prefix.cached_tokens(list(range(40))) > 0  # the prefix index survived
     s = c.swap.restore(handle)
     assert torch.equal(c.kv(0, s)[0], k)
-    c.check_invariants()
+    check_invariants(c)
     for s in c.sequences:
         c.free(s)
-    c.prefix.clear()
+    c.prefix.index.clear()
     assert c.stats().physical_pages == 0
     c.close()
 
@@ -172,12 +175,12 @@ def test_sleep_without_keeping_drops_contents_and_the_prefix_index(kind):
     fill(c, s, 0, 0)
     k = torch.ones(40, 2, 16)
     c.write(0, s, 0, k, k)
-    c.cache_prefix(s)
-    c.memory.sleep(keep="none")
-    c.memory.wake()
+    c.prefix.publish(s)
+    c.elastic.sleep(keep="none")
+    c.elastic.wake()
     assert c.seq_len(s) == 40 and not c.kv(0, s)[0].any()  # zeros: nothing was kept
-    assert c.cached_prefix_tokens(list(range(40))) == 0
-    c.check_invariants()
+    assert c.prefix.cached_tokens(list(range(40))) == 0
+    check_invariants(c)
     c.close()
 
 
@@ -185,25 +188,25 @@ def test_wake_over_budget_is_cache_full_and_the_cache_stays_asleep():
     c = vm(pages=64)
     s = c.new_sequence()
     fill(c, s, 64, 5)
-    c.memory.sleep()
-    c.memory.set_limit(4 * c.page_bytes)  # less than its 8 live pages
+    c.elastic.sleep()
+    c.elastic.set_limit(4 * c.config.page_bytes)  # less than its 8 live pages
     with pytest.raises(CacheFull, match="waking"):
-        c.memory.wake()
-    assert c.memory.asleep and c.memory.resident_bytes == 0
-    c.memory.set_limit(64 * c.page_bytes)
-    c.memory.wake()
+        c.elastic.wake()
+    assert c.elastic.asleep and c.elastic.resident_bytes == 0
+    c.elastic.set_limit(64 * c.config.page_bytes)
+    c.elastic.wake()
     assert torch.equal(c.kv(1, s)[0], torch.full((64, 2, 16), 5.0))
-    c.check_invariants()
+    check_invariants(c)
     c.close()
 
 
 def test_bad_sleep_arguments_change_nothing():
     c = paged()
     with pytest.raises(ValueError, match="keep"):
-        c.memory.sleep(keep="disk")
+        c.elastic.sleep(keep="disk")
     with pytest.raises(RuntimeError, match="not asleep"):
-        c.memory.wake()
-    assert not c.memory.asleep
+        c.elastic.wake()
+    assert not c.elastic.asleep
 
 
 class ElasticMachine(CacheMachine):
@@ -213,22 +216,22 @@ class ElasticMachine(CacheMachine):
     @invariant()
     def the_limit_holds(self):
         """Never more pages with memory than the limit, unless mapped ones are over it."""
-        pool = self.c.pool
+        pool = self.c._pool
         assert pool.num_created <= max(pool.budget.limit, pool.num_used) or pool.asleep
 
     @rule(what=st.sampled_from(["lower", "trim", "lift"]), k=st.integers(0, 3))
     def shrink_or_grow(self, what, k):
         """Free pages' memory back (``k`` pages kept), or the limit lowered to what is in
         use + ``k`` pages, or lifted."""
-        c, pool = self.c, self.c.pool
+        c, pool = self.c, self.c._pool
         if what == "trim":
-            free, held = pool.num_free, c.memory.resident_bytes
-            released = c.memory.trim(k * c.page_bytes)
+            free, held = pool.num_free, c.elastic.resident_bytes
+            released = c.elastic.trim(k * c.config.page_bytes)
             assert pool.num_free == free  # released pages can be created again
-            assert not c.memory.releases or c.memory.resident_bytes == held - released
+            assert not c.elastic.releases or c.elastic.resident_bytes == held - released
         elif what in ("lower", "lift"):
             pages = pool.num_used + k if what == "lower" else pool.num_pages
-            c.memory.set_limit(pages * c.page_bytes)
+            c.elastic.set_limit(pages * c.config.page_bytes)
             assert pool.num_free <= max(0, pages - pool.num_used) + len(pool._free)
         self.seen[what] += 1
 
@@ -238,20 +241,20 @@ class ElasticMachine(CacheMachine):
         contents read zeros after (the shadow follows)."""
         c = self.c
         views = {s: [c.kv(layer, s) for layer in range(2)] for s in self.shadow}
-        c.memory.sleep(keep)
-        assert c.memory.asleep and (c.memory.resident_bytes == 0 or not c.memory.releases)
+        c.elastic.sleep(keep)
+        assert c.elastic.asleep and (c.elastic.resident_bytes == 0 or not c.elastic.releases)
         try:
-            c.memory.wake()
+            c.elastic.wake()
         except CacheFull:  # a lowered limit below what is live: lift it, then wake
-            c.memory.set_limit(c.pool.num_pages * c.page_bytes)
-            c.memory.wake()
+            c.elastic.set_limit(c._pool.num_pages * c.config.page_bytes)
+            c.elastic.wake()
         for s, layers in self.shadow.items():
             if keep == "none":
                 for x in layers:
                     x.zero_()
-            elif c.memory.releases:  # views taken before sleep read the same bytes
+            elif c.elastic.releases:  # views taken before sleep read the same bytes
                 for layer, (k, v) in enumerate(views[s]):
-                    want = layers[layer][c.window_start(layer, s) :]
+                    want = layers[layer][c.views.window_start(layer, s) :]
                     known = ~torch.isnan(want)
                     assert torch.equal(torch.stack((k, v), 1)[known], want[known])
         self.seen[f"sleep {keep}"] += 1

@@ -11,6 +11,7 @@ from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import KVSpec, VMKVCache
 from vmcache.engine import Engine, Request, SamplingParams
+from vmcache.sequences.invariants import check_invariants
 
 CFG = LlamaConfig(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -92,7 +93,7 @@ def test_greedy_equals_generate_under_preemption(model, kind, pages, policy):
     assert (st.preempt_swap if policy == "swap" else st.preempt_recompute) > 0
     assert st.preempt_swap * (policy == "recompute") == 0
     assert (st.swap_bytes > 0) == (policy == "swap")
-    engine.kv.check_invariants()
+    check_invariants(engine.kv)
     assert engine.kv.stats().physical_pages == 0 and not engine.kv.sequences
 
 
@@ -197,7 +198,7 @@ def test_prefix_caching_changes_no_output_and_skips_shared_prefill(model, kind):
     full = 70 // kv.prefix.tokens_per_block * kv.prefix.tokens_per_block
     assert cached.stats.prefix_hit_tokens == 3 * full
     assert cached.stats.prefill_tokens == plain.stats.prefill_tokens - 3 * full
-    kv.check_invariants()
+    check_invariants(kv)
 
 
 def test_a_fully_cached_prompt_recomputes_only_its_last_token(model):
@@ -212,7 +213,7 @@ def test_a_fully_cached_prompt_recomputes_only_its_last_token(model):
     assert engine.run([Request("b", prompt, SamplingParams(max_new_tokens=6))])["b"] == [want]
     assert engine.stats.prefix_hit_tokens == 63
     assert kv.stats().cow_copies > copies  # the shared tail page was split, not overwritten
-    kv.check_invariants()
+    check_invariants(kv)
 
 
 @pytest.mark.parametrize("kind", ["vm", "paged"])
@@ -223,7 +224,7 @@ def test_map_ahead_changes_no_output(model, kind):
                    map_ahead=False)  # fmt: skip
     assert ahead.run(reqs) == plain.run(reqs)
     assert ahead.stats.premapped_pages > 0 and plain.stats.premapped_pages == 0
-    ahead.kv.check_invariants()
+    check_invariants(ahead.kv)
     assert ahead.kv.stats().physical_pages == 0
 
 
@@ -307,7 +308,7 @@ def test_chunked_prefill_changes_no_output(model, kind, budget):
     assert engine.run(reqs) == {rid: [t] for rid, t in reference(model, reqs).items()}
     assert all(sum(f) <= budget for f in fed), fed
     assert len(fed) >= -(-60 // budget)  # the longest prompt alone needs that many steps
-    engine.kv.check_invariants()
+    check_invariants(engine.kv)
 
 
 @pytest.mark.parametrize("kind", ["vm", "paged"])
@@ -322,7 +323,7 @@ def test_requests_sharing_a_prefix_in_one_step_share_it(model, kind):
     full = 70 // kv.prefix.tokens_per_block * kv.prefix.tokens_per_block
     assert engine.stats.prefix_waits >= 3 and engine.stats.prefix_hit_tokens == 3 * full
     assert engine.stats.prefill_tokens == sum(len(r.prompt) for r in reqs) - 3 * full
-    kv.check_invariants()
+    check_invariants(kv)
 
 
 def test_slot_limited_admission_and_forks_without_free_slots(model):

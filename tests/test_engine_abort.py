@@ -16,6 +16,7 @@ from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import VMKVCache
 from vmcache.engine import Engine, NgramDrafter, Request, SamplingParams
+from vmcache.sequences.invariants import check_invariants
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +51,8 @@ def drained(engine):
     assert not engine.scheduler.has_work()
     assert kv.sequences == []
     assert kv.swap.held_bytes == 0
-    kv.check_invariants()
-    assert kv.pool.num_used == 0  # no prefix caching here: nothing may hold a page
+    check_invariants(kv)
+    assert kv._pool.num_used == 0  # no prefix caching here: nothing may hold a page
 
 
 @pytest.mark.parametrize("policy", ["swap", "recompute"])
@@ -78,7 +79,7 @@ def test_aborts_between_steps_give_everything_back(model, kind, policy):
                 assert engine.abort(rid)
                 aborted.add(rid)
                 assert not engine.records.live(rid)
-                engine.kv.check_invariants()
+                check_invariants(engine.kv)
         drained(engine)
         for r in requests:
             reasons = engine.finish_reasons[r.req_id]

@@ -13,6 +13,7 @@ from vmcache.paged_fallback import PagedKVCache
 from vmcache import VMKVCache
 from vmcache.engine import Engine, NgramDrafter
 from vmcache.hf import VMCache
+from vmcache.sequences.invariants import check_invariants
 
 FP8 = dataclasses.replace(SPEC, kv_dtype=torch.float8_e4m3fn)
 INT8_TOKEN = dataclasses.replace(SPEC, kv_dtype=torch.int8, kv_granularity="token")
@@ -39,7 +40,7 @@ def test_the_engine_over_fp8_kv_gives_the_drop_ins_tokens(model, kind, pages, sp
     reqs = requests(LONG, seed=2)
     engine = Engine(model, make(kind, pages, spec), speculative=NgramDrafter(k=3))
     out = engine.run(reqs)
-    engine.kv.check_invariants()
+    check_invariants(engine.kv)
     scales = 2 * SPEC.num_layers * spec.scale_bytes_per_token_per_layer
     assert engine.kv.spec.bytes_per_token == SPEC.bytes_per_token // 4 + scales  # fp32 → 1 B
     for r in reqs:

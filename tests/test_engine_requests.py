@@ -20,6 +20,7 @@ from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import VMKVCache
 from vmcache.engine import Engine, Request, SamplingParams
+from vmcache.sequences.invariants import check_invariants
 
 torch.manual_seed(0)
 MODEL = LlamaForCausalLM(copy.deepcopy(CFG)).eval()
@@ -122,7 +123,7 @@ class RequestsMachine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self):
-        self.engine.kv.check_invariants()
+        check_invariants(self.engine.kv)
         kv = self.engine.kv
         for rid in self.sent:
             hit = self.engine.records.prefix_hit(rid)
@@ -137,9 +138,9 @@ class RequestsMachine(RuleBasedStateMachine):
         kv = self.engine.kv
         assert not self.engine.scheduler.has_work() and kv.sequences == []
         assert kv.swap.held_bytes == 0
-        assert kv.pool.num_used == kv.prefix.stats().cached_pages  # every other page back
+        assert kv._pool.num_used == kv.prefix.index.stats().cached_pages  # every other page back
         assert not self.engine.outputs and not self.engine.records.seqs and not self.engine.times
-        kv.check_invariants()
+        check_invariants(kv)
         kv.close()
 
 

@@ -11,10 +11,12 @@ from caches import strict_host
 from test_hf_sliding import FAMILIES
 from transformers import DynamicCache
 from vmcache.paged_fallback import PagedKVCache
+from vmcache.paged_fallback.cache import layers_per_table
 
 from vmcache import KVSpec, VMKVCache
 from vmcache.engine import Engine, Request, SamplingParams
 from vmcache.hf import cache_keyword
+from vmcache.sequences.invariants import check_invariants
 
 _models: dict = {}
 
@@ -75,9 +77,7 @@ def test_greedy_equals_generate_with_preemption(name, kind, policy):
     m, twin = pair(name)
     spec = KVSpec.from_hf_config(m.config)
     per_seq = (
-        2 * spec.num_layers
-        if kind == "vm"
-        else spec.num_layers // (PagedKVCache.layers_per_table(spec))
+        2 * spec.num_layers if kind == "vm" else spec.num_layers // (layers_per_table(spec))
     )  # tables a sequence has
     g = torch.Generator().manual_seed(1)
     reqs = [Request(f"r{i}", tuple(torch.randint(0, 128, (n,), generator=g).tolist()),
@@ -90,5 +90,5 @@ def test_greedy_equals_generate_with_preemption(name, kind, policy):
     assert st.preempt_swap + st.preempt_recompute > 0  # the pool really ran out
     kv = engine.kv
     assert kv.stats().window_released_pages > 0
-    kv.check_invariants()
+    check_invariants(kv)
     assert kv.stats().physical_pages == 0 and not kv.sequences

@@ -14,6 +14,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from vmcache import KVSpec, VMKVCache
 from vmcache.engine import Engine, Request, SamplingParams
 from vmcache.engine.speculative import target_probs
+from vmcache.sequences.invariants import check_invariants
 
 CFG = LlamaConfig(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -63,7 +64,7 @@ def test_the_models_eos_stops_where_generate_stops(model):
         ignore = SamplingParams(max_new_tokens=24, ignore_eos=True)
         again = Engine(model, cache()).run([Request("x", PROMPTS[0], ignore)])["x"][0]
         assert again == runs[PROMPTS[0]] and len(again) == 24
-        engine.kv.check_invariants()
+        check_invariants(engine.kv)
         assert not engine.kv.sequences and engine.kv.stats().physical_pages == 0
     finally:
         model.generation_config.eos_token_id = None

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from vmcache import CacheFull
+from vmcache.sequences.invariants import check_invariants
 
 
 @pytest.fixture(params=sorted(caches.FACTORIES))
@@ -17,7 +18,7 @@ def cache(request):
 def state(c):
     return (
         c.stats(),
-        {s: (c.seq_len(s), c.page_table(s)) for s in c.sequences},
+        {s: (c.seq_len(s), c.views.page_table(s)) for s in c.sequences},
         {s: [torch.cat(c.kv(layer, s)).clone() for layer in range(2)] for s in c.sequences},
     )
 
@@ -78,7 +79,7 @@ def test_bad_input_typed_error_state_unchanged(cache, name, call, exc):
     assert before[0] == after[0] and before[1] == after[1]
     for x in before[2]:
         assert all(torch.equal(a, b) for a, b in zip(before[2][x], after[2][x]))
-    cache.check_invariants()
+    check_invariants(cache)
 
 
 def test_freed_sequence_and_double_free(cache):

@@ -1,6 +1,6 @@
-"""The cache's shape: a small core and named facets (cache.beams, .swap, .transfer, .memory),
-each in a file that says what of the coordinator it touches; no old names kept beside them
-(0.1.0 was never released)."""
+"""The cache's shape: a small core and named facets (cache.beams, .swap, .handoff, .elastic,
+.prefix, .views), each in a file that says what of the coordinator it touches; no old names
+kept beside them (0.1.0 was never released)."""
 
 import os
 
@@ -8,9 +8,11 @@ import pytest
 import torch
 from caches import FACTORIES
 
+from vmcache.sequences.invariants import check_invariants
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vmcache", "sequences")
-FACETS = {"beams": "beams.py", "swap": "swap.py", "transfer": "transfer.py",
-          "memory": "memory.py"}  # fmt: skip
+FACETS = {"beams": "beams.py", "swap": "swap.py", "handoff": "handoff.py",
+          "elastic": "elastic.py", "prefix": "prefix.py", "views": "views.py"}  # fmt: skip
 
 
 def filled(kind):
@@ -28,7 +30,9 @@ def test_each_facet_is_an_object_of_the_cache_with_its_calls(kind):
     c, s, k = filled(kind)
     for facet, (cls_file) in FACETS.items():
         obj = getattr(c, facet)
-        assert type(obj).__module__ == "vmcache.sequences." + cls_file[:-3], facet
+        home = "vmcache.paged_fallback." if kind == "paged" and facet == "views" else (
+            "vmcache.sequences.")  # fmt: skip
+        assert type(obj).__module__ == home + cls_file[:-3], facet
     for old in (
         "assign",
         "truncate",
@@ -42,6 +46,22 @@ def test_each_facet_is_an_object_of_the_cache_with_its_calls(kind):
         "reserve",
         "asleep",
         "resident_bytes",
+        "pool",
+        "max_seqs",
+        "page_bytes",
+        "k_cache",
+        "window_start",
+        "kv_scales_for",
+        "page_table",
+        "pages_for_tokens",
+        "mapped_pages",
+        "num_free_slots",
+        "cache_prefix",
+        "cached_prefix_tokens",
+        "tier_stats",
+        "check_invariants",
+        "transfer",
+        "memory",
     ):
         assert not hasattr(c, old), old  # on its facet only
     (child,) = c.fork(s)
@@ -49,13 +69,13 @@ def test_each_facet_is_an_object_of_the_cache_with_its_calls(kind):
     h = c.swap.out(child)
     back = c.swap.restore(h)
     assert torch.equal(c.kv(0, back)[0], k[:20])
-    m = c.transfer.manifest(s)
-    assert m.length == 40 and c.transfer.can_adopt(m)
-    c.memory.sleep()
-    assert c.memory.asleep and (c.memory.resident_bytes == 0 or not c.memory.releases)
-    c.memory.wake()
+    m = c.handoff.manifest(s)
+    assert m.length == 40 and c.handoff.can_adopt(m)
+    c.elastic.sleep()
+    assert c.elastic.asleep and (c.elastic.resident_bytes == 0 or not c.elastic.releases)
+    c.elastic.wake()
     assert torch.equal(c.kv(1, s)[1], -k)
-    c.check_invariants()
+    check_invariants(c)
     c.close()
 
 

@@ -12,6 +12,7 @@ from caches import record_coverage, strict_host
 
 from vmcache import CacheFull, DriverError, KVSpec, VMKVCache
 from vmcache.memory.backends.host import HostBackend
+from vmcache.sequences.invariants import check_invariants
 
 SPEC = KVSpec(2, 2, 16, torch.float32)  # 128 B per token row: 32 tokens per 4 KiB page
 INJECTED: set[str] = set()  # kinds of call that failed at least once
@@ -55,7 +56,7 @@ class FaultyCache(VMKVCache):
 def snapshot(c):
     return (
         c.stats(),
-        {s: (c.seq_len(s), c.page_table(s)) for s in c.sequences},
+        {s: (c.seq_len(s), c.views.page_table(s)) for s in c.sequences},
         {s: [torch.cat(c.kv(layer, s)).clone() for layer in range(2)] for s in c.sequences},
     )
 
@@ -89,13 +90,13 @@ OPS = {
     "assign (beam reorder) of diverged rows": lambda c, s, child: c.beams.assign(
         [s, child], [child, s]
     ),
-    "reserve ahead": lambda c, s, child: c.memory.reserve(s, 300),
+    "reserve ahead": lambda c, s, child: c.elastic.reserve(s, 300),
     "grow taking reserved pages and more": lambda c, s, child: c.grow(s, 400),
 }
 # state an op needs first (done before the snapshot, never failed)
 PREPARE = {
     "assign (beam reorder) of diverged rows": lambda c, s, child: c.grow(child, 100),
-    "grow taking reserved pages and more": lambda c, s, child: c.memory.reserve(s, 100),
+    "grow taking reserved pages and more": lambda c, s, child: c.elastic.reserve(s, 100),
 }
 
 
@@ -126,7 +127,7 @@ def _run_with_fault_at(op, k, code="EINJECTED"):
         assert be.calls < be.fail_at  # no more calls to fail: the op completed
         return True
     finally:
-        c.check_invariants()
+        check_invariants(c)
         c.close()
         be.close()
 
@@ -156,7 +157,7 @@ def test_out_of_memory_at_page_creation_is_cache_full_and_changes_nothing():
         c.grow(s, 300)  # needs new pages: the next chunk's creation fails
     assert same(before, snapshot(c))
     c.grow(s, 300)  # the failure was transient: the pool grows now
-    c.check_invariants()
+    check_invariants(c)
     c.close()
     be.close()
 
@@ -170,14 +171,14 @@ def test_out_of_memory_while_waking_is_cache_full_and_the_cache_stays_asleep():
     be.only = "ftruncate(memfd)"
     c, s, child = setup(be)
     before = snapshot(c)
-    c.memory.sleep()
+    c.elastic.sleep()
     be.fail_at = be.calls + 1
     with pytest.raises(CacheFull, match="waking"):
-        c.memory.wake()
-    assert c.memory.asleep and c.memory.resident_bytes == 0
-    c.memory.wake()
+        c.elastic.wake()
+    assert c.elastic.asleep and c.elastic.resident_bytes == 0
+    c.elastic.wake()
     assert same(before, snapshot(c))
-    c.check_invariants()
+    check_invariants(c)
     c.close()
     be.close()
 

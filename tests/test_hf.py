@@ -18,6 +18,7 @@ from transformers import (
 
 from vmcache import CacheFull
 from vmcache.hf import PagedCache, VMCache, cache_keyword
+from vmcache.sequences.invariants import check_invariants
 
 KW = cache_keyword(LlamaForCausalLM)  # past_key_values (5.17-5.23) or cache (5.24+)
 
@@ -115,7 +116,7 @@ def test_token_identical_to_dynamic_cache(name, mode, kind, attn):
     got = gen(model(name, attn), cache=cache, **kw)
     assert torch.equal(got, want)
     assert cache.get_seq_length() == want.shape[1] - 1  # the last token is never fed back
-    cache.kv.check_invariants()
+    check_invariants(cache.kv)
 
 
 @pytest.mark.parametrize("kind", CACHES)
@@ -137,7 +138,7 @@ def test_past_key_values_crop_continue_and_reset(kind):
     got = gen(m, cache, input_ids=ids, max_new_tokens=20, do_sample=False,
               prompt_lookup_num_tokens=3)  # fmt: skip
     assert torch.equal(got, want)
-    cache.kv.check_invariants()
+    check_invariants(cache.kv)
     with pytest.raises(ValueError, match="negative"):
         cache.crop(3)
 
@@ -165,12 +166,12 @@ def test_prompt_stored_once_for_four_rows(kind, mode):
     kv = cache.kv
     st = kv.stats()
     # four private copies would need 4 × the prompt's pages; the prompt's full pages are shared
-    four_copies = kv.pages_for_tokens(300) * 4
+    four_copies = kv.elastic.pages_for_tokens(300) * 4
     saved = 1 - st.physical_pages / four_copies
     print(f"{kind} {mode}: {st.physical_pages} physical pages vs {four_copies} for four copies "
           f"({saved:.0%} saved), {st.shared_pages} shared")  # fmt: skip
     assert st.physical_pages <= 0.5 * four_copies
-    kv.check_invariants()
+    check_invariants(kv)
 
 
 @pytest.mark.parametrize("kind", CACHES)
@@ -184,7 +185,9 @@ def test_beam_reorder_copies_only_tail_pages(kind):
     moved = kv.stats().cow_bytes_copied
     # DynamicCache/StaticCache gather every beam's whole K/V at each reorder
     gathered = sum(beams * spec.kv_bytes(200 + t) for t in range(new - 1))
-    bound = (new - 1) * beams * kv._T * kv.page_bytes  # one tail page per table per beam step
+    bound = (
+        (new - 1) * beams * kv._T * kv.config.page_bytes
+    )  # one tail page per table per beam step
     print(f"{kind}: reorders moved {moved} B vs {gathered} B for a full gather "
           f"({moved / gathered:.2%})")  # fmt: skip
     assert moved <= bound and moved < 0.1 * gathered
@@ -245,8 +248,8 @@ def test_deepcopy_is_a_real_copy(kind):
     more = gen(m, cache, input_ids=out, max_new_tokens=5, do_sample=False)
     again = gen(m, twin, input_ids=out, max_new_tokens=5, do_sample=False)
     assert torch.equal(more, again)  # the original moved on; the copy did not share its pages
-    twin.kv.check_invariants()
-    cache.kv.check_invariants()
+    check_invariants(twin.kv)
+    check_invariants(cache.kv)
 
 
 @pytest.mark.parametrize("kind", CACHES)
@@ -283,7 +286,7 @@ def test_batch_repeat_and_select_match_dynamic_cache(kind):
             k, v = ours.kv.kv(layer, r)
             assert torch.equal(k, dyn.layers[layer].keys[r].transpose(0, 1))
             assert torch.equal(v, dyn.layers[layer].values[r].transpose(0, 1))
-    ours.kv.check_invariants()
+    check_invariants(ours.kv)
     with pytest.raises(ValueError):
         ours.batch_select_indices(torch.tensor([7]))
 
@@ -343,7 +346,7 @@ def test_beam_reorder_moves_no_kv_bytes_counted_where_bytes_move():
     spec = cache.spec
     per_token = 2 * spec.bytes_per_token_per_layer * spec.num_layers
     assert stored[0] == per_token * (200 + beams * (new - 1))
-    assert 0 < moved[0] <= (new - 1) * beams * cache.kv._T * cache.kv.page_bytes
+    assert 0 < moved[0] <= (new - 1) * beams * cache.kv._T * cache.kv.config.page_bytes
     assert moved[0] < 0.05 * sum(beams * spec.kv_bytes(200 + t) for t in range(new - 1))
 
 
@@ -352,11 +355,11 @@ def test_dtype_and_token_major_layout():
     kw = dict(input_ids=prompts([20])[0], max_new_tokens=6, do_sample=False)
     tm = VMCache(config=m.config, max_cache_len=64, page_size=4096, layout="token_major")
     assert torch.equal(gen(m, tm, **kw), gen(m, **kw))
-    assert tm.kv.layout == "token_major"
+    assert tm.kv.config.layout == "token_major"
     half = VMCache(config=m.config, max_cache_len=64, page_size=4096, dtype=torch.bfloat16)
     out = gen(m, half, **kw)
     assert out.shape == (1, 26) and half.kv.kv(0, 0)[0].dtype == torch.bfloat16
-    half.kv.check_invariants()
+    check_invariants(half.kv)
 
 
 @pytest.mark.parametrize("kind", CACHES)
@@ -367,7 +370,7 @@ def test_a_pool_that_runs_out_mid_generate_is_a_clear_error(kind):
     kw = dict(input_ids=prompts([30])[0], max_new_tokens=60, min_new_tokens=60, do_sample=False)
     with pytest.raises(CacheFull):
         gen(m, cache, **kw)
-    cache.kv.check_invariants()  # nothing half-done
+    check_invariants(cache.kv)  # nothing half-done
     cache.reset()
     short = dict(input_ids=prompts([10])[0], max_new_tokens=4, do_sample=False)
     assert torch.equal(gen(m, cache, **short), gen(m, **short))  # still usable, and right

@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from vmcache.engine.runner import StepCache
 from vmcache.hf import PagedCache, VMCache, cache_keyword
 from vmcache.hf.attention import ReadsItself
+from vmcache.sequences.invariants import check_invariants
 
 KW = cache_keyword(LlamaForCausalLM)
 CFG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -71,7 +72,7 @@ def test_generate_on_every_cache_storage_and_batch_shape(kind, storage, padded):
         out[attn] = model(attn).generate(**inputs, **{KW: cache}, max_new_tokens=8,
                                          do_sample=False, pad_token_id=0)  # fmt: skip
         assert cache.get_seq_length() == out[attn].shape[1] - 1
-        cache.kv.check_invariants()
+        check_invariants(cache.kv)
     assert out["vmcache"].shape == (2, inputs["input_ids"].shape[1] + 8)
     assert torch.equal(out["vmcache"], out["sdpa"])
 

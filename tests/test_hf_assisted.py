@@ -10,6 +10,8 @@ import torch
 from test_hf import CACHES, KW, MODELS, gen, model, prompts
 from transformers import LlamaForCausalLM
 
+from vmcache.sequences.invariants import check_invariants
+
 
 def draft_model():
     """A smaller model of the same vocabulary: its drafts are often wrong (rollbacks happen)."""
@@ -31,9 +33,11 @@ def test_assisted_decoding_with_a_draft_model_equals_dynamic_cache(kind):
     got = gen(m, cache, assistant_model=draft, **kw)
     assert torch.equal(got, want)
     assert cache.get_seq_length() == want.shape[1] - 1
-    cache.kv.check_invariants()
+    check_invariants(cache.kv)
     mapped = cache.kv.stats().physical_pages
-    assert mapped <= cache.kv.pages_for_tokens(want.shape[1])  # rejected drafts' pages returned
+    assert mapped <= cache.kv.elastic.pages_for_tokens(
+        want.shape[1]
+    )  # rejected drafts' pages returned
 
 
 @pytest.mark.parametrize("kind", sorted(CACHES))
@@ -45,6 +49,6 @@ def test_prompt_lookup_crops_return_their_pages(kind):
     cache = CACHES[kind](m, 128)
     got = gen(m, cache, **kw)
     assert torch.equal(got, want)
-    assert cache.kv.stats().physical_pages <= cache.kv.pages_for_tokens(want.shape[1])
-    cache.kv.check_invariants()
+    assert cache.kv.stats().physical_pages <= cache.kv.elastic.pages_for_tokens(want.shape[1])
+    check_invariants(cache.kv)
     assert KW in ("cache", "past_key_values")

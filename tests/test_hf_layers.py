@@ -36,7 +36,7 @@ def test_layer_keys_and_values_match_dynamic_cache(kind, attn):
     assert all(layer.batch_size == 2 for layer in ours.layers)
     if kind == "vm":  # views of the cache's own storage, not copies
         k = ours.layers[1].keys
-        row = ours.kv.k_cache(1)[ours.rows[0]]
+        row = ours.kv.views.k_cache(1)[ours.rows[0]]
         assert k.untyped_storage().data_ptr() == row.untyped_storage().data_ptr()
     step = torch.tensor([[5], [7]])
     forward(m, ours, step)

@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from vmcache.hf import PagedCache, VMCache, cache_keyword
+from vmcache.sequences.invariants import check_invariants
 from vmcache.sequences.spec import KVSpec
 
 W = 12
@@ -86,7 +87,7 @@ def test_greedy_and_beam_are_token_identical_and_the_window_gives_pages_back(nam
         assert torch.equal(got, want), (name, kind, gen)
         st = cache.stats()
         assert st.window_released_pages > 0  # the sliding layers gave pages back
-        cache.kv.check_invariants()
+        check_invariants(cache.kv)
         n = cache.kv.seq_len(cache.rows[0])
         spec = cache.kv.spec
         # live K/V held per row: the full layers' whole length, the sliding ones ~ their window
@@ -99,7 +100,7 @@ def _slack(cache) -> int:
     """Bytes a row may hold past the minimum: per sliding table, the page the window starts
     in (the part of it before the window) plus the page-granular release."""
     kv = cache.kv
-    return sum(len(g.ids) * 2 * kv.page_bytes for g in kv._groups if g.sliding)
+    return sum(len(g.ids) * 2 * kv.config.page_bytes for g in kv._groups if g.sliding)
 
 
 @pytest.mark.parametrize("kind", CACHES)
@@ -119,7 +120,7 @@ def test_crop_within_the_rollback_margin_and_a_clear_error_past_it(kind):
     m(ids[:, :1], **{key: roomy})
     roomy.crop(-8)  # speculative decoding's rejected drafts
     assert roomy.get_seq_length() == 53
-    roomy.kv.check_invariants()
+    check_invariants(roomy.kv)
     # decoding on from the cropped cache equals a forward over the same 53 tokens + one
     base = torch.cat([ids, ids[:, :1]], 1)[:, :53]
     nxt = torch.tensor([[7]])

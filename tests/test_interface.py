@@ -19,6 +19,7 @@ from hypothesis.stateful import (
 )
 
 from vmcache import CacheFull
+from vmcache.sequences.invariants import check_invariants
 
 COVERAGE: dict[str, Counter] = {}  # machine name -> what its runs reached (see below)
 
@@ -49,10 +50,10 @@ class CacheMachine(RuleBasedStateMachine):
     def teardown(self):
         for s in list(self.shadow):
             self.c.free(s)
-        self.c.memory.set_limit(self.c.pool.num_pages * self.c.page_bytes)
+        self.c.elastic.set_limit(self.c._pool.num_pages * self.c.config.page_bytes)
         st_ = self.c.stats()
         assert st_.physical_pages == 0 and st_.free_pages == st_.total_pages
-        self.c.check_invariants()
+        check_invariants(self.c)
         self.c.close()
 
     def _value(self, n):
@@ -63,7 +64,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _snapshot(self):
         c = self.c
-        return (c.stats(), {s: (c.seq_len(s), c.page_table(s)) for s in c.sequences},
+        return (c.stats(), {s: (c.seq_len(s), c.views.page_table(s)) for s in c.sequences},
                 {s: [torch.stack(c.kv(layer, s), 1).clone() for layer in range(2)]
                  for s in c.sequences})  # fmt: skip
 
@@ -81,7 +82,7 @@ class CacheMachine(RuleBasedStateMachine):
             for s in before[2]:
                 for x, y in zip(before[2][s], after[2][s]):
                     assert torch.equal(x.nan_to_num(7.5), y.nan_to_num(7.5)), op
-            slots = self.c.num_free_slots
+            slots = self.c.elastic.free_slots
             kind = "slots full" if op in ("new", "fork") and slots < 3 else "pool full"
             event(f"{op}: {kind}")
             self.seen[kind] += 1
@@ -110,7 +111,7 @@ class CacheMachine(RuleBasedStateMachine):
     def new(self):
         got = []
         if not self.attempt("new", lambda: got.append(self.c.new_sequence())):
-            assert len(self.shadow) == self.c.max_seqs
+            assert len(self.shadow) == self.c.config.max_seqs
             return
         self.shadow[got[0]] = [torch.empty(0, 2, 2, 16) for _ in range(2)]
         self.top[got[0]] = 0
@@ -120,7 +121,7 @@ class CacheMachine(RuleBasedStateMachine):
     def grow(self, data, n):
         s = data.draw(st.sampled_from(self.seqs))
         before = len(self.shadow[s][0])
-        if before + n > self.c.max_seq_len:
+        if before + n > self.c.config.max_seq_len:
             return
         released = self.c.stats().window_released_pages
         trusted = self.c.can_grow(s, n)  # a scheduler's answer, counting the window's release
@@ -137,7 +138,7 @@ class CacheMachine(RuleBasedStateMachine):
             if w is not None and n:
                 gone = max(0, before - w + 1 - self.rollback)  # the next query or a rollback
                 tpp = self.tokens_per_page  # by k tokens reads nothing before `gone`
-                ws = self.c.window_start(layer, s)
+                ws = self.c.views.window_start(layer, s)
                 # at most: the next query's window, and a rollback by k from the greatest
                 # length a release happened at (a rollback since may have used the margin)
                 most = min(
@@ -161,7 +162,7 @@ class CacheMachine(RuleBasedStateMachine):
         n = data.draw(st.integers(1, length - start))
         layer = data.draw(st.integers(0, 1))
         val = self._value(n)
-        if start < self.c.window_start(layer, s):  # released positions cannot be written
+        if start < self.c.views.window_start(layer, s):  # released positions cannot be written
             with pytest.raises(ValueError, match="sliding window"):
                 self.c.write(layer, s, start, val[:, 0], val[:, 1])
             return
@@ -200,7 +201,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data(), n=st.integers(0, 70))
     def reserve(self, data, n):
         s = data.draw(st.sampled_from(self.seqs))
-        self.c.memory.reserve(s, n)  # best effort; contents and lengths do not change
+        self.c.elastic.reserve(s, n)  # best effort; contents and lengths do not change
 
     @precondition(lambda self: self.shadow)
     @rule(data=st.data())
@@ -226,7 +227,7 @@ class CacheMachine(RuleBasedStateMachine):
         if self.windows and any(self.windows):
             k = min(k, self.rollback)
         before = len(self.shadow[s][0])
-        if before + 1 + k > self.c.max_seq_len:
+        if before + 1 + k > self.c.config.max_seq_len:
             return
         trusted = self.c.can_grow(s, 1 + k)
         ok = self.attempt("grow", lambda: self.c.grow(s, 1 + k))
@@ -240,7 +241,7 @@ class CacheMachine(RuleBasedStateMachine):
                                                torch.full((1 + k, 2, 2, 16), fill)])  # fmt: skip
         val = self._value(1 + k)
         for layer in range(2):
-            if before < self.c.window_start(layer, s):
+            if before < self.c.views.window_start(layer, s):
                 continue  # the window already left these positions
             if not self.attempt("write", lambda layer=layer: self.c.write(
                     layer, s, before, val[:, 0], val[:, 1])):  # fmt: skip
@@ -260,7 +261,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _truncate(self, s, length):
         needed = {i: max(0, length - w + 1) for i, w in enumerate(self.windows) if w}
-        if any(x < self.c.window_start(i, s) for i, x in needed.items()):
+        if any(x < self.c.views.window_start(i, s) for i, x in needed.items()):
             # a rollback within the margin of the last grow must always be possible
             assert length < self.top.get(s, 0) - self.rollback, (s, length, self.top.get(s))
             with pytest.raises(ValueError, match="rollback_tokens"):  # past the margin
@@ -281,7 +282,7 @@ class CacheMachine(RuleBasedStateMachine):
         n = data.draw(st.integers(1, length - start))
         layer = data.draw(st.integers(0, 1))
         val = self._value(n)
-        if start < max(self.c.window_start(layer, s) for s in group):
+        if start < max(self.c.views.window_start(layer, s) for s in group):
             return
         if not self.attempt(
             "write_group",
@@ -323,14 +324,14 @@ class CacheMachine(RuleBasedStateMachine):
         for s, layers in self.shadow.items():
             assert self.c.seq_len(s) == len(layers[0])
             for layer, w in enumerate(self.windows):
-                ws = self.c.window_start(layer, s)  # nothing before it is readable
+                ws = self.c.views.window_start(layer, s)  # nothing before it is readable
                 # the next query reads keys (L − W, L]: all of them must still be mapped
                 assert ws == 0 if w is None else ws <= max(0, len(layers[0]) - w + 1), ws
                 want = layers[layer][ws:]
                 known = ~torch.isnan(want)
                 got = torch.stack(self.c.kv(layer, s), 1)
                 assert torch.equal(got[known], want[known])
-        self.c.check_invariants()
+        check_invariants(self.c)
 
 
 # 128 B token rows, 4 KiB pages: a 160-token sequence needs 20 pages (VM, both layouts) or

@@ -69,11 +69,10 @@ def test_quantized_decode_matches_the_reference(kind, group, head_dim, kv_dtype,
     if granularity == "head":
         assert cache._kv_scales.shape == (2, 2, 2)
     else:  # the scales are views into each token's row, where the kernel reads them
-        ks, vs = cache.kv_scales_for(1)
+        ks, vs = cache.views.kv_scales_for(1)
         assert cache._kv_scales is None and ks.dtype == torch.float32 and ks.shape[-1] == 2
     seqs, held = fill(cache, MIXED)
     q = torch.randn(len(seqs), spec.q_heads, head_dim)
-    impl = "torch" if kind == "paged" and impl == "sdpa" else impl
     out = kernels.decode(cache, 1, q, seqs, impl=impl)
     want = torch.stack([dense_attention(q[i : i + 1], *held[s, 1])[0]
                         for i, s in enumerate(seqs)])  # fmt: skip
@@ -94,7 +93,7 @@ def test_quantized_prefill_and_reads_dequantize(kind, kv_dtype, granularity):
     assert k.dtype == spec.dtype and torch.equal(k, held[seqs[1], 0][0])
     q_lens = [2, 7, 1]
     q = torch.randn(sum(q_lens), spec.q_heads, 64)
-    for impl in ("triton", "torch" if kind == "paged" else "sdpa"):
+    for impl in ("triton", "sdpa"):
         out = kernels.prefill(cache, 0, q, seqs, q_lens, impl=impl)
         start = 0
         for s, n in zip(seqs, q_lens):

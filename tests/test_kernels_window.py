@@ -14,6 +14,7 @@ from vmcache.kernels.reference import dense_attention
 from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import KVSpec, VMKVCache, kernels
+from vmcache.sequences.invariants import check_invariants
 
 KINDS = ["vm", "vm_token_major", "paged"]
 LENS = [1, 15, 17, 40, 130]
@@ -56,15 +57,15 @@ def test_windowed_decode_and_prefill_match_the_reference(kind, window):
     cache = make(kind, spec)
     seqs, written = fill(cache, LENS, last=3)
     if window < 100:  # the window really released pages of the long sequences
-        assert cache.window_start(0, seqs[-1]) > 0 and cache.stats().window_released_pages > 0
+        assert cache.views.window_start(0, seqs[-1]) > 0 and cache.stats().window_released_pages > 0
     else:
         assert cache.stats().window_released_pages == 0
-    assert all(cache.window_start(1, s) == 0 for s in seqs)  # the full layer keeps everything
+    assert all(cache.views.window_start(1, s) == 0 for s in seqs)  # the full layer keeps everything
     q = torch.randn(len(seqs), 8, 64)
     for layer, w in ((0, window), (1, None)):
         want = torch.stack([dense_attention(q[i : i + 1], *written[s, layer], window=w)[0]
                             for i, s in enumerate(seqs)])  # fmt: skip
-        for impl in ("triton", "torch" if kind == "paged" else "sdpa"):
+        for impl in ("triton", "sdpa"):
             got = kernels.decode(cache, layer, q, seqs, impl=impl)
             torch.testing.assert_close(got, want, **TOL, msg=f"{impl} layer {layer}")
     # prefill: each sequence's last 3 tokens (the final grow) attend causally in the window
@@ -75,10 +76,10 @@ def test_windowed_decode_and_prefill_match_the_reference(kind, window):
         for s, ql in zip(seqs, q_lens):
             want.append(dense_attention(qp[at : at + ql], *written[s, layer], window=w))
             at += ql
-        for impl in ("triton", "torch" if kind == "paged" else "sdpa"):
+        for impl in ("triton", "sdpa"):
             got = kernels.prefill(cache, layer, qp, seqs, q_lens, impl=impl)
             torch.testing.assert_close(got, torch.cat(want), **TOL, msg=f"prefill {impl}")
-    cache.check_invariants()
+    check_invariants(cache)
     cache.close()
 
 
@@ -88,12 +89,12 @@ def test_a_window_larger_than_the_page_and_rollback_margin_keep_what_a_rollback_
     spec = KVSpec(1, 2, 64, torch.float32, num_q_heads=4, layer_windows=(12,))
     cache = make(kind, spec, rollback=6)
     (s,), written = fill(cache, [90], last=1)
-    assert cache.window_start(0, s) > 0
+    assert cache.views.window_start(0, s) > 0
     cache.beams.truncate(s, 84)
     k, v = (x[:84] for x in written[s, 0])
     q = torch.randn(1, 4, 64)
     want = dense_attention(q, k, v, window=12)
-    for impl in ("triton", "torch" if kind == "paged" else "sdpa"):
+    for impl in ("triton", "sdpa"):
         torch.testing.assert_close(kernels.decode(cache, 0, q, [s], impl=impl), want, **TOL)
     with pytest.raises(ValueError, match="rollback_tokens"):
         cache.beams.truncate(s, 60)

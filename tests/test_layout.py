@@ -18,10 +18,10 @@ def test_every_row_starts_at_a_whole_token(head_dim, layers, layout):
     spec = KVSpec(layers, 8, head_dim, torch.bfloat16)
     c = VMKVCache(spec, 16, 4100, backend=SizingBackend(P), layout=layout, pool_bytes=8 * P)
     assert c._row_bytes % P == 0 and c._row_bytes % c._token_row_bytes == 0
-    l_row = c.layer_row_tokens(0)
+    l_row = c.views.layer_row_tokens(0)
     assert l_row >= 4100
     for layer in (0, layers - 1):
-        k = c.k_cache(layer)
+        k = c.views.k_cache(layer)
         flat = flat_rows(k, l_row)
         for s, t in ((0, 0), (3, 17), (15, 4099)):
             want = k.storage_offset() + s * k.stride(0) + t * k.stride(1)

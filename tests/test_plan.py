@@ -10,6 +10,7 @@ from vmcache.kernels.plan import plan
 from vmcache.kernels.reference import dense_attention
 
 from vmcache import KVSpec, VMKVCache, kernels
+from vmcache.sequences.invariants import check_invariants
 
 
 def varlen_reference(q, k_flat, v_flat, p):
@@ -41,10 +42,10 @@ def test_varlen_plan_addresses_each_sequence(layout):
     q_lens = [1, 5, 64, 7, 2]
     q = torch.randn(sum(q_lens), 4, 24, generator=g)
     p = plan(c, seqs, q_lens, varlen=True)
-    l_row = c.layer_row_tokens(0)
+    l_row = c.views.layer_row_tokens(0)
     for layer in range(3):
-        got = varlen_reference(q, flat_rows(c.k_cache(layer), l_row),
-                               flat_rows(c.v_cache(layer), l_row), p)  # fmt: skip
+        got = varlen_reference(q, flat_rows(c.views.k_cache(layer), l_row),
+                               flat_rows(c.views.v_cache(layer), l_row), p)  # fmt: skip
         start = 0
         for s, ql in zip(seqs, q_lens):
             want = dense_attention(q[start : start + ql], *c.kv(layer, s))
@@ -93,4 +94,4 @@ def test_a_decode_step_uploads_once_and_never_synchronises(kind):
     c.grow(seqs[0], 1)  # splits the shared tail page in every table: one sync
     if be is not None:
         assert be.sync_calls - syncs == 1
-    c.check_invariants()
+    check_invariants(c)

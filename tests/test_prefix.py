@@ -10,6 +10,7 @@ from prefix_machine import PREFIX_COVERAGE, PrefixMachine, append, kv_of, make, 
 from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import CacheFull
+from vmcache.sequences.invariants import check_invariants
 
 
 @pytest.mark.parametrize("kind", ["vm", "paged"])
@@ -19,21 +20,21 @@ def test_shared_system_prompt_is_held_once(kind):
     a = c.new_sequence(prefix_tokens=system + [1, 2, 3])
     assert c.seq_len(a) == 0  # nothing cached yet
     append(c, a, system + [1, 2, 3])
-    c.cache_prefix(a)
+    c.prefix.publish(a)
     alone = c.stats().physical_pages
     b = c.new_sequence(prefix_tokens=system + [9, 9])
     hit = 2000 // tpp(c) * tpp(c)
     assert c.seq_len(b) == hit
     append(c, b, (system + [9, 9])[hit:])
     added = c.stats().physical_pages - alone
-    assert added <= len(c.page_table(b)) * 2 + 1  # only b's tail pages are new
+    assert added <= len(c.views.page_table(b)) * 2 + 1  # only b's tail pages are new
     for layer in range(SPEC.num_layers):
         kb, vb = c.kv(layer, b)
         assert torch.equal(kb, kv_of(system + [9, 9])) and torch.equal(vb, -kb)
         assert torch.equal(c.kv(layer, a)[0], kv_of(system + [1, 2, 3]))
-    st_ = c.prefix.stats()
+    st_ = c.prefix.index.stats()
     assert st_.hit_tokens == hit and st_.lookups == 2
-    c.check_invariants()
+    check_invariants(c)
 
 
 @pytest.mark.parametrize("kind", ["vm", "paged"])
@@ -45,12 +46,12 @@ def test_lru_evicts_the_least_recently_used_unreferenced_prefix(kind):
         s = c.new_sequence(prefix_tokens=p)
         append(c, s, p)
         c.free(s)  # its pages stay cached
-    per_prompt = c.prefix.stats().cached_pages // 3
+    per_prompt = c.prefix.index.stats().cached_pages // 3
     assert c.stats().physical_pages == 3 * per_prompt
-    c.prefix.match(prompts[0])  # prompt 0 is now the most recently used
+    c.prefix.index.match(prompts[0])  # prompt 0 is now the most recently used
     live = c.new_sequence(prefix_tokens=prompts[2])  # prompt 2 is in use: never evicted
     assert c.seq_len(live) == n
-    freed = c.prefix.reclaim(1)
+    freed = c.prefix.index.reclaim(1)
     assert freed >= 1
     s1 = c.new_sequence(prefix_tokens=prompts[1])
     assert s1 in c.sequences and s1 != live
@@ -59,7 +60,7 @@ def test_lru_evicts_the_least_recently_used_unreferenced_prefix(kind):
         probe = c.new_sequence(prefix_tokens=p)
         assert c.seq_len(probe) == n
         c.free(probe)
-    c.check_invariants()
+    check_invariants(c)
 
 
 @pytest.mark.parametrize("kind", ["vm", "paged"])
@@ -77,18 +78,18 @@ def test_salts_never_share(kind):
 @pytest.mark.parametrize("kind", ["vm", "paged"])
 def test_cached_pages_are_evicted_before_cache_full(kind):
     c = make(kind, pages=16, max_seq_len=512)
-    per_seq = c.pages_for_tokens(tpp(c))  # one page per table
+    per_seq = c.elastic.pages_for_tokens(tpp(c))  # one page per table
     for i in range(16 // per_seq):  # fill the pool with unreferenced cached pages
         s = c.new_sequence(prefix_tokens=[i] * tpp(c))
         append(c, s, [i] * tpp(c))
         c.free(s)
-    assert c.stats().free_pages == 0 and c.pool.can_allocate(16)
+    assert c.stats().free_pages == 0 and c._pool.can_allocate(16)
     s = c.new_sequence()
     c.grow(s, 16 // per_seq * tpp(c))  # needs every page: all cached ones are evicted
-    assert c.prefix.stats().cached_pages == 0 and c.prefix.stats().evicted_pages == 16
+    assert c.prefix.index.stats().cached_pages == 0 and c.prefix.index.stats().evicted_pages == 16
     with pytest.raises(CacheFull):
         c.grow(s, tpp(c))
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_bad_prefix_input():
@@ -115,9 +116,9 @@ def test_one_grow_evicts_the_least_recently_used_chain_first():
     s = c.new_sequence()
     assert c.stats().free_pages == 0 and c.can_grow(s, 8)
     c.grow(s, 8)
-    assert c.cached_prefix_tokens(chain_a) == 0
-    assert c.cached_prefix_tokens(chain_b) == 12
-    c.check_invariants()
+    assert c.prefix.cached_tokens(chain_a) == 0
+    assert c.prefix.cached_tokens(chain_b) == 12
+    check_invariants(c)
 
 
 @pytest.mark.parametrize("kind", ["vm", "paged"])
@@ -132,22 +133,22 @@ def test_can_grow_does_not_count_a_cached_page_whose_child_is_in_use(kind):
     P = tpp(c)
     a = c.new_sequence()
     append(c, a, list(range(2 * P)))
-    c.cache_prefix(a)
+    c.prefix.publish(a)
     k = kv_of([99])
     for layer in range(SPEC.num_layers):
         c.write(layer, a, 0, k, -k)  # copies page 0 on write: the index keeps the old one
     b = c.new_sequence()
     c.grow(b, P)  # the last free pages
     assert c.stats().free_pages == 0
-    assert c.prefix.reclaimable() == 0
+    assert c.prefix.index.reclaimable() == 0
     assert not c.can_grow(b, P)
     with pytest.raises(CacheFull):
         c.grow(b, P)
     c.free(a)  # now the whole chain is only the index's: both pages count, and go
-    assert c.prefix.reclaimable() == c.pages_for_tokens(2 * P)
+    assert c.prefix.index.reclaimable() == c.elastic.pages_for_tokens(2 * P)
     assert c.can_grow(b, P)
     c.grow(b, P)
-    c.check_invariants()
+    check_invariants(c)
 
 
 def _machine_class(kind):

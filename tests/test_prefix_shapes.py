@@ -12,6 +12,7 @@ from vmcache.paged_fallback import PagedKVCache
 from vmcache import KVSpec, VMKVCache
 from vmcache.memory.backends.host import HostBackend
 from vmcache.memory.backends.strict import StrictBackend
+from vmcache.sequences.invariants import check_invariants
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
 KV_HEADS = (1, 2, 3, 5, 6, 8, 12)
@@ -42,8 +43,8 @@ def test_every_shape_builds_with_prefix_caching_by_default(layout, strict):
                 be = StrictBackend(HostBackend()) if strict else None
                 with VMKVCache(spec, max_seqs=2, max_seq_len=256, layout=layout, backend=be,
                                own_backend=True, prefix_caching=True) as c:  # fmt: skip
-                    u, P = table_row_bytes(spec, layout), c.page_size
-                    ix = c.prefix
+                    u, P = table_row_bytes(spec, layout), c.config.page_size
+                    ix = c.prefix.index
                     assert ix.pages_per_table == math.lcm(P, u) // P, (d, h, storage)
                     assert ix.tokens_per_block * u == ix.pages_per_table * P
                     assert P == c._backend.default_page_size
@@ -66,7 +67,7 @@ def _shared_prompt_hits(c, spec, extra=3):
     k = _kv_of(a_tokens, spec)
     for layer in range(spec.num_layers):
         c.write(layer, a, 0, k, -k)
-    c.cache_prefix(a)
+    c.prefix.publish(a)
     before = c.stats().physical_pages
     a_kv = [c.kv(layer, a)[0].clone() for layer in range(spec.num_layers)]
     b = c.new_sequence(prefix_tokens=b_tokens)
@@ -83,12 +84,12 @@ def _shared_prompt_hits(c, spec, extra=3):
         assert torch.equal(got_v[:hit], -got_k[:hit])
         assert torch.equal(c.kv(layer, a)[0], a_kv[layer])  # b's writes left a's K/V alone
     # only b's own tail was mapped anew: at most one page per table past the shared blocks
-    tables = c.prefix.pages_per_entry // c.prefix.pages_per_table
+    tables = c.prefix.index.pages_per_entry // c.prefix.index.pages_per_table
     assert c.stats().physical_pages - before <= tables
-    c.check_invariants()
+    check_invariants(c)
     c.free(a)
     c.free(b)
-    c.check_invariants()
+    check_invariants(c)
     return hit
 
 
@@ -109,7 +110,7 @@ def test_smollm_shape_under_cuda_page_rules(layout):
     spec = spec_of(64, 3, "bf16", layers=2)
     kw = dict(layout=layout, prefix_caching=True, own_backend=True)
     with VMKVCache(spec, 2, 1, backend=StrictBackend(HostBackend()), **kw) as probe:
-        tpb, k = probe.prefix.tokens_per_block, probe.prefix.pages_per_table
+        tpb, k = probe.prefix.tokens_per_block, probe.prefix.index.pages_per_table
     assert k == 3
     with VMKVCache(spec, 4, 2 * tpb + 8, backend=StrictBackend(HostBackend()), **kw) as c:
         _shared_prompt_hits(c, spec)
@@ -120,7 +121,7 @@ def test_paged_cache_shares_every_shape_by_default(head_dim, kv_heads):
     spec = spec_of(head_dim, kv_heads, "fp32", layers=1)
     c = PagedKVCache(spec, pool_bytes=64 << 20, max_seq_len=256, max_seqs=4,
                      prefix_caching=True)  # fmt: skip
-    assert c.prefix.pages_per_table == 1
+    assert c.prefix.index.pages_per_table == 1
     _shared_prompt_hits(c, spec)
 
 
@@ -140,4 +141,4 @@ def test_the_drop_in_takes_prefix_caching_with_defaults_on_smollms_shape():
     ref = model.generate(ids, **kw)
     cache = VMCache(config=model.config, max_cache_len=64, prefix_caching=True)
     got = model.generate(ids, **{cache_keyword(model): cache}, **kw)
-    assert torch.equal(got, ref) and cache.kv.prefix.pages_per_table == 3
+    assert torch.equal(got, ref) and cache.kv.prefix.index.pages_per_table == 3

@@ -11,6 +11,7 @@ from vmcache.paged_fallback import PagedKVCache
 from vmcache import KVSpec, VMKVCache
 from vmcache.memory.backends.host import HostBackend
 from vmcache.prefix.tiers import PrefixTiers
+from vmcache.sequences.invariants import check_invariants
 
 KINDS = ["vm", "vm_token_major", "paged"]
 
@@ -70,15 +71,15 @@ def test_fork_swap_export_and_sleep_keep_quantized_kv(kind, kv_dtype, granularit
     s = c.swap.restore(c.swap.out(s))
     assert same(read(c, s), want)
     other = build(kind, spec(kv_dtype=kv_dtype, granularity=granularity))
-    assert same(read(other, other.transfer.load(c.transfer.export(s))), want)
-    c.memory.sleep()
-    c.memory.wake()
+    assert same(read(other, other.handoff.load(c.handoff.export(s))), want)
+    c.elastic.sleep()
+    c.elastic.wake()
     assert same(read(c, s), want)
-    c.check_invariants()
+    check_invariants(c)
     # other head scales, or the other granularity: the bytes mean other K/V
     stranger = build(kind, spec(0.5, kv_dtype))  # head scales: other ones, or not per token
     with pytest.raises(ValueError, match="not of this cache"):
-        stranger.transfer.load(c.transfer.export(s))
+        stranger.handoff.load(c.handoff.export(s))
     assert not stranger.sequences
 
 
@@ -94,7 +95,7 @@ def test_prefix_hits_and_tiers_keep_quantized_kv_and_their_scales(kind, granular
         tokens = list(range(100, 400)) + [1]
     c = build(kind, sp, prefix_tiers=PrefixTiers(**tiers), **kw)
     if granularity == "token" and kind != "paged":
-        assert c.prefix.pages_per_table == 9  # blocks through the tiers: 9 pages an entry
+        assert c.prefix.index.pages_per_table == 9  # blocks through the tiers: 9 pages an entry
     s = c.new_sequence(prefix_tokens=tokens)
     fill(c, s, len(tokens), token_ids=tokens)
     want = read(c, s)
@@ -104,17 +105,17 @@ def test_prefix_hits_and_tiers_keep_quantized_kv_and_their_scales(kind, granular
     assert hit >= 48 and same(read(c, s), [(k[:hit], v[:hit]) for k, v in want])
     assert hit < len(tokens)  # the last token is recomputed, never served
     c.free(s)
-    c.prefix.clear()  # demoted to disk
+    c.prefix.index.clear()  # demoted to disk
     s = c.new_sequence(prefix_tokens=tokens)  # promoted back
     assert c.seq_len(s) == hit and same(read(c, s), [(k[:hit], v[:hit]) for k, v in want])
     c.free(s)
     c.close()
     again = build(kind, sp, prefix_tiers=PrefixTiers(**tiers), **kw)
-    assert again.cached_prefix_tokens(tokens) == hit  # the same layout: served
+    assert again.prefix.cached_tokens(tokens) == hit  # the same layout: served
     s = again.new_sequence(prefix_tokens=tokens)  # from disk into a new process's cache
     assert same(read(again, s), [(k[:hit], v[:hit]) for k, v in want])
     again.close()
     other_sp = spec(0.5) if granularity == "head" else spec()  # other scales / granularity
     other = build(kind, other_sp, prefix_tiers=PrefixTiers(**tiers), **kw)
-    assert other.cached_prefix_tokens(tokens) == 0  # another layout's files
+    assert other.prefix.cached_tokens(tokens) == 0  # another layout's files
     other.close()

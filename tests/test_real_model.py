@@ -13,6 +13,7 @@ from vmcache.paged_fallback import PagedKVCache
 from vmcache import KVSpec, VMKVCache
 from vmcache.engine import DraftModel, Engine, NgramDrafter, Request, SamplingParams
 from vmcache.hf import PagedCache, VMCache, cache_keyword
+from vmcache.sequences.invariants import check_invariants
 
 NEW = 40  # most answers end (EOS) before this; one or two run to it
 
@@ -102,7 +103,7 @@ def test_engine_equals_generate_including_where_it_stops(real, references, kind)
         want = "stop" if ref[-1] == 2 else "length"
         assert engine.finish_reasons[f"q{i}"] == [want]
     assert model.config._attn_implementation == "sdpa"  # the engine left the model as it was
-    engine.kv.check_invariants()
+    check_invariants(engine.kv)
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +139,7 @@ def test_prefix_cache_hits_across_a_multi_turn_chat(real, conversation, kind):
     assert hits >= sum(len(p) // tpb * tpb for p in prompts[:-1]) - tpb
     print(f"{kind}: {hits} of {sum(map(len, prompts))} prompt tokens from the prefix cache "
           f"(blocks of {tpb} tokens)")  # fmt: skip
-    cached.kv.check_invariants()
+    check_invariants(cached.kv)
 
 
 @pytest.mark.parametrize("how", ["chain", "tree", "draft"])
@@ -153,9 +154,9 @@ def test_speculation_leaves_greedy_outputs_unchanged(real, references, how):
             for i, p in enumerate(prompts[:4])]  # fmt: skip
     out = engine.run(reqs)
     assert [out[f"q{i}"][0] for i in range(4)] == references[:4]
-    assert engine.stats.spec.proposed > 0
+    assert engine.stats.speculation.proposed > 0
     if how == "draft":  # a draft that is the target is always right
-        assert engine.stats.spec.accepted == engine.stats.spec.proposed
+        assert engine.stats.speculation.accepted == engine.stats.speculation.proposed
 
 
 @pytest.mark.parametrize("policy", ["swap", "recompute"])
@@ -171,4 +172,4 @@ def test_preemption_under_a_small_pool_leaves_outputs_unchanged(real, references
     assert [out[f"q{i}"][0] for i in range(len(prompts))] == references
     st = engine.stats
     assert st.preempt_swap + st.preempt_recompute > 0 or st.max_running < len(prompts)
-    engine.kv.check_invariants()
+    check_invariants(engine.kv)

@@ -17,6 +17,7 @@ import openai
 import pytest
 from real_model import QUESTIONS, SYSTEM, generate, prompt, smol
 
+from vmcache.sequences.invariants import check_invariants
 from vmcache.server.cli import Running, build_server, parse_args
 
 MODEL = "smollm2-135m-instruct"
@@ -67,8 +68,8 @@ def settled(running, timeout_s=30.0):
 
     def look(engine):
         kv = engine.kv
-        kv.check_invariants()
-        return len(kv.sequences), kv.pool.num_used, kv.prefix.stats().cached_pages
+        check_invariants(kv)
+        return len(kv.sequences), kv._pool.num_used, kv.prefix.index.stats().cached_pages
 
     deadline = time.monotonic() + timeout_s
     while True:

@@ -5,6 +5,7 @@ import torch
 from caches import FACTORIES
 
 from vmcache import CacheFull
+from vmcache.sequences.invariants import check_invariants
 
 CACHES = list(FACTORIES)
 
@@ -18,7 +19,7 @@ def _fill(c, s, n, value):
 
 
 def _pages(c, s):
-    return [p for t in c.page_table(s) for p in t]
+    return [p for t in c.views.page_table(s) for p in t]
 
 
 @pytest.mark.parametrize("name", CACHES)
@@ -30,7 +31,7 @@ def test_assign_remaps_only_differing_entries_and_copies_nothing(name):
     _fill(c, b, 60, 2)  # b = a's 40 tokens + 60 of its own (its tail page was split)
     shared_before = set(_pages(c, a)) & set(_pages(c, b))
     copies_before = c.stats().cow_copies  # b's tail split, one page per table
-    assert copies_before == len(c.page_table(b))
+    assert copies_before == len(c.views.page_table(b))
     c.beams.assign([d, a], [b, b])  # both become copies of b
     for s in (d, a):
         assert c.seq_len(s) == 100
@@ -39,7 +40,7 @@ def test_assign_remaps_only_differing_entries_and_copies_nothing(name):
         assert (k[:40] == 1).all() and (k[40:] == 2).all()
     assert c.stats().cow_copies == copies_before  # assign copied nothing
     assert shared_before <= set(_pages(c, a))  # the common history was never unmapped
-    c.check_invariants()
+    check_invariants(c)
     for s in (a, b, d):
         c.free(s)
     assert c.stats().physical_pages == 0
@@ -50,14 +51,14 @@ def test_assign_validates_before_changing_anything(name):
     c = FACTORIES[name]()
     a = c.new_sequence()
     _fill(c, a, 5, 1)
-    before = c.page_table(a)
+    before = c.views.page_table(a)
     with pytest.raises(ValueError, match="distinct"):
         c.beams.assign([a, a], [a, a])
     with pytest.raises(ValueError, match="as many"):
         c.beams.assign([a], [a, a])
     with pytest.raises(KeyError):
         c.beams.assign([a], [7])
-    assert c.page_table(a) == before
+    assert c.views.page_table(a) == before
 
 
 @pytest.mark.parametrize("name", CACHES)
@@ -79,7 +80,7 @@ def test_truncate_releases_pages_and_regrowth_of_a_private_tail_copies_nothing(n
         c.beams.truncate(b, 26)
     c.free(a)
     c.free(b)
-    c.check_invariants()
+    check_invariants(c)
     assert c.stats().physical_pages == 0
 
 
@@ -103,7 +104,7 @@ def test_write_group_writes_shared_pages_once_in_place(name):
     assert torch.equal(c.kv(0, outsider)[0], x) and torch.equal(c.kv(0, group[2])[0], x)
     assert torch.equal(c.kv(0, group[0])[0], x + 1) and torch.equal(c.kv(0, group[1])[0], x + 1)
     assert c.stats().cow_copies > 0
-    c.check_invariants()
+    check_invariants(c)
 
 
 @pytest.mark.parametrize("name", CACHES)
@@ -115,7 +116,7 @@ def test_new_sequence_in_a_chosen_slot(name):
     with pytest.raises(ValueError, match="not free"):
         c.new_sequence(slot=99)
     assert c.new_sequence() != 5
-    c.check_invariants()
+    check_invariants(c)
 
 
 @pytest.mark.parametrize("name", CACHES)
@@ -126,11 +127,11 @@ def test_cow_bytes_count_only_the_used_part_of_a_split_page(name):
     b = c.fork(a)[0]
     _fill(c, b, 1, 2)  # splits b's tail: 3 tokens in use, in every table of the page
     st = c.stats()
-    assert st.cow_copies == len(c.page_table(b)) and st.cow_bytes_copied == c.spec.kv_bytes(3)
+    assert st.cow_copies == len(c.views.page_table(b)) and st.cow_bytes_copied == c.spec.kv_bytes(3)
 
 
 def _state(c):
-    tables = {s: (c.seq_len(s), c.page_table(s)) for s in c.sequences}
+    tables = {s: (c.seq_len(s), c.views.page_table(s)) for s in c.sequences}
     kv = {s: [torch.cat(c.kv(layer, s)).clone() for layer in range(2)] for s in c.sequences}
     return c.stats(), tables, kv
 
@@ -146,7 +147,7 @@ def test_write_group_is_all_or_nothing_when_the_pool_runs_out(name):
     _fill(c, a, 40, 1)
     b, d = c.fork(a, 2)
     free = c.stats().free_pages
-    per_member = len(c._tables_of_layer(0)) * len(c.page_table(a)[0])  # a's layer-0 pages
+    per_member = len(c._tables_of_layer(0)) * len(c.views.page_table(a)[0])  # a's layer-0 pages
     assert per_member <= free < 2 * per_member  # room for one member's copies, not two
     before = _state(c)
     x = torch.full((40, 2, 16), 9.0)
@@ -155,7 +156,7 @@ def test_write_group_is_all_or_nothing_when_the_pool_runs_out(name):
     after = _state(c)
     assert before[0] == after[0] and before[1] == after[1]
     assert all(torch.equal(p, q) for s in before[2] for p, q in zip(before[2][s], after[2][s]))
-    c.check_invariants()
+    check_invariants(c)
 
 
 @pytest.mark.parametrize("name", CACHES)
@@ -169,8 +170,8 @@ def test_assign_from_an_empty_sequence_gives_each_its_own_token_list(name):
     c.beams.assign([b], [a])
     c.grow(a, 3, token_ids=[1, 2, 3])
     assert c.seq_len(b) == 0
-    c.check_invariants()  # token ids known => as many as the sequence's length
+    check_invariants(c)  # token ids known => as many as the sequence's length
     back = c.swap.restore(c.swap.out(b))
     assert c.seq_len(back) == 0
     c.grow(back, 1, token_ids=[7])
-    c.check_invariants()
+    check_invariants(c)

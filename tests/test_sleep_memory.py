@@ -33,9 +33,9 @@ if kind == "vm":  # a page mapped twice (its sequence, the pool's window) counts
     c._pagestore._window_view[::4096].sum()  # fault the window in now, so only copies count below
 rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
 before = rss()
-c.memory.sleep(keep="host")
+c.elastic.sleep(keep="host")
 peak = rss() - before
-c.memory.wake()
+c.elastic.wake()
 ok = bool(c.kv(3, s)[1].eq(1).all())
 print(json.dumps({"data": tokens * spec.bytes_per_token, "peak": peak, "ok": ok}))
 """

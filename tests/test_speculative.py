@@ -13,6 +13,7 @@ from vmcache.paged_fallback import PagedKVCache
 from vmcache import KVSpec, VMKVCache
 from vmcache.engine import DraftModel, Engine, NgramDrafter, Request, SamplingParams
 from vmcache.engine.speculative import target_probs, verify
+from vmcache.sequences.invariants import check_invariants
 
 
 def repeating(seed=0, n=4, new=40):
@@ -28,9 +29,9 @@ def repeating(seed=0, n=4, new=40):
 def run(m, cache, reqs, **kw):
     engine = Engine(m, cache, **kw)
     out = engine.run(reqs)
-    engine.kv.check_invariants()
-    if engine.kv.prefix is not None:
-        engine.kv.prefix.clear()  # what the index still caches: nothing else may hold pages
+    check_invariants(engine.kv)
+    if engine.kv.prefix.index is not None:
+        engine.kv.prefix.index.clear()  # what the index still caches: nothing else may hold pages
     assert engine.kv.stats().physical_pages == 0 and not engine.kv.sequences
     return out, engine.stats
 
@@ -45,7 +46,7 @@ def test_greedy_outputs_equal_without_speculation(model, kind, pages, policy):  
     assert spec == plain
     want = reference(model, reqs)
     assert spec == {rid: [toks] for rid, toks in want.items()}
-    assert st.spec.proposed > 0 and st.spec.accepted > 0
+    assert st.speculation.proposed > 0 and st.speculation.accepted > 0
     if pages < 20:
         assert st.preempt_swap + st.preempt_recompute > 0  # speculation under pressure too
 
@@ -56,8 +57,10 @@ def test_accepted_drafts_take_fewer_target_steps_and_rollback_returns_pages(mode
     _, st = run(model, make("vm", 64), reqs, speculative=NgramDrafter(k=4))
     assert st.generated_tokens == plain.generated_tokens == 60
     assert st.steps < plain.steps  # several tokens per target step
-    assert st.spec.accepted / st.spec.proposed > 0.3
-    assert st.spec.rolled_back == st.spec.proposed - st.spec.accepted  # every reject undone
+    assert st.speculation.accepted / st.speculation.proposed > 0.3
+    assert (
+        st.speculation.rolled_back == st.speculation.proposed - st.speculation.accepted
+    )  # every reject undone
 
 
 def test_adaptive_k_proposes_less_where_drafts_fail_and_changes_no_output(model):  # noqa: F811
@@ -67,7 +70,10 @@ def test_adaptive_k_proposes_less_where_drafts_fail_and_changes_no_output(model)
     )
     adaptive, st = run(model, make("vm", 64), reqs, speculative=NgramDrafter(k=6))
     assert fixed == adaptive
-    assert st.spec.proposed - st.spec.accepted < st_fixed.spec.proposed - st_fixed.spec.accepted
+    assert (
+        st.speculation.proposed - st.speculation.accepted
+        < st_fixed.speculation.proposed - st_fixed.speculation.accepted
+    )
     d = NgramDrafter(k=4)
     assert [d.next_k(None, None), d.next_k(4, 0), d.next_k(1, 1), d.next_k(4, 4)] == [4, 1, 2, 4]
 
@@ -77,14 +83,14 @@ def test_n_greater_than_one_and_mixed_batches(model):  # noqa: F811
     reqs += requests(MIXED)
     plain, _ = run(model, make("vm", 64), reqs)
     spec, st = run(model, make("vm", 64), reqs, speculative=NgramDrafter(k=3))
-    assert spec == plain and st.spec.proposed > 0
+    assert spec == plain and st.speculation.proposed > 0
 
 
 def test_prefix_caching_indexes_only_accepted_tokens(model):  # noqa: F811
     reqs = repeating(n=3, new=30)
     plain, _ = run(model, prefix_vm(64), reqs)
     spec, st = run(model, prefix_vm(64), reqs, speculative=NgramDrafter(k=4))
-    assert spec == plain and st.spec.rolled_back > 0
+    assert spec == plain and st.speculation.rolled_back > 0
 
 
 @pytest.mark.parametrize("kind", ["vm", "paged"])
@@ -109,7 +115,7 @@ def test_a_sliding_window_model_rolls_back_within_its_margin(kind):
         cache = PagedKVCache(spec, num_blocks=64, block_size=8, max_seq_len=96, max_seqs=8,
                              rollback_tokens=4)  # fmt: skip
     spec_out, st = run(m, cache, reqs, speculative=NgramDrafter(k=4))
-    assert spec_out == plain and st.spec.rolled_back > 0
+    assert spec_out == plain and st.speculation.rolled_back > 0
     assert cache.stats().window_released_pages > 0
 
 
@@ -189,13 +195,13 @@ def test_a_draft_model_on_its_own_cache_keeps_greedy_outputs(model, kind, pages,
     drafter = DraftModel(dm, draft_cache(dm), k=4)
     spec_out, st = run(model, make(kind, pages), reqs, speculative=drafter)
     assert spec_out == plain
-    assert st.spec.proposed > 0
+    assert st.speculation.proposed > 0
     if draft == "target":
-        assert st.spec.accepted == st.spec.proposed  # the target agrees with itself
+        assert st.speculation.accepted == st.speculation.proposed  # the target agrees with itself
     else:
-        assert st.spec.rolled_back > 0
+        assert st.speculation.rolled_back > 0
     assert not drafter.kv.sequences  # every draft slot freed
-    drafter.kv.check_invariants()
+    check_invariants(drafter.kv)
 
 
 def test_a_draft_model_needs_the_vocabulary_and_its_own_cache(model):  # noqa: F811

@@ -19,6 +19,7 @@ from vmcache import CacheFull
 from vmcache.prefix.tiers import PrefixTiers
 from vmcache.prefix.tiers.digest import page_digest, salt_bytes
 from vmcache.prefix.tiers.disk import file_bytes
+from vmcache.sequences.invariants import check_invariants
 
 KINDS = ["vm", "vm_token_major", "paged"]
 
@@ -35,8 +36,8 @@ def cached(c, tokens, salt=None):
     if c.seq_len(s) < len(tokens):
         append(c, s, tokens[c.seq_len(s) :])
     c.free(s)
-    c.prefix.clear()
-    assert c.prefix.stats().cached_pages == 0
+    c.prefix.index.clear()
+    assert c.prefix.index.stats().cached_pages == 0
 
 
 def hit(c, tokens, salt=None):
@@ -47,7 +48,7 @@ def hit(c, tokens, salt=None):
         k, v = c.kv(layer, s)
         assert torch.equal(k, kv_of(tokens[:n])) and torch.equal(v, -k)
     c.free(s)
-    c.check_invariants()
+    check_invariants(c)
     return n
 
 
@@ -65,10 +66,10 @@ def test_demoted_prefix_comes_back_byte_identical(kind, where, tmp):
     P = tpp(c)
     A = [1] * P + [2] * P + [0, 1] * (P // 2) + [7]  # three full pages and a tail
     cached(c, A)
-    T = c.tier_stats().demoted_pages // 3
-    assert c.cached_prefix_tokens(A) == 3 * P  # the tiers count, no I/O yet
+    T = c.prefix.tier_stats().demoted_pages // 3
+    assert c.prefix.cached_tokens(A) == 3 * P  # the tiers count, no I/O yet
     assert hit(c, A) == 3 * P
-    st_, ps = c.tier_stats(), c.prefix.stats()
+    st_, ps = c.prefix.tier_stats(), c.prefix.index.stats()
     assert ps.tier_hit_tokens == 3 * P and ps.cached_pages == 3 * T
     assert st_.promoted_host_pages + st_.promoted_disk_pages == 3 * T
     assert st_.device_copies == 2  # one copy down for the chain, one back up
@@ -76,9 +77,9 @@ def test_demoted_prefix_comes_back_byte_identical(kind, where, tmp):
         assert (st_.disk_files_written, st_.disk_files_read) == (1, 1)
         assert st_.promoted_disk_pages == 3 * T
     # promoted pages are ordinary cached pages: evicted again, the disk keeps its file
-    c.prefix.clear()
+    c.prefix.index.clear()
     assert hit(c, A) == 3 * P
-    assert c.tier_stats().disk_files_written == (1 if "disk" in where and not host else 0)
+    assert c.prefix.tier_stats().disk_files_written == (1 if "disk" in where and not host else 0)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -88,7 +89,7 @@ def test_a_damaged_tier_file_is_a_miss(kind, damage, tmp):
     P = tpp(c)
     A = [1] * P + [2] * P + [3]
     cached(c, A)
-    (path,) = c.prefix.tiers.disk.files()
+    (path,) = c.prefix.index.tiers.disk.files()
     raw = bytearray(path.read_bytes())
     if damage == "data":  # the last byte: the chain's root page (the leaf is evicted first)
         raw[-1] ^= 0x40
@@ -103,9 +104,9 @@ def test_a_damaged_tier_file_is_a_miss(kind, damage, tmp):
     else:
         path.write_bytes(bytes(raw))
     assert hit(c, A) == 0  # the content check inside: never a damaged page
-    st_ = c.tier_stats()
+    st_ = c.prefix.tier_stats()
     assert st_.corrupt_files == 1 and st_.disk_bytes == 0  # a vanished file counts too
-    assert not path.exists() and len(c.prefix.tiers.disk) == 0
+    assert not path.exists() and len(c.prefix.index.tiers.disk) == 0
     cached(c, A)  # recomputed, written again, and then served
     assert hit(c, A) == 2 * P
 
@@ -116,34 +117,36 @@ def test_salts_stay_apart_in_every_tier(kind, tmp):
     P = tpp(c)
     A = [4] * (2 * P)
     cached(c, A, salt="tenant-a")
-    assert c.tier_stats().disk_files_written == 1
+    assert c.prefix.tier_stats().disk_files_written == 1
     assert hit(c, A, salt="tenant-b") == 0 and hit(c, A) == 0 and hit(c, A, salt=b"tenant-a") == 0
     assert hit(c, A, salt="tenant-a") == 2 * P
     with pytest.raises(TypeError, match="salt"):
         c.new_sequence(prefix_tokens=A, salt=1.5)  # no name outside this process
-    assert c.sequences == [] and c.prefix.stats().lookups == 5  # the refusal changed nothing
+    assert c.sequences == [] and c.prefix.index.stats().lookups == 5  # the refusal changed nothing
 
 
 @pytest.mark.parametrize("kind", ["vm", "paged"])
 def test_each_tier_evicts_least_recently_used_within_its_byte_limit(kind, tmp):
     probe = cache(kind, None) if kind == "vm" else make(kind, pages=16)
-    entry = probe.pages_for_tokens(tpp(probe)) * probe.page_bytes  # one page per table
+    entry = (
+        probe.elastic.pages_for_tokens(tpp(probe)) * probe.config.page_bytes
+    )  # one page per table
     # two entries in RAM, two one-entry files on disk
     c = cache(kind, PrefixTiers(2 * entry, disk_dir=tmp, disk_bytes=2 * file_bytes(1, entry)))
-    P, tiers = tpp(c), c.prefix.tiers
+    P, tiers = tpp(c), c.prefix.index.tiers
     assert tiers.entry_bytes == entry
     prompts = [[i] * P for i in range(5)]  # one page each
     for p in prompts:  # each evicted on its own: host overflow goes to disk a file at a time
         cached(c, p)
     # RAM: 3, 4 (newest); disk: 1, 2 (0's file was the oldest, dropped)
-    held = [c.cached_prefix_tokens(p) // P for p in prompts]
+    held = [c.prefix.cached_tokens(p) // P for p in prompts]
     assert held == [0, 1, 1, 1, 1]
     assert len(tiers.host) == 2 and len(tiers.disk) == 2
-    st_ = c.tier_stats()
+    st_ = c.prefix.tier_stats()
     assert st_.dropped_pages == st_.demoted_pages // 5  # prompt 0's entry, of five
     assert hit(c, prompts[1]) == P  # from disk; its file is now the most recently used
     cached(c, prompts[1])  # back to RAM: 3 goes to disk, and 2's file (oldest) is dropped
-    held = [c.cached_prefix_tokens(p) // P for p in prompts]
+    held = [c.prefix.cached_tokens(p) // P for p in prompts]
     assert held == [0, 1, 0, 1, 1]
 
 
@@ -169,9 +172,9 @@ def test_a_directory_serves_the_next_cache_of_the_same_layout_and_namespace(kind
     wider.close()
     again = cache(kind, PrefixTiers(disk_dir=tmp, disk_bytes=1 << 22, namespace="model-a"))
     assert hit(again, A) == 2 * P
-    again.prefix.clear()
-    again.prefix.tiers.clear()  # this namespace's files go, model-b's stays
-    assert hit(again, A) == 0 and again.cached_prefix_tokens(A) == 0
+    again.prefix.index.clear()
+    again.prefix.index.tiers.clear()  # this namespace's files go, model-b's stays
+    assert hit(again, A) == 0 and again.prefix.cached_tokens(A) == 0
     assert len(kvt(tmp)) == 1
     again.close()
     other = cache(kind, PrefixTiers(disk_dir=tmp, disk_bytes=1 << 22, namespace="model-b"))
@@ -184,15 +187,15 @@ def test_promotion_takes_only_the_room_there_is(kind, tmp):
     P = tpp(c)
     A = [1] * P + [2] * P + [3]
     cached(c, A)
-    per_page = c.pages_for_tokens(P)
+    per_page = c.elastic.pages_for_tokens(P)
     hog = c.new_sequence()
-    c.grow(hog, (c.pool.num_pages // per_page - 1) * P)  # all but one page per table
+    c.grow(hog, (c._pool.num_pages // per_page - 1) * P)  # all but one page per table
     assert hit(c, A) == P  # one page of two came back, no CacheFull
     c.free(hog)
-    c.prefix.clear()
+    c.prefix.index.clear()
     assert hit(c, A) == 2 * P  # the rest stayed on disk
     hog = c.new_sequence()
-    c.grow(hog, c.pool.num_pages // per_page * P)  # everything
+    c.grow(hog, c._pool.num_pages // per_page * P)  # everything
     s = c.new_sequence(prefix_tokens=A)
     assert c.seq_len(s) == 0  # no room at all: a miss, not an error
     with pytest.raises(CacheFull):
@@ -232,7 +235,7 @@ class TieredPrefixMachine(PrefixMachine):
         self.dir = tempfile.mkdtemp(prefix="vmcache-tiers-")
         super().__init__()
         kind = type(self).kind
-        entry = self.c.pages_for_tokens(tpp(self.c)) * self.c.page_bytes
+        entry = self.c.elastic.pages_for_tokens(tpp(self.c)) * self.c.config.page_bytes
         self.c.close()
         pages = 48 if kind == "vm" else 24
         tiers = PrefixTiers(entry, disk_dir=self.dir, disk_bytes=40 * entry)
@@ -241,25 +244,25 @@ class TieredPrefixMachine(PrefixMachine):
 
     def teardown(self):
         try:
-            st_ = self.c.prefix.stats()
+            st_ = self.c.prefix.index.stats()
             self.seen["tier hit tokens"] += st_.tier_hit_tokens
-            self.seen["corrupt files"] += self.c.tier_stats().corrupt_files
+            self.seen["corrupt files"] += self.c.prefix.tier_stats().corrupt_files
             super().teardown()
         finally:
             shutil.rmtree(self.dir, ignore_errors=True)
 
     @rule()
     def demote_every_cached_page(self):
-        self.c.prefix.clear()  # what the pool does piecemeal when it runs short
+        self.c.prefix.index.clear()  # what the pool does piecemeal when it runs short
         self.seen["demote all"] += 1
 
-    @precondition(lambda self: len(self.c.prefix.tiers.disk) > 0)
+    @precondition(lambda self: len(self.c.prefix.index.tiers.disk) > 0)
     @rule(data=st.data(), offset=st.integers(0, 1 << 20))
     def damage_a_file(self, data, offset):
         """Demote what the device caches, then flip a byte of a tier file: of the seeded
         prompt's first page if the disk holds it (then looked up, so the damage is met),
         else of any file."""
-        disk, ix = self.c.prefix.tiers.disk, self.c.prefix
+        disk, ix = self.c.prefix.index.tiers.disk, self.c.prefix.index
         ix.clear()
         root = page_digest(ix.root, salt_bytes(None), self.seeded[: tpp(self.c)])
         files = disk.files()
@@ -317,11 +320,11 @@ def test_a_sleep_that_keeps_nothing_leaves_the_prefixes_in_the_tiers(kind, tmp):
     c.free(s)  # A cached, unreferenced
     live = c.new_sequence(prefix_tokens=B)
     append(c, live, B)
-    c.cache_prefix(live)  # B cached and mapped by a live sequence
-    c.memory.sleep(keep="none")
-    assert c.prefix.stats().cached_pages == 0
-    c.memory.wake()
+    c.prefix.publish(live)  # B cached and mapped by a live sequence
+    c.elastic.sleep(keep="none")
+    assert c.prefix.index.stats().cached_pages == 0
+    c.elastic.wake()
     assert c.seq_len(live) == len(B) and c.kv(1, live)[0].abs().sum() == 0  # zeros, as said
     assert hit(c, A) == 2 * P and hit(c, B) == P  # both served from the tiers, checked
     c.free(live)
-    c.check_invariants()
+    check_invariants(c)

@@ -18,9 +18,16 @@ from test_tiers import cache, cached, hit, kvt
 
 from vmcache import CacheFull
 from vmcache.prefix.tiers import PrefixTiers
-from vmcache.prefix.tiers.digest import DIGEST_BYTES, mac, page_digest, root_digest, salt_bytes
+from vmcache.prefix.tiers.digest import (
+    DIGEST_BYTES,
+    mac,
+    page_digest,
+    root_digest,
+    salt_bytes,
+)
 from vmcache.prefix.tiers.disk import _HEAD, _ROW
 from vmcache.prefix.tiers.files import TierDirectoryError
+from vmcache.sequences.invariants import check_invariants
 
 
 @pytest.fixture
@@ -57,7 +64,7 @@ def test_a_forged_file_is_never_served(kind, given_key, tmp):
     for guess in (b"", b"k" * 31 + b"x", bytes(32)):  # no key, a near key, zeros
         forge(path, 7.0, hashlib.blake2b(guess, digest_size=32).digest())
         assert hit(c, A) == 0  # hit() checks K/V: 7.0 would fail it; a miss is served
-        assert c.tier_stats().corrupt_files >= 1 and not path.exists()
+        assert c.prefix.tier_stats().corrupt_files >= 1 and not path.exists()
         cached(c, A)
         (path,) = kvt(tmp)
     assert hit(c, A) == 2 * P  # the cache's own file is served
@@ -73,11 +80,11 @@ def test_stored_digests_confirm_no_guessed_prompt(tmp):
     cached(c, A)
     raw = kvt(tmp)[0].read_bytes()
     stored = raw[_HEAD.size : _HEAD.size + DIGEST_BYTES]
-    assert stored == page_digest(c.prefix.root, salt_bytes(None), A)  # the cache's chain
+    assert stored == page_digest(c.prefix.index.root, salt_bytes(None), A)  # the cache's chain
     for key in (b"", bytes(32)):
         guess = root_digest({"cache": "VMKVCache", "namespace": ""}, key)
         assert page_digest(guess, salt_bytes(None), A) not in raw
-    assert c.prefix.root not in raw  # the root is never stored (a one-way tag is)
+    assert c.prefix.index.root not in raw  # the root is never stored (a one-way tag is)
     c.close()
 
 
@@ -134,24 +141,24 @@ def test_a_full_disk_loses_no_page(kind, tmp):
         s = c.new_sequence(prefix_tokens=p)
         append(c, s, p)
         c.free(s)
-    assert c.prefix.stats().cached_pages > 0
+    assert c.prefix.index.stats().cached_pages > 0
     old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (64, hard))  # no tier file fits
     try:
         hog = c.new_sequence()
-        every = (c.pool.num_pages // c.pages_for_tokens(P)) * P
+        every = (c._pool.num_pages // c.elastic.pages_for_tokens(P)) * P
         with pytest.raises(CacheFull):  # more than the pool: only CacheFull
             c.grow(hog, every + P)
         c.grow(hog, every)  # every page: the evicted ones too (their demotion failed)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, old)
-    st_ = c.tier_stats()
+    st_ = c.prefix.tier_stats()
     assert st_.failed_disk_writes >= 1 and st_.dropped_pages > 0
-    assert c.prefix.stats().cached_pages == 0 and c.pool.num_free == 0
+    assert c.prefix.index.stats().cached_pages == 0 and c._pool.num_free == 0
     assert not list(tmp.glob("*.tmp")) and not kvt(tmp)
-    c.check_invariants()
+    check_invariants(c)
     c.free(hog)
     assert [hit(c, p) for p in prompts] == [0, 0, 0]  # a miss, never a wrong page
     cached(c, prompts[0])  # the disk works again
@@ -174,14 +181,14 @@ def test_a_fifo_or_symlink_named_like_a_tier_file_is_never_opened(tmp):
     _with_deadline(20)
     try:
         c = cache("vm", PrefixTiers(disk_dir=tmp, disk_bytes=1 << 22))  # the scan
-        assert c.tier_stats().skipped_files == 2
+        assert c.prefix.tier_stats().skipped_files == 2
         P = tpp(c)
         cached(c, [4] * P)
-        (path,) = c.prefix.tiers.disk.files()
+        (path,) = c.prefix.index.tiers.disk.files()
         os.unlink(path)
         os.mkfifo(path)  # swapped for a FIFO after it was indexed: a hit must not block
         assert hit(c, [4] * P) == 0
-        assert c.tier_stats().corrupt_files == 1
+        assert c.prefix.tier_stats().corrupt_files == 1
     finally:
         signal.alarm(0)
     assert stat.S_ISFIFO(os.lstat(tmp / ("f" * 32 + ".kvt")).st_mode)  # not ours: left

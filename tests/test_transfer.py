@@ -9,6 +9,8 @@ import torch
 from handoff_scenarios import CASES, KINDS, lost_peer, pair
 from ranks import run_ranks
 
+from vmcache.sequences.invariants import check_invariants
+
 CASE_KEYS = [(k, c, p) for k in KINDS for c in CASES for p in (False, True)]
 
 
@@ -80,24 +82,24 @@ def test_wires_pack_and_unpack_into_an_adopted_sequence(kind):
     b = KINDS[kind]()
 
     def fill(t):
-        for src, dst in zip(a.transfer.wires(s), b.transfer.wires(t)):
+        for src, dst in zip(a.handoff.runs(s), b.handoff.runs(t)):
             assert src.nbytes == dst.nbytes
             dst.unpack(src.packed().clone())
 
-    t = b.transfer.adopt(a.transfer.manifest(s), fill)
+    t = b.handoff.adopt(a.handoff.manifest(s), fill)
     want, got = content(a, s), content(b, t)
     assert want["manifest"] == got["manifest"]
     assert all(torch.equal(x, y) for x, y in zip(want["kv"], got["kv"]))
-    b.check_invariants()
+    check_invariants(b)
 
     def broken(t):
         raise RuntimeError("lost mid-way")
 
-    free = b.pool.num_available
+    free = b._pool.num_available
     with pytest.raises(RuntimeError, match="lost"):
-        b.transfer.adopt(a.transfer.manifest(s), broken)
-    assert b.pool.num_available == free and b.sequences == [t]  # all or nothing
-    b.check_invariants()
+        b.handoff.adopt(a.handoff.manifest(s), broken)
+    assert b._pool.num_available == free and b.sequences == [t]  # all or nothing
+    check_invariants(b)
 
 
 def test_shard_spec_splits_kv_heads_evenly_or_refuses():
@@ -132,7 +134,7 @@ def test_the_launcher_serves_disaggregated_and_matches_one_process():
 
 
 def test_a_cuda_cache_over_gloo_is_refused_and_control_follows_the_backend():
-    from vmcache.distributed.transfer import control_device
+    from vmcache.distributed.handoff import control_device
 
     with pytest.raises(ValueError, match="nccl"):
         control_device(torch.device("cuda", 1), "gloo")

@@ -12,6 +12,7 @@ from vmcache.engine import DraftModel, NgramDrafter, Request, SamplingParams
 from vmcache.engine.runner import ModelRunner
 from vmcache.engine.speculative import target_probs, verify, verify_tree
 from vmcache.engine.tree import flatten
+from vmcache.sequences.invariants import check_invariants
 
 
 def branching(seed=0, n=3, new=40, temperature=0.0):
@@ -58,23 +59,23 @@ def test_a_token_tree_keeps_greedy_outputs(model, kind, mode):  # noqa: F811
     out, st = run(model, make(kind, 64), reqs,
                   speculative=NgramDrafter(k=4, branches=3, tree_mode=mode))  # fmt: skip
     assert out == plain
-    assert st.spec.tree_steps > 0 and st.spec.tree_branches > 0
+    assert st.speculation.tree_steps > 0 and st.speculation.tree_branches > 0
     chain, st_chain = run(model, make(kind, 64), reqs, speculative=NgramDrafter(k=4))
     assert chain == plain
-    assert st.spec.accepted >= st_chain.spec.accepted
+    assert st.speculation.accepted >= st_chain.speculation.accepted
     answers = [(r.prompt, out[r.req_id][0]) for r in reqs]
     out, st = run(model, make(kind, 64), reqs,
                   speculative=Oracle(answers, k=4, branches=2, tree_mode=mode))  # fmt: skip
     assert out == plain
-    assert st.spec.tree_wins == st.spec.tree_steps > 0
+    assert st.speculation.tree_wins == st.speculation.tree_steps > 0
     bpt = make(kind, 8).spec.bytes_per_token
     if mode == "mask":  # every verification a tree, half of it right, just that copied
-        assert st.spec.tree_steps == st.spec.steps
-        assert st.spec.accepted == st.spec.proposed // 2
-        assert st.spec.tree_copied_bytes == st.spec.accepted * bpt
+        assert st.speculation.tree_steps == st.speculation.steps
+        assert st.speculation.accepted == st.speculation.proposed // 2
+        assert st.speculation.tree_copied_bytes == st.speculation.accepted * bpt
         assert st.steps < base.steps / 3
     else:  # a branch needs a free slot for its fork: without one the main chain goes alone
-        assert 0 < st.spec.tree_copied_bytes and st.steps < base.steps / 2
+        assert 0 < st.speculation.tree_copied_bytes and st.steps < base.steps / 2
     d = NgramDrafter(k=2, branches=3)
     assert d.tree([1, 2, 5, 1, 2, 6, 1, 2, 7, 1, 2], 5) == [[7, 1], [6, 1], [5, 1]]
 
@@ -148,7 +149,7 @@ def test_compact_moves_only_the_path_off_the_first_chain(kind):
     with pytest.raises(TypeError):
         cache.beams.compact(s, 4, [4.0])
     assert cache.seq_len(s) == 7
-    cache.check_invariants()
+    check_invariants(cache)
 
 
 def _chi2(counts, p):
@@ -230,10 +231,10 @@ def test_sampled_requests_run_trees_and_draft_models(model, mode):  # noqa: F811
     drafter = NgramDrafter(k=4, branches=3, tree_mode=mode)
     out, st = run(model, make("vm", 64), reqs, speculative=drafter)
     again, _ = run(model, make("vm", 64), reqs, speculative=drafter)
-    assert out == again and st.spec.tree_steps > 0
+    assert out == again and st.speculation.tree_steps > 0
     assert all(len(o[0]) == r.params.max_new_tokens for r, o in zip(reqs, out.values()))
     dm = draft_llama()
     dmodel = DraftModel(dm, draft_cache(dm), k=3)
     out, st = run(model, make("paged", 48), reqs, speculative=dmodel)
-    assert st.spec.proposed > 0 and not dmodel.kv.sequences
+    assert st.speculation.proposed > 0 and not dmodel.kv.sequences
     assert all(len(o[0]) == r.params.max_new_tokens for r, o in zip(reqs, out.values()))

@@ -10,6 +10,7 @@ from caches import SPEC, strict_host
 from vmcache import VMKVCache
 from vmcache.memory.pagestore import CREATE_CHUNK
 from vmcache.prefix.tiers import PrefixTiers
+from vmcache.sequences.invariants import check_invariants
 
 
 class Recording(VMKVCache):
@@ -36,11 +37,11 @@ def test_wake_writes_each_chunk_as_it_is_created():
         for layer in range(2):
             k = torch.full((960, 2, 16), float(i + 1))
             c.write(layer, s, 0, k, -k)
-    live = c.pool.num_used
-    c.memory.sleep()
+    live = c._pool.num_used
+    c.elastic.sleep()
     assert be.release_calls >= live and be.live_handles() == 0
     created, maps = be.create_calls, be.map_calls
-    c.memory.wake()
+    c.elastic.wake()
     assert be.create_calls - created == live  # each live page once, none more
     chunks = -(-live // CREATE_CHUNK)
     assert [n for n, _ in c.fills] == [CREATE_CHUNK] * (chunks - 1) + [
@@ -54,7 +55,7 @@ def test_wake_writes_each_chunk_as_it_is_created():
     assert 1 <= window_maps <= chunks, window_maps
     for i, s in enumerate(seqs):
         assert torch.equal(c.kv(1, s)[0], torch.full((960, 2, 16), float(i + 1)))
-    c.check_invariants()
+    check_invariants(c)
     c.close()
 
 
@@ -67,6 +68,6 @@ def test_a_demotion_to_the_tiers_waits_for_no_device(tmp_path):
     c.grow(s, 256, token_ids=list(range(256)))
     c.free(s)  # 256 tokens indexed
     syncs, maps, unmaps = be.sync_calls, be.map_calls, be.unmap_calls
-    assert c.prefix.clear() > 0 and c.tier_stats().demoted_pages > 0
+    assert c.prefix.index.clear() > 0 and c.prefix.tier_stats().demoted_pages > 0
     assert (be.sync_calls, be.map_calls, be.unmap_calls) == (syncs, maps, unmaps)
     c.close()

@@ -7,6 +7,7 @@ import torch
 from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import KVSpec, VMKVCache
+from vmcache.sequences.invariants import check_invariants
 
 W, LENGTH = 512, 8192
 # Gemma-3-style: five sliding layers per full one; 64 B token rows (64 tokens a 4 KiB page)
@@ -38,11 +39,11 @@ def test_pages_held_at_8k_tokens_are_within_one_page_per_sliding_table_of_the_mi
     while cache.seq_len(s) < LENGTH:
         cache.grow(s, 1)
         n = cache.seq_len(s)
-        over = cache.mapped_pages(s) - minimum_pages(cache, n)
+        over = cache.elastic.mapped_pages(s) - minimum_pages(cache, n)
         assert 0 <= over <= sliding_tables, (n, over)
         worst = max(worst, over)
     st = cache.stats()
-    assert st.window_released_pages > 0 and st.physical_pages == cache.mapped_pages(s)
+    assert st.window_released_pages > 0 and st.physical_pages == cache.elastic.mapped_pages(s)
     # the bytes: within one page per sliding table of window_kv_bytes, far below full attention
     assert GEMMA3.window_kv_bytes(LENGTH) <= st.physical_bytes
     assert st.physical_bytes <= GEMMA3.window_kv_bytes(LENGTH) + sliding_tables * st.page_bytes
@@ -72,9 +73,9 @@ def test_can_grow_counts_the_pages_the_window_gives_back():
     cache = VMKVCache(spec, 1, 1024, page_size=4096, pool_bytes=4 * 4096)
     s = cache.new_sequence()
     cache.grow(s, 128)  # two pages per table (K and V): the pool is full
-    assert cache.pool.num_free == 0 and not cache.pool.can_allocate(2)
+    assert cache._pool.num_free == 0 and not cache._pool.can_allocate(2)
     assert cache.can_grow(s, 1)  # page 0 of each table leaves the window first
     cache.grow(s, 1)
-    assert cache.window_start(0, s) == 64 and cache.stats().window_released_pages == 2
-    cache.check_invariants()
+    assert cache.views.window_start(0, s) == 64 and cache.stats().window_released_pages == 2
+    check_invariants(cache)
     cache.close()

@@ -14,9 +14,11 @@ from vmcache.memory.ledger import SharedBudget
 from vmcache.memory.pool import PagePool
 from vmcache.prefix.tiers import PrefixTiers
 from vmcache.sequences.cache import VMKVCache
+from vmcache.sequences.config import CacheConfig
+from vmcache.sequences.handoff import SwapHandle
+from vmcache.sequences.invariants import check_invariants
 from vmcache.sequences.spec import KVSpec
 from vmcache.sequences.stats import CacheStats
-from vmcache.sequences.transfer import SwapHandle
 
 __all__ = [
     "KVSpec",
@@ -31,5 +33,7 @@ __all__ = [
     "SwapHandle",
     "PrefixTiers",
     "CacheStats",
+    "CacheConfig",
+    "check_invariants",
 ]
 __version__ = "0.1.0"

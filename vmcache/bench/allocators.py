@@ -209,10 +209,12 @@ class CacheAlloc:
         self.kind, self.kv = kind, cache
         self.share = share  # False: a fork copies its parent (the no-sharing baseline)
         self.bpt = cache.spec.bytes_per_token
-        self.uses_ids = cache.prefix is not None
+        self.uses_ids = cache.prefix.index is not None
         self.last_hit = 0
         self._copied = 0  # bytes copied by forks without sharing
-        self._step_pages = cache.pages_for_tokens(1)  # pages one token past a boundary needs
+        self._step_pages = cache.elastic.pages_for_tokens(
+            1
+        )  # pages one token past a boundary needs
 
     @property
     def copied_bytes(self) -> int:
@@ -224,21 +226,21 @@ class CacheAlloc:
         return self.kv.prefix.tokens_per_block
 
     def free_bytes(self) -> int:
-        return self.kv.pool.num_free * self.kv.page_bytes
+        return self.kv._pool.num_free * self.kv.config.page_bytes
 
     def need_bytes(self, tokens: int) -> int:
-        return self.kv.pages_for_tokens(tokens) * self.kv.page_bytes
+        return self.kv.elastic.pages_for_tokens(tokens) * self.kv.config.page_bytes
 
     def can_admit(self, tokens: int, k: int = 1, growing: int = 0) -> bool:
         kv = self.kv
-        if kv.num_free_slots < k:
+        if kv.elastic.free_slots < k:
             return False
-        first = kv.pages_for_tokens(tokens)
+        first = kv.elastic.pages_for_tokens(tokens)
         forks = (k - 1) * (self._step_pages if self.share else first)
-        return kv.pool.can_allocate(first + forks + growing * self._step_pages)
+        return kv.elastic.can_allocate(first + forks + growing * self._step_pages)
 
     def cached_tokens(self, ids) -> int:
-        return self.kv.cached_prefix_tokens(ids) if self.uses_ids else 0
+        return self.kv.prefix.cached_tokens(ids) if self.uses_ids else 0
 
     def admit(self, tokens: int, ids=None) -> int:
         """A sequence whose first ``tokens`` prompt tokens need K/V; with prefix caching
@@ -260,7 +262,7 @@ class CacheAlloc:
 
     def cache_prefix(self, h: int) -> None:
         if self.uses_ids:
-            self.kv.cache_prefix(h)
+            self.kv.prefix.publish(h)
 
     def can_grow(self, h: int, n: int) -> bool:
         return self.kv.can_grow(h, n)
@@ -288,12 +290,12 @@ class CacheAlloc:
         self.kv.free(h)
 
     def mapped_bytes(self, h: int) -> int:
-        return self.kv.mapped_pages(h) * self.kv.page_bytes
+        return self.kv.elastic.mapped_pages(h) * self.kv.config.page_bytes
 
     def headroom(self, h: int) -> int:
-        return self.kv.memory.headroom(h)
+        return self.kv.elastic.headroom(h)
 
     def held_bytes(self) -> int:
         """Pages in use, less those only the prefix index holds (a cache, evicted on demand)."""
-        pool = self.kv.pool
-        return (pool.num_used - pool.index_only) * self.kv.page_bytes
+        pool = self.kv._pool
+        return (pool.num_used - pool.index_only) * self.kv.config.page_bytes

@@ -166,9 +166,9 @@ def sleep_rows(repeats: int, sizes_mib) -> list[dict]:
             sleeps, wakes = [], []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                c.memory.sleep()
+                c.elastic.sleep()
                 t1 = time.perf_counter()
-                c.memory.wake()
+                c.elastic.wake()
                 t2 = time.perf_counter()
                 sleeps.append(t1 - t0)
                 wakes.append(t2 - t1)

@@ -97,7 +97,7 @@ def rows(repeats: int = 3, new_tokens: int = 96, per_task: int | None = None,
                 t0 = time.perf_counter()
                 got = engine.run(reqs)
                 walls.append(time.perf_counter() - t0)
-            st = engine.stats
+            st, sp = engine.stats, engine.stats.speculation
             wall = statistics.median(walls)
             if base_out is None:
                 base_out, base_wall = got, wall
@@ -105,11 +105,10 @@ def rows(repeats: int = 3, new_tokens: int = 96, per_task: int | None = None,
                    "requests": len(reqs), "new_tokens": new_tokens, "repeats": repeats,
                    "steps": st.steps, "generated_tokens": st.generated_tokens,
                    "tokens_per_step": st.generated_tokens / st.steps,
-                   "spec_proposed": st.spec.proposed, "spec_accepted": st.spec.accepted,
-                   "acceptance": st.spec.accepted / st.spec.proposed if st.spec.proposed
-                   else None,
-                   "tokens_per_verify": (st.spec.accepted + st.spec.steps) / st.spec.steps
-                   if st.spec.steps else None,
+                   "spec_proposed": sp.proposed, "spec_accepted": sp.accepted,
+                   "acceptance": sp.accepted / sp.proposed if sp.proposed else None,
+                   "tokens_per_verify": (sp.accepted + sp.steps) / sp.steps
+                   if sp.steps else None,
                    "answers_equal_none": got == base_out, "wall_s": wall,
                    "wall_s_min": min(walls), "wall_s_max": max(walls),
                    "wall_vs_none": wall / base_wall}  # fmt: skip

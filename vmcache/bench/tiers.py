@@ -113,8 +113,8 @@ def run(kind: str, which: str, m, conversations: int, turns: int,
                 history[c] += answer
                 answers.append(answer)
         wall = time.perf_counter() - t0
-        st, ps = engine.stats, kv.prefix.stats()
-        ts, page_bytes = kv.tier_stats(), kv.page_bytes
+        st, ps = engine.stats, kv.prefix.index.stats()
+        ts, page_bytes = kv.prefix.tier_stats(), kv.config.page_bytes
         kv.close()
     row = {"cache": kind, "tiers": which, "pool_tokens": pool, "wall_s": wall,
            "prompt_tokens": prompt_tokens,

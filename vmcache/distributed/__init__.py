@@ -2,7 +2,7 @@
 (:mod:`.transfer`), disaggregated prefill → decode serving (:mod:`.disagg`) and tensor
 parallelism with KV heads sharded across ranks (:mod:`.tp`)."""
 
-from vmcache.distributed.transfer import (
+from vmcache.distributed.handoff import (
     CONTROL_MESSAGES,
     Arrival,
     HandoffStats,

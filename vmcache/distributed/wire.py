@@ -12,7 +12,7 @@ that breaks any rule is a :class:`WireError` (the receiver turns it into a ``Tra
 
 The receiver checks the firsts against its own tables (``0 <= f <= keep_page(L, 0)``: no
 released page a next step would read, none past the sequence), L against ``max_seq_len`` and
-the K/V byte counts against the pages it mapped (:mod:`~vmcache.distributed.transfer`).
+the K/V byte counts against the pages it mapped (:mod:`~vmcache.distributed.handoff`).
 """
 
 from __future__ import annotations

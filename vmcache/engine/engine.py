@@ -15,7 +15,7 @@ A step has three stages, as vLLM's ``schedule`` / ``update_from_output``:
 
 A request with ``n > 1`` is prefilled once; its other sequences are forks (copy-on-write).
 The scheduler writes its counters into the engine's :class:`EngineStats`, the speculation its
-:class:`~vmcache.engine.speculation.SpecStats` (``stats.spec``).
+:class:`~vmcache.engine.speculation.SpeculationStats` (``stats.speculation``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class _StepWork:
 
     logits: torch.Tensor  # [Σ rows, V] fp32: a verified draft's every row, else its last
     starts: list[int]  # batch entry i's rows are logits[starts[i] : starts[i + 1]]
-    spec: list[bool]  # entry i verifies drafts
+    verifies: list[bool]  # entry i verifies drafts
     decodes: list[bool]  # entry i decodes (else it fed a prompt chunk)
     forks: dict  # entry i -> its token tree's forks (kids, their batch entries, rows each)
 
@@ -74,7 +74,7 @@ class Engine:
         self.scheduler = Scheduler(cache, preemption, victim, max_batch_tokens, self.stats)
         self.speculation = None  # drafts proposed before scheduling, verified after
         if speculative is not None:
-            self.speculation = Speculation(speculative, cache, self.vocab, self.stats.spec)
+            self.speculation = Speculation(speculative, cache, self.vocab, self.stats.speculation)
         # every request's sequences, outputs, finish reasons and times, until released
         # (a server reads its streams' deltas there: records.new_tokens / prefix_hit / release)
         self.records = Records()
@@ -113,15 +113,15 @@ class Engine:
             raise ValueError(f"request {req.req_id!r}: stop_token_ids must be below the "
                              f"vocabulary size {self.vocab}")  # fmt: skip
         total = len(prompt) + req.params.max_new_tokens
-        if total > self.kv.max_seq_len:
+        if total > self.kv.config.max_seq_len:
             raise ValueError(f"request {req.req_id!r}: {total} tokens exceed the cache's "
-                             f"max_seq_len {self.kv.max_seq_len}")  # fmt: skip
+                             f"max_seq_len {self.kv.config.max_seq_len}")  # fmt: skip
         # a sliding window holds only its last pages: the peak of a grow by one step (a whole
         # prefill or re-prefill chunk) is what must fit
-        peak = self.kv.memory.peak_pages(total, min(total, self.scheduler.max_batch_tokens))
-        if peak > self.kv.pool.num_pages:
+        peak = self.kv.elastic.peak_pages(total, min(total, self.scheduler.max_batch_tokens))
+        if peak > self.kv.elastic.num_pages:
             raise ValueError(f"request {req.req_id!r}: {total} tokens need {peak} pages at "
-                             f"once, the pool has {self.kv.pool.num_pages}")  # fmt: skip
+                             f"once, the pool has {self.kv.elastic.num_pages}")  # fmt: skip
 
     def add_request(self, req: Request, arrival_s: float | None = None) -> None:
         """Queue a request (arrived at ``arrival_s``, a ``time.perf_counter()`` value; now by
@@ -161,7 +161,7 @@ class Engine:
         if not want:
             return []
         sched = self.scheduler
-        free_slots = self.kv.max_seqs - len(self.kv.sequences)
+        free_slots = self.kv.config.max_seqs - len(self.kv.sequences)
         kids = self.kv.fork(seq.slot, min(want, free_slots)) if free_slots else []
         forked = []
         for i in range(1, want + 1):
@@ -202,19 +202,19 @@ class Engine:
     def _schedule(self) -> list[Seq]:
         """Drafts for decoding sequences, then the scheduler's batch (its grows map pages;
         it may preempt); drafts of sequences left out are dropped."""
-        sched, spec = self.scheduler, self.speculation
-        if spec is not None:
-            spec.propose(sched.running)
+        sched, speculation = self.scheduler, self.speculation
+        if speculation is not None:
+            speculation.propose(sched.running)
         batch = sched.schedule(self.stats.steps)
-        if spec is not None:
-            spec.drop_unscheduled(sched.running, batch)
+        if speculation is not None:
+            speculation.drop_unscheduled(sched.running, batch)
         return batch
 
     def _stall(self, t0: float) -> None:
         """Nothing could run: on a budget shared with other processes wait for them to free
         memory (up to ``max_wait_s``), else ``CacheFull``."""
         self._stalled_since = t0 if self._stalled_since is None else self._stalled_since
-        if not self.kv.memory.shared_budget or t0 - self._stalled_since > self.max_wait_s:
+        if not self.kv.elastic.shared_budget or t0 - self._stalled_since > self.max_wait_s:
             raise CacheFull("nothing can run: the pool cannot hold the next waiting request",
                             wanted=1, free=0)  # fmt: skip
         self.stats.budget_waits += 1
@@ -224,19 +224,19 @@ class Engine:
     def _run(self, batch: list[Seq]) -> _StepWork:
         """One packed model call over ``batch`` (and a token tree's forks): the logits rows
         each sequence needs (all of a verified draft's, else its last)."""
-        spec = [bool(s.draft) for s in batch]  # verifying drafts: every position's logits
+        verifies = [bool(s.draft) for s in batch]  # verifying drafts: every position's logits
         decodes = [sp or (bool(s.generated) and s.chunk == 1 and s.cached == len(s.tokens) - 1)
-                   for s, sp in zip(batch, spec)]  # fmt: skip
+                   for s, sp in zip(batch, verifies)]  # fmt: skip
         self.stats.prefill_tokens += sum(s.chunk for s, d in zip(batch, decodes) if not d)
-        rows = [s.chunk if sp else 1 for s, sp in zip(batch, spec)]
+        rows = [s.chunk if sp else 1 for s, sp in zip(batch, verifies)]
         args = ([s.slot for s in batch], [s.cached for s in batch], [s.scheduled for s in batch])
-        forks = self.speculation.fork_branches(batch, args, rows) if any(spec) else {}
-        trees = [s.tree[: s.chunk] if sp and s.tree else None for s, sp in zip(batch, spec)]
+        forks = self.speculation.fork_branches(batch, args, rows) if any(verifies) else {}
+        trees = [s.tree[: s.chunk] if sp and s.tree else None for s, sp in zip(batch, verifies)]
         trees += [None] * (len(args[0]) - len(batch))  # the forks' chains
-        logits = (self.runner.step(*args, rows=rows, trees=trees) if any(spec)
+        logits = (self.runner.step(*args, rows=rows, trees=trees) if any(verifies)
                   else self.runner.step(*args))  # fmt: skip
         starts = [0, *torch.tensor(rows).cumsum(0).tolist()]
-        return _StepWork(logits, starts, spec, decodes, forks)
+        return _StepWork(logits, starts, verifies, decodes, forks)
 
     # --- stage 3: postprocess ------------------------------------------------------------
     def _postprocess(self, batch: list[Seq], work: _StepWork) -> float:
@@ -248,7 +248,7 @@ class Engine:
         now = time.perf_counter()
         logits, starts = work.logits, work.starts
         for i, seq in enumerate(batch):
-            if work.spec[i]:
+            if work.verifies[i]:
                 mine, branches = logits[starts[i] : starts[i + 1]], None
                 if i in work.forks:  # a token tree verified in forks: their rows too
                     kids, at, n = work.forks[i]
@@ -257,7 +257,7 @@ class Engine:
                 continue
             seq.cached += seq.chunk
             if not work.decodes[i]:
-                self.kv.cache_prefix(seq.slot)  # its prompt's full pages, for later requests
+                self.kv.prefix.publish(seq.slot)  # its prompt's full pages, for later requests
             if seq.cached < len(seq.tokens):
                 continue  # a prompt chunk: the rest comes in later steps, no token yet
             row = logits[starts[i + 1] - 1]
@@ -269,8 +269,8 @@ class Engine:
                 self.on_prefilled(seq, [k for k in kids if k.status is Status.RUNNING])
         keep = self.keep_free_pages
         if keep is not None:
-            pb = self.kv.page_bytes
-            self.stats.released_pages += self.kv.memory.trim(keep * pb) // pb
+            pb = self.kv.config.page_bytes
+            self.stats.released_pages += self.kv.elastic.trim(keep * pb) // pb
         return premap
 
     def _map_ahead(self, batch: list[Seq]) -> float:
@@ -283,7 +283,7 @@ class Engine:
             if seq.draft:  # its length changes once the drafts are verified
                 continue
             if len(seq.generated) + 1 < seq.req.params.max_new_tokens:  # (a stop frees it)
-                self.stats.premapped_pages += self.kv.memory.reserve(seq.slot, 1)
+                self.stats.premapped_pages += self.kv.elastic.reserve(seq.slot, 1)
         return time.perf_counter() - tp
 
     def _drop(self, seq: Seq, reason: str) -> None:

@@ -54,7 +54,7 @@ class _StepLayer(CacheLayerMixin):
         return 0
 
     def get_max_length(self) -> int:
-        return self.owner.kv.max_seq_len
+        return self.owner.kv.config.max_seq_len
 
 
 class StepCache(Cache):
@@ -68,6 +68,7 @@ class StepCache(Cache):
         # the step's StepBatch (vmcache.sequences.batch): its slots, starts and q_lens
         self.batch = None
         self.layers_written: set[int] = set()  # this step's layers whose K/V were written
+        self.plans: dict = {}  # the step's kernel plans (vmcache.kernels.plan), new each step
         super().__init__(layers=[_StepLayer(self, i) for i in range(kv.spec.num_layers)])
 
     def plan(self, slots: list[int], starts: list[int], q_lens: list[int], masks=None) -> None:
@@ -79,6 +80,7 @@ class StepCache(Cache):
             raise ValueError(f"the step's tokens must be each sequence's last: starts "
                              f"{starts}, lengths {list(self.batch.kv_lens)}")  # fmt: skip
         self.layers_written = set()
+        self.plans = {}
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         k = k[0].transpose(0, 1).to(self.spec.dtype)  # [N, N_KV, d_h]
@@ -95,7 +97,8 @@ class StepCache(Cache):
         q = query[0].transpose(0, 1)
         b = self.batch
         out = kernels.attend(self.kv, layer, q, b.seq_ids, b.q_lens, scale=scale,
-                             softcap=softcap, masks=self.masks, batch=b)  # fmt: skip
+                             softcap=softcap, masks=self.masks, batch=b,
+                             plans=self.plans)  # fmt: skip
         return out[None]
 
     def real_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,7 +61,9 @@ class Scheduler:
         return bool(self.waiting or self.swapped or self.running)
 
     def _room(self, pages: int) -> bool:
-        return self.kv.pool.can_allocate(pages + self._growing * self.kv.pages_for_tokens(1))
+        return self.kv.elastic.can_allocate(
+            pages + self._growing * self.kv.elastic.pages_for_tokens(1)
+        )
 
     def _pick_victim(self, exclude: Seq) -> Seq | None:
         others = [s for s in self.running if s is not exclude]
@@ -97,7 +99,7 @@ class Scheduler:
         try:
             self.kv.grow(seq.slot, n, token_ids=seq.tokens[seq.cached : seq.cached + n])
         except CacheFull:
-            if not self.kv.pool.shared_budget:
+            if not self.kv.elastic.shared_budget:
                 raise
             self._preempt(seq, batch)  # another process took the pages first
             return False
@@ -109,7 +111,7 @@ class Scheduler:
         if not self._grow(seq, chunk, batch):
             return False
         batch.append(seq)
-        if self.kv.memory.headroom(seq.slot) == 0:
+        if self.kv.elastic.headroom(seq.slot) == 0:
             self._growing += 1
         return True
 
@@ -117,10 +119,10 @@ class Scheduler:
         """Whether a running sequence still prefilling shares more whole pages with ``seq``
         than the cache holds now: admitted next step instead, ``seq`` finds them cached."""
         kv = self.kv
-        if kv.prefix is None:
+        if kv.prefix.index is None:
             return False
         page = kv.prefix.tokens_per_block
-        hit = kv.cached_prefix_tokens(seq.tokens, seq.req.salt)
+        hit = kv.prefix.cached_tokens(seq.tokens, seq.req.salt)
         for a in self.running:
             if a.req.salt != seq.req.salt or a.generated:
                 continue  # decoding: its prompt's pages were indexed after its prefill
@@ -133,19 +135,23 @@ class Scheduler:
         if its first chunk (at most ``budget`` tokens) fits; at least its last token is left
         to compute. Returns the chunk, 0 if it was not admitted."""
         kv, n = self.kv, len(seq.tokens)
-        slot = kv.new_sequence(prefix_tokens=seq.tokens if kv.prefix else None, salt=seq.req.salt)
+        slot = kv.new_sequence(
+            prefix_tokens=seq.tokens if kv.prefix.enabled else None, salt=seq.req.salt
+        )
         hit = kv.seq_len(slot)
         if hit >= n:
             kv.beams.truncate(slot, n - 1)
             hit = n - 1
         chunk = min(n - hit, budget)
-        if not self._room(kv.pages_for_tokens(hit + chunk) - kv.pages_for_tokens(hit)):
+        if not self._room(
+            kv.elastic.pages_for_tokens(hit + chunk) - kv.elastic.pages_for_tokens(hit)
+        ):
             kv.free(slot)
             return 0
         seq.slot, seq.cached = slot, hit
         if seq.prefix_hit is None:  # its first admission (a re-prefill counts in stats only)
             seq.prefix_hit = hit
-        self.stats.prefix_query_tokens += n if kv.prefix is not None else 0
+        self.stats.prefix_query_tokens += n if kv.prefix.index is not None else 0
         self.stats.prefix_hit_tokens += hit
         return chunk
 
@@ -161,7 +167,7 @@ class Scheduler:
             n = min(len(seq.pending), budget)
             while not self.kv.can_grow(seq.slot, n):
                 victim = self._pick_victim(exclude=seq)
-                if victim is None and self.kv.pool.shared_budget:
+                if victim is None and self.kv.elastic.shared_budget:
                     victim = seq  # a shared budget: others hold the pages, and will free them
                 if victim is None:
                     raise CacheFull(f"a single sequence cannot grow to {seq.cached + n} tokens "
@@ -180,10 +186,12 @@ class Scheduler:
             budget -= n
         if preempted:
             return batch
-        self._growing = sum(1 for s in self.running if self.kv.memory.headroom(s.slot) == 0)
-        while self.swapped and self.kv.num_free_slots:
+        self._growing = sum(1 for s in self.running if self.kv.elastic.headroom(s.slot) == 0)
+        while self.swapped and self.kv.elastic.free_slots:
             seq = self.swapped[0]
-            if not self._room(self.kv.swap.restore_pages(seq.swap) + self.kv.pages_for_tokens(1)):
+            if not self._room(
+                self.kv.swap.restore_pages(seq.swap) + self.kv.elastic.pages_for_tokens(1)
+            ):
                 break
             seq.slot = self.kv.swap.restore(seq.swap)
             seq.swap = None
@@ -192,7 +200,7 @@ class Scheduler:
                 return batch
             budget = max(budget - seq.chunk, 0)
         i = 0
-        while i < len(self.waiting) and self.kv.num_free_slots and budget > 0:
+        while i < len(self.waiting) and self.kv.elastic.free_slots and budget > 0:
             seq = self.waiting[i]
             if self._waits_for_prefix(seq):
                 self.stats.prefix_waits += 1

@@ -2,7 +2,7 @@
 (:meth:`Speculation.propose`: drafts appended to every decoding sequence), after scheduling
 (:meth:`~Speculation.drop_unscheduled`) and in postprocessing (:meth:`~Speculation.verify`:
 the target's rows walk the drafts, the accepted path is kept, the rest rolled back), with its
-own counters (:class:`SpecStats`). The drafters themselves and the sampling math are in
+own counters (:class:`SpeculationStats`). The drafters themselves and the sampling math are in
 :mod:`vmcache.engine.speculative`; token trees' page work in :mod:`vmcache.engine.tree`.
 
     step k:    propose  →  schedule  →  run (every draft's logits)  →  verify → emit tokens
@@ -23,7 +23,7 @@ from vmcache.engine.speculative import DraftModel, NgramDrafter, verify_tree
 
 
 @dataclass
-class SpecStats:
+class SpeculationStats:
     """Written by :class:`Speculation` (and :func:`vmcache.engine.tree.fork_all`) only."""
 
     steps: int = 0  # sequence-steps that verified drafts
@@ -45,14 +45,14 @@ class Speculation:
     """A drafter (:class:`NgramDrafter` or :class:`DraftModel`) over the engine's cache."""
 
     def __init__(self, drafter: NgramDrafter | DraftModel, cache, vocab: int,
-                 stats: SpecStats | None = None) -> None:  # fmt: skip
+                 stats: SpeculationStats | None = None) -> None:  # fmt: skip
         if not isinstance(drafter, (NgramDrafter, DraftModel)):
             raise TypeError(f"speculative must be an NgramDrafter or a DraftModel, got "
                             f"{type(drafter).__name__}")  # fmt: skip
         if isinstance(drafter, DraftModel) and (drafter.vocab != vocab or drafter.kv is cache):
             raise ValueError(f"a draft model needs the target's vocabulary ({drafter.vocab} vs "
                              f"{vocab}) and its own cache")  # fmt: skip
-        margin = cache.memory.rollback_margin  # None: no sliding window
+        margin = cache.elastic.rollback_margin  # None: no sliding window
         if drafter.branches > 1 and margin is not None:
             raise ValueError("token trees (branches > 1) are not supported with sliding "
                              "windows: a branch forks back past the draft margin")  # fmt: skip
@@ -61,7 +61,7 @@ class Speculation:
                              f"take back a rejected draft of {drafter.k} tokens: build "
                              f"it with rollback_tokens >= {drafter.k}")  # fmt: skip
         self.drafter, self.kv = drafter, cache
-        self.stats = stats if stats is not None else SpecStats()  # written here only
+        self.stats = stats if stats is not None else SpeculationStats()  # written here only
 
     def propose(self, running: list[Seq]) -> None:
         """Append draft tokens to every decoding sequence (``seq.draft`` of them): a chain,
@@ -72,9 +72,9 @@ class Speculation:
             if seq.generated and len(seq.pending) == 1 and not seq.draft:
                 p = seq.req.params
                 room = min(p.max_new_tokens - len(seq.generated) - 1,
-                           self.kv.max_seq_len - len(seq.tokens))  # fmt: skip
+                           self.kv.config.max_seq_len - len(seq.tokens))  # fmt: skip
                 seq.spec_k = drafter.next_k(seq.spec_k, seq.spec_accepted)
-                seq.mapped_at_draft = self.kv.mapped_pages(seq.slot)
+                seq.mapped_at_draft = self.kv.elastic.mapped_pages(seq.slot)
                 items.append((seq, min(room, seq.spec_k)))
         if drafter.branches == 1:
             for (seq, _), d in zip(items, drafter.draft(items)):
@@ -87,7 +87,7 @@ class Speculation:
                 d, seq.branches = (chains[0] if chains else []), chains[1:]
             else:  # the whole tree in the sequence's range, if it fits there
                 d, parents = tree.flatten(chains)
-                if len(seq.tokens) + len(d) <= self.kv.max_seq_len:
+                if len(seq.tokens) + len(d) <= self.kv.config.max_seq_len:
                     seq.tree = parents
                 else:
                     d = chains[0]
@@ -123,10 +123,10 @@ class Speculation:
         seq.tokens, seq.draft, seq.tree = seq.tokens[: base + seq.chunk], 0, None
         q = self.drafter.draft_probs(seq)
         q = None if q is None else [None, *q[: len(nodes) - 1]]
-        owner, mapped = [0] * len(nodes), kv.mapped_pages(seq.slot)
+        owner, mapped = [0] * len(nodes), kv.elastic.mapped_pages(seq.slot)
         if forks:
             kids, kid_rows = forks
-            mapped += sum(kv.mapped_pages(kid) for kid, _ in kids)
+            mapped += sum(kv.elastic.mapped_pages(kid) for kid, _ in kids)
             nodes, parents, rows, owner = tree.with_forks(nodes, parents, rows, kids, kid_rows)
         path, token = verify_tree(rows, nodes, parents, p.temperature, p.top_k, seq.generator,
                                   q, p.top_p, p.min_p)  # fmt: skip

@@ -300,7 +300,7 @@ class DraftModel:
     def _slot(self, seq):
         key = id(seq)
         if key not in self._slots:
-            if not self.kv.num_free_slots:
+            if not self.kv.elastic.free_slots:
                 return None
             self._slots[key] = (seq, self.kv.new_sequence())
             self._lens[key] = 0
@@ -311,7 +311,7 @@ class DraftModel:
         to catch up later from the start)."""
         if n == 0:
             return True
-        if self._lens[id(seq)] + n <= self.kv.max_seq_len and self.kv.can_grow(slot, n):
+        if self._lens[id(seq)] + n <= self.kv.config.max_seq_len and self.kv.can_grow(slot, n):
             self.kv.grow(slot, n)
             return True
         self.kv.free(slot)

@@ -34,6 +34,7 @@ from vmcache.errors import check_int
 from vmcache.hf.attention import ATTN_NAME, register, stand_ins, vmcache_attention
 from vmcache.hf.layer import _Layer, cache_keyword
 from vmcache.paged_fallback import PagedKVCache
+from vmcache.paged_fallback.cache import layers_per_table
 from vmcache.sequences.cache import VMKVCache
 from vmcache.sequences.spec import KVSpec
 from vmcache.sequences.stats import CacheStats
@@ -92,12 +93,12 @@ class _HFCache(Cache):
     def _update(self, layer: _Layer, k: torch.Tensor, v: torch.Tensor):
         b, _, q, _ = k.shape
         if not self.rows:
-            if b > self.kv.max_seqs:
+            if b > self.kv.config.max_seqs:
                 if self.max_batch_size is not None:
                     raise ValueError(f"batch of {b} rows exceeds max_batch_size="
                                      f"{self.max_batch_size}")  # fmt: skip
                 self.kv.close()  # empty after reset(): rebuild it for the larger batch
-                self.kv = self._make(self.spec, b, self.kv.device)
+                self.kv = self._make(self.spec, b, self.kv.config.device)
             self.rows = [self.kv.new_sequence(slot=i) for i in range(b)]
         elif b != len(self.rows):
             raise ValueError(f"update got {b} rows, the cache holds {len(self.rows)}; "
@@ -149,7 +150,7 @@ class _HFCache(Cache):
         """What ``layer.update`` returns: keys and values ``[batch, heads, keys, head_dim]``
         from the window's first mapped token to the layer's length (``real``: the K/V
         themselves, never the zero-stride stand-ins the vmcache attention takes)."""
-        lo = self.kv.window_start(layer.idx, self.rows[0])
+        lo = self.kv.views.window_start(layer.idx, self.rows[0])
         keys, values = self._views(layer.idx, lo, layer.length, real)
         dtype_in = getattr(layer, "dtype_in", keys.dtype)
         if keys.dtype != dtype_in and keys.stride(-1):  # stored narrower (dtype=): convert;
@@ -190,8 +191,7 @@ class _HFCache(Cache):
         have one length, so one row answers for all); 0 for full attention."""
         if self.kv is None or not self.rows:
             return 0
-        g = self.kv._group_of[self.kv._tables_of_layer(layer)[0]]
-        return g.first_token_after_grow(self.rows[0], self._len)
+        return self.kv.views.window_start_after_grow(layer, self.rows[0], self._len)
 
     def attend(self, layer: int, query: torch.Tensor, scale: float | None,
                softcap: float | None = None) -> torch.Tensor:  # fmt: skip
@@ -252,8 +252,8 @@ class _HFCache(Cache):
         if not self.rows or repeats == 1:
             return
         b, n = len(self.rows), len(self.rows) * repeats
-        if n > self.kv.max_seqs:
-            raise ValueError(f"{n} rows would exceed this cache's {self.kv.max_seqs} rows")
+        if n > self.kv.config.max_seqs:
+            raise ValueError(f"{n} rows would exceed this cache's {self.kv.config.max_seqs} rows")
         added = [self.kv.new_sequence(slot=i) for i in range(b, n)]
         try:
             self.kv.beams.assign(list(range(n)), [i // repeats for i in range(n)])
@@ -288,9 +288,9 @@ class _HFCache(Cache):
         new._options = copy.deepcopy(getattr(self, "_options", {}), memo)
         new.rows, new._groups, new._batch = list(self.rows), None, None
         if self.kv is not None:
-            new.kv = new._make(self.spec, self.kv.max_seqs, self.kv.device)
+            new.kv = new._make(self.spec, self.kv.config.max_seqs, self.kv.config.device)
             for r in self.rows:
-                new.kv.transfer.load(self.kv.transfer.export(r), slot=r)
+                new.kv.handoff.load(self.kv.handoff.export(r), slot=r)
         return new
 
     def stats(self) -> CacheStats | None:
@@ -318,7 +318,9 @@ class VMCache(_HFCache):
     def _views(self, layer, lo, n, real=False):
         b, kv = len(self.rows), self.kv
         if kv.spec.quantized and self._reads_itself(real):  # FP8/INT8: else copies
-            return stand_ins(self.spec, kv.device, b, n - lo)  # the attention reads the cache
+            return stand_ins(
+                self.spec, kv.config.device, b, n - lo
+            )  # the attention reads the cache
         k, v = kv._decode(layer, kv._rows(layer, 0)[:b, lo:n], kv._rows(layer, 1)[:b, lo:n])
         return k.transpose(1, 2), v.transpose(1, 2)
 
@@ -337,7 +339,7 @@ class PagedCache(_HFCache):
                          kv_scales, kv_granularity)  # fmt: skip
 
     def _make(self, spec, max_seqs, device):
-        tables = spec.num_layers // PagedKVCache.layers_per_table(spec)
+        tables = spec.num_layers // layers_per_table(spec)
         blocks = self._num_blocks or max_seqs * tables * -(-self.max_cache_len // self._block_size)
         return PagedKVCache(spec, num_blocks=blocks, block_size=self._block_size, device=device,
                             max_seq_len=self.max_cache_len, max_seqs=max_seqs,
@@ -346,7 +348,9 @@ class PagedCache(_HFCache):
     def _views(self, layer, lo, n, real=False):
         b, kv, spec = len(self.rows), self.kv, self.spec
         if self._reads_itself(real):
-            return stand_ins(spec, kv.device, b, n - lo)  # the attention reads the pool itself
+            return stand_ins(
+                spec, kv.config.device, b, n - lo
+            )  # the attention reads the pool itself
         return self._gather(layer)
 
     def _gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,9 +362,9 @@ class PagedCache(_HFCache):
         if batch is not None:
             k, v = batch.kv(layer)  # every row has one length: no padding
             return k.transpose(1, 2), v.transpose(1, 2)
-        lo = self.kv.window_start(layer, self.rows[0])
-        pos = torch.arange(lo, n, device=self.kv.device)
-        tables = self.kv.block_tables(self.rows, layer).long()  # [b, blocks]
+        lo = self.kv.views.window_start(layer, self.rows[0])
+        pos = torch.arange(lo, n, device=self.kv.config.device)
+        tables = self.kv.views.block_tables(self.rows, layer).long()  # [b, blocks]
         blocks, offs = tables[:, pos // self._block_size], pos % self._block_size
         k, v = self.kv._rows(layer, 0), self.kv._rows(layer, 1)  # stored rows
         k, v = self.kv._decode(layer, k[blocks, offs], v[blocks, offs])  # FP8/INT8: dequantized

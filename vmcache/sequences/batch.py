@@ -19,7 +19,7 @@ here, for every table at once, before any layer writes. Any change to the cache 
 batch was built (a grow, a fork, a free, a split) makes it stale: using it then raises.
 
 Touches: the coordinator's checks (``_check_seq``), lengths (``_seqs``, read only), the
-groups' page tables (read), ``_split_pages`` (copy-on-write), ``_epoch`` (read), and the
+groups' page tables (read), ``_tx.split_pages`` (copy-on-write), ``_epoch`` (read), and the
 physical hooks ``_flat_rows``, ``_flat_index`` and ``_store_flat``.
 """
 
@@ -66,9 +66,9 @@ class StepBatch:
             for s, start, n in zip(seq_ids, self.starts, kv_lens):
                 j_lo, j_hi = start * g.u // g.P, g.pages_for(n)
                 splits += [(s, t, j) for t, j in g.splits(s, g.ids, j_lo, j_hi,
-                                                          cache.pool.refcount)]  # fmt: skip
+                                                          cache._pool.refcount)]  # fmt: skip
         if splits:
-            cache._split_pages(splits)
+            cache._tx.split_pages(splits)
         self._epoch = cache._epoch
         self._writes: dict[int, torch.Tensor] = {}  # group index -> [Σ q] flat rows (owned here)
         self._reads: dict[int, tuple] = {}  # group index -> (index, window starts, spans)
@@ -102,14 +102,14 @@ class StepBatch:
         device, batch order) for ``layer``: one indexed copy each."""
         c = self._cache
         self._check(c)
-        if check_kv(c.spec, c.device, k, v) != self.num_tokens:
+        if check_kv(c.spec, c.config.device, k, v) != self.num_tokens:
             raise ValueError(f"the batch writes {self.num_tokens} tokens, got {k.shape[0]}")
         gi = self.group(layer)
         idx = self._writes.get(gi)
         if idx is None:
             pos = torch.cat([torch.arange(a, n) for a, n in zip(self.starts, self.kv_lens)])
             seqs = torch.repeat_interleave(torch.tensor(self.seq_ids), torch.tensor(self.q_lens))
-            idx = c._flat_index(layer, seqs[:, None], pos[:, None])[:, 0].to(c.device)
+            idx = c._flat_index(layer, seqs[:, None], pos[:, None])[:, 0].to(c.config.device)
             self._writes[gi] = idx
         c._store_flat(layer, idx, *c._encode(layer, k, v))
 
@@ -128,7 +128,7 @@ class StepBatch:
             span = int((n - lo).max())
             pos = torch.minimum(lo[:, None] + torch.arange(span)[None], n[:, None] - 1)
             idx = c._flat_index(layer, torch.tensor(self.seq_ids)[:, None], pos)
-            got = self._reads[gi] = (idx.to(c.device), lo, span)
+            got = self._reads[gi] = (idx.to(c.config.device), lo, span)
         return got
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

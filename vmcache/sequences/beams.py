@@ -7,7 +7,7 @@ Touches, on the coordinator: its slots, lengths, token ids and salts (read; ``as
 ``truncate`` set lengths, ids and salts of the sequences they change), its page-table groups
 (plans, ``open``, ``cut``), the pool's refcounts (``incref``/``decref``), the physical hooks
 (``_attach``, ``_detach``, ``_sync``, ``_store``, ``_load``) and the transactional core
-(``_split_pages``). Nothing else.
+(``_tx.split_pages``). Nothing else.
 
 assign remaps only the entries that differ, so beams sharing a history keep their pages:
 
@@ -52,7 +52,7 @@ def fork(c, s: int, n: int = 1) -> list[int]:
             f()
         slots.untake(children)
         raise
-    c.pool.incref([p for _, _, pages in runs for p in pages], n)
+    c._pool.incref([p for _, _, pages in runs for p in pages], n)
     for ch in children:
         c._open(ch, slots.tokens(s), slots.salt(s), slots.length(s))
         for g in c._groups:
@@ -101,12 +101,12 @@ class Beams:
             for f in reversed(undo):
                 f()
             raise
-        c.pool.incref([p for *_, nw in plan for p in nw])
-        c.pool.decref([p for _, _, _, old, _, _ in plan for p in old])
+        c._pool.incref([p for *_, nw in plan for p in nw])
+        c._pool.decref([p for _, _, _, old, _, _ in plan for p in old])
         for (d, gi), (rows, first) in new.items():
             c._groups[gi].open(d, rows, first)
         c._seqs.copy_from(list(zip(dsts, srcs)))  # lengths, token ids, salts
-        c._epoch += 1
+        c._changed()
 
     def truncate(self, s: int, length: int) -> None:
         """Shorten sequence ``s`` to ``length`` tokens (``crop``): pages past it are unmapped
@@ -129,9 +129,9 @@ class Beams:
                 if lo < j0 + len(pages):
                     c._detach(s, t, lo, j0 + len(pages) - lo)
             dropped += g.cut(s, keep)
-        c.pool.decref(dropped)
+        c._pool.decref(dropped)
         c._seqs.truncate(s, length)
-        c._epoch += 1
+        c._changed()
 
     def compact(self, s: int, start: int, picks: Sequence[int]) -> int:
         """Sequence ``s`` keeps, at positions ``start, start + 1, ...``, the tokens now at
@@ -163,7 +163,7 @@ class Beams:
             splits = {x: None for layer in range(c.spec.num_layers)
                       for x in c._write_splits(layer, s, dst, end)}  # fmt: skip
             if splits:
-                c._split_pages(list(splits))
+                c._tx.split_pages(list(splits))
             src = torch.tensor([picks[i] for i in moves])
             for layer in range(c.spec.num_layers):  # stored bytes as they are: no requantizing
                 k, v = c._load(layer, s, src)
@@ -209,10 +209,10 @@ class Beams:
 
         uses = Counter(p for s in seqs for _, _, p in entries(s))
         # decided for every member before any split changes a refcount
-        plan = {s: [(t, j) for t, j, p in entries(s) if c.pool.refcount(p) > uses[p]]
+        plan = {s: [(t, j) for t, j, p in entries(s) if c._pool.refcount(p) > uses[p]]
                 for s in seqs}  # fmt: skip
         # every member's copies in one transaction: CacheFull or a driver error changes nothing
-        c._split_pages([(s, t, j) for s, splits in plan.items() for t, j in splits])
+        c._tx.split_pages([(s, t, j) for s, splits in plan.items() for t, j in splits])
         written: set[tuple[int, ...]] = set()
         for s in seqs:
             key = tuple(p for _, _, p in entries(s))

@@ -34,11 +34,13 @@ from vmcache.memory.backends import Backend, make_backend, round_up
 from vmcache.memory.budget import Budget
 from vmcache.memory.pagestore import Stager, VMPageStore
 from vmcache.memory.pool import PagePool
+from vmcache.sequences.config import CacheConfig
 from vmcache.sequences.coordinator import SequenceCache, _check_int
+from vmcache.sequences.handoff import TableRuns
 from vmcache.sequences.quant import split_rows
 from vmcache.sequences.spec import KVSpec
 from vmcache.sequences.tables import FA_TILE_TOKENS, PageTables
-from vmcache.sequences.transfer import Wire
+from vmcache.sequences.views import VMViews
 
 LAYOUTS = ("layer_major", "token_major")
 
@@ -119,8 +121,6 @@ class VMKVCache(SequenceCache):
                 f"page_size must be a positive multiple of the backend granularity "
                 f"{be.granularity} bytes, got {P}"
             )
-        self.layout = layout
-        self.page_size = P
         groups = spec.attention_groups  # ((window, layers), ...)
         if layout == "layer_major":
             table_layers = [[i] for i in range(spec.num_layers) for _ in "kv"]
@@ -147,10 +147,9 @@ class VMKVCache(SequenceCache):
                         budget=budget)  # fmt: skip
         tables = [PageTables(t_ids, w, max_seqs, tb[t_ids[0]], P, rollback, align)
                   for (w, _), t_ids in zip(groups, ids)]  # fmt: skip
-        super().__init__(
-            spec, max_seqs, max_seq_len, pool, groups=tables, page_bytes=P, device=be.device,
-            swap_bytes=swap, prefix_caching=prefix, prefix_tiers=tiers,
-        )  # fmt: skip
+        config = CacheConfig(max_seqs, max_seq_len, be.device, P, layout)
+        super().__init__(spec, config, pool, groups=tables, swap_bytes=swap,
+                         prefix_caching=prefix, prefix_tiers=tiers)  # fmt: skip
         self._reserved = n_tables * max_seqs * self._row_bytes
         self._base = be.reserve(self._reserved)
         self._bytes = be.view(self._base, self._reserved)  # uint8 over the whole reservation
@@ -176,22 +175,12 @@ class VMKVCache(SequenceCache):
         self._views = [tuple(split_rows(x, H, D)[0].as_subclass(CacheView) for x in pair)
                        for pair in self._row_views]  # fmt: skip
         self._stager: Stager | None = None  # a wake's copies in flight (owned here)
+        self.views = VMViews(self)  # facet: what the kernels read
         self._closed = False
 
-    # --- kernel-facing views -----------------------------------------------------------
-    def layer_row_tokens(self, layer: int) -> int:
-        """Tokens one padded row of ``layer``'s tensors spans (a whole number: rows are
-        padded to whole pages and whole tokens of every table); token t of row s is row
-        ``s·row_tokens + t`` of the layer's flat varlen view."""
+    # --- kernel-facing views (cache.views reads them) --------------------------------------
+    def _layer_row_tokens(self, layer: int) -> int:
         return self._row_bytes // self._token_bytes[self._layer_at[layer][0]]
-
-    def k_cache(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s whole virtual K tensor ``[max_seqs, max_seq_len, N_KV, d_h]``
-        (strided in ``token_major``). Only each sequence's first ``seq_len`` rows are mapped."""
-        return self._layer_view(self._check_layer(layer), 0)
-
-    def v_cache(self, layer: int) -> torch.Tensor:
-        return self._layer_view(self._check_layer(layer), 1)
 
     def _layer_view(self, layer: int, kv: int) -> torch.Tensor:
         return self._views[layer][kv]
@@ -200,20 +189,24 @@ class VMKVCache(SequenceCache):
         """Zero-copy views ``[seq_len − w, N_KV, d_h]`` of sequence ``s``'s K and V from
         ``w = window_start(layer, s)``, the first token its sliding window still maps (0
         for full attention); dequantized copies in the compute dtype for FP8/INT8 K/V."""
-        w, n = self.window_start(layer, s), self._seqs.length(s)
+        w, n = self._window_start(layer, s), self._seqs.length(s)
         k, v = self._row_views[layer]
         return self._decode(layer, k[s, w:n], v[s, w:n])
 
     # --- physical hooks ----------------------------------------------------------------
     def _va(self, s: int, t: int, j: int) -> int:
-        return self._base + (t * self.max_seqs + s) * self._row_bytes + j * self.page_size
+        return (
+            self._base
+            + (t * self.config.max_seqs + s) * self._row_bytes
+            + j * self.config.page_size
+        )
 
     def _attach(self, s: int, t: int, j0: int, pages: list[int]) -> None:
         handles = self._pagestore.handles(pages)
-        self._backend.map(self._va(s, t, j0), handles, self.page_size)
+        self._backend.map(self._va(s, t, j0), handles, self.config.page_size)
 
     def _detach(self, s: int, t: int, j0: int, n: int) -> None:
-        self._backend.unmap(self._va(s, t, j0), n, self.page_size)
+        self._backend.unmap(self._va(s, t, j0), n, self.config.page_size)
 
     def _copy_page(self, src: int, dst: int, used_units: int) -> None:
         self._pagestore.view(dst)[:used_units].copy_(self._pagestore.view(src)[:used_units])
@@ -229,7 +222,7 @@ class VMKVCache(SequenceCache):
         return self._flat[layer][kv]  # row s·L_row + t: token t of sequence s
 
     def _flat_index(self, layer: int, seqs: torch.Tensor, positions: torch.Tensor):
-        return seqs * self.layer_row_tokens(layer) + positions
+        return seqs * self._layer_row_tokens(layer) + positions
 
     def _store(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         n = k.shape[0]
@@ -237,21 +230,23 @@ class VMKVCache(SequenceCache):
         self._row_views[layer][1][s, start : start + n].copy_(v)
 
     def _load(self, layer: int, s: int, positions: torch.Tensor):
-        idx = positions.to(self.device)
+        idx = positions.to(self.config.device)
         return self._row_views[layer][0][s, idx], self._row_views[layer][1][s, idx]
 
     def _row(self, s: int, t: int, lo: int, hi: int) -> torch.Tensor:
-        off = (t * self.max_seqs + s) * self._row_bytes
+        off = (t * self.config.max_seqs + s) * self._row_bytes
         return self._bytes[off + lo : off + hi]
 
-    def _wire(self, s: int, t: int, j0: int, length: int) -> Wire:
+    def _runs(self, s: int, t: int, j0: int, length: int) -> TableRuns:
         """One run: the mapped pages of a row are adjacent in the virtual range."""
-        return Wire([self._row(s, t, j0 * self.page_size, length * self._token_bytes[t])])
+        return TableRuns(
+            [self._row(s, t, j0 * self.config.page_size, length * self._token_bytes[t])]
+        )
 
     def _sync(self) -> None:
         self._backend.synchronize()
 
-    # --- sleep / wake hooks (vmcache.elastic) ------------------------------------------
+    # --- sleep / wake hooks (cache.elastic) ---------------------------------------------
     def _read_pages(self, pages: list[int], pin: bool = False) -> torch.Tensor:
         """A host copy of ``pages`` (prefix tiers' demotion, sleep). No device-wide wait: the
         copy is ordered after the K/V writes on the current stream (the cache's writes are),
@@ -280,7 +275,7 @@ class VMKVCache(SequenceCache):
         if saved is None:
             return None
         row = {p: i for i, p in enumerate(live)}
-        self._stager = Stager(self.device)
+        self._stager = Stager(self.config.device)
 
         def fill(pages: list[int]) -> None:
             lo = row[pages[0]]
@@ -321,10 +316,10 @@ class VMKVCache(SequenceCache):
         this (their memory is unmapped). Without ``close()``, a live view keeps the memory."""
         if getattr(self, "_closed", True):
             return
-        if not self.pool.asleep:  # asleep, nothing is mapped and the store holds no page
+        if not self._pool.asleep:  # asleep, nothing is mapped and the store holds no page
             for s in self.sequences:
                 self.free(s)
-        self._close_tiers()
+        self.prefix.close_tiers()
         self._views = self._row_views = []
         self._bytes = None
         self._pagestore.close()
@@ -334,9 +329,10 @@ class VMKVCache(SequenceCache):
         self._closed = True
 
     def __repr__(self) -> str:
-        return (f"VMKVCache({self.spec}, max_seqs={self.max_seqs}, max_seq_len="
-                f"{self.max_seq_len}, layout={self.layout!r}, page_size={self.page_size}, "
-                f"device={self.device})")  # fmt: skip
+        cf = self.config
+        return (f"VMKVCache({self.spec}, max_seqs={cf.max_seqs}, max_seq_len="
+                f"{cf.max_seq_len}, layout={cf.layout!r}, page_size={cf.page_bytes}, "
+                f"device={cf.device})")  # fmt: skip
 
     def __enter__(self) -> VMKVCache:
         return self

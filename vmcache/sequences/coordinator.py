@@ -30,15 +30,15 @@ from vmcache.errors import (
     check_int as _check_int,  # also the name cache.py and paged_fallback import
 )
 from vmcache.memory.pool import PagePool
-from vmcache.prefix import ops as prefix_ops
-from vmcache.prefix.index import PrefixIndex
 from vmcache.prefix.tiers.digest import salt_bytes
 from vmcache.sequences import reserve
 from vmcache.sequences.batch import StepBatch
 from vmcache.sequences.beams import Beams, fork
+from vmcache.sequences.config import CacheConfig
+from vmcache.sequences.elastic import Elastic
+from vmcache.sequences.handoff import Handoff
 from vmcache.sequences.hooks import PhysicalHooks
-from vmcache.sequences.invariants import check_invariants
-from vmcache.sequences.memory import Memory
+from vmcache.sequences.prefix import Prefix
 from vmcache.sequences.quant import decode_rows, encode_rows, split_rows
 from vmcache.sequences.slots import Slots
 from vmcache.sequences.spec import KVSpec, check_kv
@@ -46,10 +46,9 @@ from vmcache.sequences.stats import CacheStats, collect_stats
 from vmcache.sequences.swap import Swap
 from vmcache.sequences.tables import PageTables
 from vmcache.sequences.transactions import Transactions
-from vmcache.sequences.transfer import Transfer
 
 
-class SequenceCache(Transactions, PhysicalHooks):
+class SequenceCache(PhysicalHooks):
     """The core: sequences (``new_sequence``, ``grow``, ``write``, ``kv``, ``fork``, ``free``,
     ``seq_len(s)``, ``can_grow``), ``stats``, ``close``, and named facets for the rest, each
     an object with its own file and a docstring saying what of the coordinator it touches:
@@ -62,55 +61,49 @@ class SequenceCache(Transactions, PhysicalHooks):
     def __init__(
         self,
         spec: KVSpec,
-        max_seqs: int,
-        max_seq_len: int,
+        config: CacheConfig,
         pool: PagePool,
         *,
         groups: list[PageTables],
-        page_bytes: int,
-        device: torch.device,
         swap_bytes: int | None,
         prefix_caching: bool = False,
         prefix_tiers=None,
     ) -> None:
         self.spec = spec
-        self.max_seqs = max_seqs
-        self.max_seq_len = max_seq_len
-        self.pool = pool
-        self.device = device
-        self.page_bytes = page_bytes
+        self.config = config
+        self._pool = pool  # page ids, free list, refcounts (their owner); queries: elastic
         self._groups = groups  # one per attention type; each owns its tables' page lists
         self._group_of = {t: g for g in groups for t in g.ids}
         self._T = len(self._group_of)
+        # slots, lengths, token ids, salts: owned by Slots, the only writer of them
+        self._seqs = Slots(config.max_seqs)
         self.swap = Swap(self, swap_bytes)  # facet; owns the host tier's byte count
         self.beams = Beams(self)  # facet
-        self.transfer = Transfer(self)  # facet
-        self.memory = Memory(self)  # facet
+        self.handoff = Handoff(self)  # facet
+        self.elastic = Elastic(self)  # facet
+        self.prefix = Prefix(self, prefix_caching, prefix_tiers)  # facet; owns the index
         self._asleep = None  # (live pages, saved state) while asleep (owned here)
-        # slots, lengths, token ids, salts: owned by Slots, the only writer of them
-        self._seqs = Slots(max_seqs)
         self._reserved_pages_mapped = 0  # pages mapped ahead by reserve() (owned here)
-        self.prefix: PrefixIndex | None = None  # owned here; holds pool references
-        prefix_ops.setup_prefix(self, prefix_caching, prefix_tiers)
         self._epoch = 0  # bumped whenever a length or a page table changes (owned here)
-        self._step_plan = None  # per-step kernel metadata memo; owned by vmcache.kernels.plan
+        self._tx = Transactions(self)  # its all-or-nothing changes; owns the CoW counters
         # fp32 [N_L, 2, N_KV] head scales of FP8/INT8 K/V (None: stored as computed, or per
         # token in each row); the spec's, on the device for the kernels; never changed
         head = spec.quantized and spec.kv_granularity == "head"
-        self._kv_scales = spec.scales().to(device) if head else None
-        self._plans_built = 0  # how many plans (device uploads) vmcache.kernels built
-        self._cow_copies = 0  # pages copied on write since construction (owned by the cache)
-        self._cow_bytes_copied = 0  # bytes those copies moved (used part of each page only)
+        self._kv_scales = spec.scales().to(config.device) if head else None
+
+    def _changed(self) -> None:
+        """A length or a page table changed: plans built before are stale."""
+        self._epoch += 1
 
     # --- queries -----------------------------------------------------------------------
     def _check_awake(self) -> None:
-        if self.pool.asleep:
+        if self._pool.asleep:
             raise RuntimeError("the cache is asleep: wake() it first")
 
     def _check_seq(self, s: Any) -> int:
         self._check_awake()
         _check_int("sequence id", s)
-        if not 0 <= s < self.max_seqs or not self._seqs.is_live(s):
+        if not 0 <= s < self.config.max_seqs or not self._seqs.is_live(s):
             raise KeyError(f"sequence {s} is not live (unknown, freed or swapped out)")
         return s
 
@@ -120,14 +113,14 @@ class SequenceCache(Transactions, PhysicalHooks):
             raise ValueError(f"layer must be in [0, {self.spec.num_layers}), got {layer}")
         return layer
 
-    def pages_for_tokens(self, n: int) -> int:
-        """Pages a new sequence of ``n`` tokens maps (every table), for admission planning."""
+    def _pages_for_tokens(self, n: int) -> int:
+        """Pages a new sequence of ``n`` tokens maps (every table): ``elastic.pages_for_tokens``."""
         return sum(len(g.ids) * g.pages_for(n) for g in self._groups)
 
     def seq_len(self, s: int) -> int:
         return self._seqs.length(self._check_seq(s))
 
-    def window_start(self, layer: int, s: int) -> int:
+    def _window_start(self, layer: int, s: int) -> int:
         """The first position of ``s`` whose K/V layer ``layer`` still maps (0 unless its
         sliding window released pages)."""
         g = self._group_of[self._tables_of_layer(self._check_layer(layer))[0]]
@@ -137,19 +130,13 @@ class SequenceCache(Transactions, PhysicalHooks):
     def sequences(self) -> list[int]:
         return self._seqs.live()
 
-    @property
-    def num_free_slots(self) -> int:
-        return self._seqs.num_free
-
-    def page_table(self, s: int) -> list[list[int]]:
-        """A copy of sequence ``s``'s page tables (``T`` lists of page ids, table order;
-        ``RELEASED`` (-1) where a sliding window gave a page back)."""
+    def _page_table(self, s: int) -> list[list[int]]:
         s = self._check_seq(s)
         return [list(self._group_of[t].row(s, t)) for t in range(self._T)]
 
     def _grow_plan(self, s: int, n: int):
         """Per group: (group, shared tail pages to copy, pages now, pages after)."""
-        length, rc = self._seqs.length(s), self.pool.refcount
+        length, rc = self._seqs.length(s), self._pool.refcount
         return [(g, g.tail_splits(s, length, n, rc), g.num_pages(s), g.pages_for(length + n))
                 for g in self._groups]  # fmt: skip
 
@@ -163,18 +150,20 @@ class SequenceCache(Transactions, PhysicalHooks):
         if slot is not None:
             _check_int("slot", slot)
             if not self._seqs.is_free(slot):
-                raise ValueError(f"slot {slot} is not free (max_seqs={self.max_seqs})")
+                raise ValueError(f"slot {slot} is not free (max_seqs={self.config.max_seqs})")
         elif not self._seqs.num_free:
-            raise CacheFull(f"all {self.max_seqs} sequence slots are in use", wanted=1, free=0)
+            raise CacheFull(
+                f"all {self.config.max_seqs} sequence slots are in use", wanted=1, free=0
+            )
         if prefix_tokens is not None:
             prefix_tokens = check_tokens("prefix_tokens", prefix_tokens)
-        if self.prefix is not None and self.prefix.tiers is not None:
+        if self.prefix.index is not None and self.prefix.index.tiers is not None:
             salt_bytes(salt)  # TypeError for a salt with no name outside this process
         s = self._seqs.take(slot)
         self._open(s, [], salt)
-        if prefix_tokens and self.prefix is not None:
+        if prefix_tokens and self.prefix.enabled:
             try:
-                prefix_ops.attach_prefix(self, s, prefix_tokens)
+                self.prefix.attach(s, prefix_tokens)
             except BaseException:
                 self.free(s)
                 raise
@@ -198,10 +187,10 @@ class SequenceCache(Transactions, PhysicalHooks):
             token_ids = check_tokens("token_ids", token_ids)
             if len(token_ids) != n:
                 raise ValueError(f"grow({s}, {n}) got {len(token_ids)} token ids")
-        if self._seqs.length(s) + n > self.max_seq_len:
+        if self._seqs.length(s) + n > self.config.max_seq_len:
             raise ValueError(
                 f"grow({s}, {n}) would reach {self._seqs.length(s) + n} tokens, past max_seq_len "
-                f"{self.max_seq_len}"
+                f"{self.config.max_seq_len}"
             )
         if n == 0:
             return
@@ -209,16 +198,16 @@ class SequenceCache(Transactions, PhysicalHooks):
         releases = self._release_plans(s)  # the tail page the plan may copy
         if releases:
             need = self._grow_need(s, plans)
-            free = self.pool.num_available + self.pool.gain_from_decref(
+            free = self._pool.num_available + self._pool.gain_from_decref(
                 [p for _, _, pages in releases for p in pages]
             )
             if need > free:  # checked before the release: CacheFull changes nothing
                 raise CacheFull(f"page pool exhausted: {need} pages wanted, {free} free of "
-                                f"{self.pool.num_pages}", wanted=need, free=free)  # fmt: skip
+                                f"{self._pool.num_pages}", wanted=need, free=free)  # fmt: skip
             self._release_window(s, releases)
         takes = [g.take_reserved(s, p_new - p_old) for g, _, p_old, p_new in plans]
         try:
-            self._split_pages([(s, t, j) for _, splits, _, _ in plans for t, j in splits], s,
+            self._tx.split_pages([(s, t, j) for _, splits, _, _ in plans for t, j in splits], s,
                               [(g, p_old + k, p_new) for (g, _, p_old, p_new), k
                                in zip(plans, takes)])  # fmt: skip
         except BaseException:
@@ -242,7 +231,7 @@ class SequenceCache(Transactions, PhysicalHooks):
             for t in g.ids:
                 self._detach(s, t, g.first(s), to - g.first(s))
             g.release(s, to)
-            self.pool.decref(pages)
+            self._pool.decref(pages)
         self._epoch += 1
 
     def write(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -256,7 +245,7 @@ class SequenceCache(Transactions, PhysicalHooks):
         k, v = self._encode(layer, k, v)
         splits = self._write_splits(layer, s, start, start + n)
         if splits:
-            self._split_pages(splits)
+            self._tx.split_pages(splits)
         self._store(layer, s, start, k, v)
 
     def batch(self, seq_ids, q_lens) -> StepBatch:
@@ -273,13 +262,13 @@ class SequenceCache(Transactions, PhysicalHooks):
         tables = self._tables_of_layer(layer)
         g = self._group_of[tables[0]]
         j_lo, j_hi = start * g.u // g.P, g.pages_for(end)
-        return [(s, t, j) for t, j in g.splits(s, tables, j_lo, j_hi, self.pool.refcount)]
+        return [(s, t, j) for t, j in g.splits(s, tables, j_lo, j_hi, self._pool.refcount)]
 
     def free(self, s: int) -> None:
         """Drop the sequence: unmap its pages, refcounts −1, pages at 0 return to the pool.
         With prefix caching, its full pages of known tokens stay cached (index references)."""
         s = self._check_seq(s)
-        self.cache_prefix(s)
+        self.prefix.publish(s)
         self._drop_reserved(s)
         self._sync()
         dropped = []
@@ -288,7 +277,7 @@ class SequenceCache(Transactions, PhysicalHooks):
                 self._detach(s, t, j0, len(pages))
                 dropped += pages
             g.close(s)
-        self.pool.decref(dropped)
+        self._pool.decref(dropped)
         self._seqs.close(s)
         self._epoch += 1
 
@@ -307,7 +296,7 @@ class SequenceCache(Transactions, PhysicalHooks):
         return tuple(decode_rows(x, s, sp.num_kv_heads, sp.head_dim, sp.dtype)
                      for x, s in zip((k, v), sc))  # fmt: skip
 
-    def kv_scales_for(self, layer: int):
+    def _kv_scales_for(self, layer: int):
         """What a kernel dequantizes ``layer``'s K/V with: fp32 ``[2, N_KV]`` head scales, or
         per token the pair of fp32 views ``[..., N_KV]`` over K's and V's stored rows (shaped
         as :meth:`_rows` less its last dim), or None when K/V are not quantized."""
@@ -324,13 +313,13 @@ class SequenceCache(Transactions, PhysicalHooks):
         """Validate a write; returns (layer, sequence, token count)."""
         layer, s = self._check_layer(layer), self._check_seq(s)
         _check_int("start", start)
-        n = check_kv(self.spec, self.device, k, v)
+        n = check_kv(self.spec, self.config.device, k, v)
         if start < 0 or start + n > self._seqs.length(s):
             raise ValueError(
                 f"write of {n} tokens at {start} is outside sequence {s}'s length "
                 f"{self._seqs.length(s)}; grow it first"
             )
-        first = self.window_start(layer, s)
+        first = self._window_start(layer, s)
         if n and start < first:
             raise ValueError(f"write at {start} into layer {layer} of sequence {s}: positions "
                              f"before {first} left its sliding window (released)")  # fmt: skip
@@ -348,37 +337,12 @@ class SequenceCache(Transactions, PhysicalHooks):
         """Whether ``grow(s, n)`` would succeed now (for schedulers; raises nothing for n)."""
         return reserve.can_grow(self, s, n)
 
-    def mapped_pages(self, s: int) -> int:
-        """Pages ``s`` maps, every table (shared ones per sequence, reserved ones too)."""
-        return reserve.mapped_pages(self, s)
-
     def _grow_need(self, s: int, plans) -> int:
         return reserve.grow_need(self, s, plans)
 
     def _drop_reserved(self, s: int) -> None:
         reserve.drop_reserved(self, s)
 
-    # --- prefix caching (the index is ``self.prefix``) ------------------------------------
-    def cache_prefix(self, s: int) -> int:
-        """Index ``s``'s full pages of known tokens now (``free`` does it too); returns the
-        pages newly indexed (0 without prefix caching or known token ids)."""
-        return prefix_ops.cache_prefix(self, s)
-
-    def cached_prefix_tokens(self, tokens, salt=None) -> int:
-        """Leading tokens of ``tokens`` a new sequence would find cached under ``salt`` now."""
-        return prefix_ops.cached_prefix_tokens(self, tokens, salt)
-
-    def tier_stats(self):
-        """The prefix tiers' :class:`~vmcache.prefix.tiers.TierStats` (None without tiers)."""
-        return prefix_ops.tier_stats(self)
-
-    def _close_tiers(self) -> None:
-        prefix_ops.close_tiers(self)
-
     # --- stats -------------------------------------------------------------------------
     def stats(self) -> CacheStats:
         return collect_stats(self)
-
-    def check_invariants(self) -> None:
-        """Invariants 1–2 and their bookkeeping, or ``InvariantError`` (tests, soaks; O(pages))."""
-        check_invariants(self)

@@ -58,7 +58,7 @@ class PhysicalHooks(Protocol):
     def _load(self, layer: int, s: int, positions: torch.Tensor):  # stored rows [n, R] copies
         raise NotImplementedError
 
-    def _wire(self, s: int, t: int, j0: int, length: int):  # a swap.Wire over the pages
+    def _runs(self, s: int, t: int, j0: int, length: int):  # handoff.TableRuns over the pages
         raise NotImplementedError
 
     def _sync(self) -> None:

@@ -19,7 +19,7 @@ def check_invariants(cache) -> None:
     for s in cache.sequences:
         for p in (p for g in cache._groups for t in g.reserved(s) for p in t):
             counts[p] = counts.get(p, 0) + 1
-    for p in cache.prefix.references() if cache.prefix is not None else []:
+    for p in cache.prefix.index.references() if cache.prefix.enabled else []:
         counts[p] = counts.get(p, 0) + 1
     for s in cache.sequences:
         for g in cache._groups:
@@ -34,10 +34,10 @@ def check_invariants(cache) -> None:
                     require(p >= 0, "a mapped entry holds no page", s)
                     counts[p] = counts.get(p, 0) + 1
     live = set(cache.sequences)
-    for s in range(cache.max_seqs):
+    for s in range(cache.config.max_seqs):
         if s not in live:
             require(all(g._rows[s] is None for g in cache._groups), "a free slot has tables", s)
-    pool = cache.pool
+    pool = cache._pool
     for p in range(pool.num_pages):
         require(pool.refcount(p) == counts.get(p, 0), (p, pool.refcount(p), counts.get(p)))
     free, uncreated = set(pool._free), set(pool._uncreated)
@@ -50,12 +50,12 @@ def check_invariants(cache) -> None:
     held = getattr(pool.budget, "held", None)
     require(held is None or held == pool.num_created, "budget", held, pool.num_created)
     require(pool.num_used == len(counts))
-    indexed = set(cache.prefix.references()) if cache.prefix is not None else set()
+    indexed = set(cache.prefix.index.references()) if cache.prefix.enabled else set()
     require(indexed == {p for p in range(pool.num_pages) if pool._indexed[p]})
     require(pool.index_only == sum(1 for p in indexed if pool.refcount(p) == 1))
     require(pool.num_shared == sum(1 for p in range(pool.num_pages) if pool.refcount(p) > 1))
-    if cache.prefix is not None:  # the eviction queue holds exactly the evictable leaves
-        ix = cache.prefix
+    if cache.prefix.enabled:  # the eviction queue holds exactly the evictable leaves
+        ix = cache.prefix.index
         want = {e.key for e in ix._entries.values()
                 if e.children == 0 and all(pool.refcount(p) == 1 for p in e.pages)}  # fmt: skip
         require(set(ix._evictable) == want, "prefix eviction queue", len(want))
@@ -71,7 +71,7 @@ def check_invariants(cache) -> None:
         free = sum(len(e.pages) for e in ix._entries.values() if whole(e))
         require(ix.reclaimable() == free, "prefix reclaimable pages", ix.reclaimable(), free)
     slots = cache._seqs
-    require(sorted(slots.free_slots() + cache.sequences) == list(range(cache.max_seqs)))
+    require(sorted(slots.free_slots() + cache.sequences) == list(range(cache.config.max_seqs)))
     for s in cache.sequences:
         known = slots.known_tokens(s)
         require(known is None or known == slots.length(s), "token ids", s, known)

@@ -17,12 +17,12 @@ from __future__ import annotations
 def can_grow(c, s: int, n: int) -> bool:
     """Whether ``grow(s, n)`` would succeed now (for schedulers; raises nothing for n)."""
     s = c._check_seq(s)
-    if not isinstance(n, int) or n < 0 or c._seqs.length(s) + n > c.max_seq_len:
+    if not isinstance(n, int) or n < 0 or c._seqs.length(s) + n > c.config.max_seq_len:
         return False
     plans, releases = c._grow_plan(s, n), c._release_plans(s)
     back = [p for _, _, pages in releases for p in pages]
-    gain = c.pool.gain_from_decref(back) if back else 0
-    return grow_need(c, s, plans) <= c.pool.num_available + gain
+    gain = c._pool.gain_from_decref(back) if back else 0
+    return grow_need(c, s, plans) <= c._pool.num_available + gain
 
 
 def grow_need(c, s: int, plans) -> int:
@@ -51,4 +51,4 @@ def drop_reserved(c, s: int) -> None:
         for t, have in zip(g.ids, g.reserved(s)):
             if have:
                 c._detach(s, t, first, len(have))
-        c.pool.decref(g.clear_reserved(s))
+        c._pool.decref(g.clear_reserved(s))

@@ -9,7 +9,7 @@ Touches, on the coordinator: ``cache.transfer`` (export, load, wires, adopt_page
 from __future__ import annotations
 
 from vmcache.errors import CacheFull
-from vmcache.sequences.transfer import SwapHandle
+from vmcache.sequences.handoff import SwapHandle
 
 
 class Swap:
@@ -47,8 +47,8 @@ class Swap:
         :class:`SwapHandle` for :meth:`restore`."""
         c = self._c
         s = c._check_seq(s)
-        self._check(sum(w.nbytes for w in c.transfer.wires(s)))
-        handle = c.transfer.export(s)
+        self._check(sum(w.nbytes for w in c.handoff.runs(s)))
+        handle = c.handoff.export(s)
         self._hold(handle)
         c.free(s)
         return handle
@@ -57,7 +57,7 @@ class Swap:
         """Restore a swapped-out sequence (byte-identical) into a free slot; returns it."""
         c = self._c
         self._check_handle(c, handle)
-        s = c.transfer.load(handle)
+        s = c.handoff.load(handle)
         self._release(handle)
         return s
 
@@ -70,4 +70,4 @@ class Swap:
     def restore_pages(self, handle: SwapHandle) -> int:
         """Pages :meth:`restore` maps for ``handle`` (a window's released pages excluded)."""
         c = self._c
-        return c.transfer.adopt_pages(handle.length, handle.manifest.firsts)
+        return c.handoff.adopt_pages(handle.length, handle.manifest.firsts)

@@ -93,7 +93,7 @@ class Server:
         self.loop, self.api_key = loop, api_key
         self.max_body_bytes, self.request_timeout_s = max_body_bytes, request_timeout_s
         kv = loop.engine.kv
-        self.limits = Limits(model_name, kv.max_seq_len, kv.max_seqs)
+        self.limits = Limits(model_name, kv.config.max_seq_len, kv.config.max_seqs)
         self.metrics = metrics
         self.created = int(time.time())
 

@@ -173,8 +173,9 @@ def main(argv=None) -> int:
     kv = loop.engine.kv
     print(f"vmcache-server: model {server.limits.model!r}, cache {args.cache} "
           f"({type(kv).__name__}), kv dtype {kv.spec.storage_dtype}, "
-          f"{kv.pool.num_pages} pages of {kv.page_bytes} bytes, max_seqs {kv.max_seqs}, "
-          f"max_seq_len {kv.max_seq_len}, prefix caching "
+          f"{kv.elastic.num_pages} pages of {kv.config.page_bytes} bytes, "
+          f"max_seqs {kv.config.max_seqs}, "
+          f"max_seq_len {kv.config.max_seq_len}, prefix caching "
           f"{'off' if args.no_prefix_caching else 'on'}, preemption {args.preemption}, "
           f"speculative {'on' if args.speculative else 'off'}, "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)  # fmt: skip

@@ -126,7 +126,7 @@ class EngineLoop:
             raise APIError(400, str(e), param="max_tokens",
                            code="context_length_exceeded") from None  # fmt: skip
         with self._lock:
-            if self._outstanding + params.n > self.engine.kv.max_seqs + self.max_waiting:
+            if self._outstanding + params.n > self.engine.kv.config.max_seqs + self.max_waiting:
                 raise APIError(429, "the server is at its queue limit; retry later",
                                type="server_overloaded", code="queue_full")  # fmt: skip
             self._outstanding += params.n

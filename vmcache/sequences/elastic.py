@@ -1,5 +1,6 @@
-"""Physical memory of a cache (``cache.memory``): how much it holds, changed at run time without
-moving anything a kernel reads, and pages mapped ahead of the grows that need them.
+"""The elastic side of a cache (``cache.elastic``): how much physical memory it holds, changed
+at run time without moving anything a kernel reads, pages mapped ahead of the grows that need
+them, and the page arithmetic a scheduler admits by.
 
     trim(keep_free_bytes)     free pages' memory back to the device, down to a low-water mark
     set_limit(bytes)          the most it may hold: lower (free pages go now, mapped ones as
@@ -11,6 +12,12 @@ moving anything a kernel reads, and pages mapped ahead of the grows that need th
     peak_pages(n, step)       the most pages one sequence maps while growing to n tokens
     rollback_margin           tokens a sliding window can still take back (None: no window)
     shared_budget             whether other processes share the budget (a stall may pass)
+    num_pages, used_pages,    the pool: its size, pages in use (sequences, prefix index,
+    available_pages           reserved), pages an allocation could take now
+    can_allocate(n)           whether n pages could be allocated now
+    pages_for_tokens(n)       pages a new sequence of n tokens maps (every table)
+    mapped_pages(s)           pages sequence s maps now (shared ones per sequence)
+    free_slots                sequence slots free now
 
 A cache over a :class:`~vmcache.memory.ledger.SharedBudget` draws pages from a budget several
 processes share; ``set_limit`` then does not apply (the ledger's limits do). Reserved pages sit
@@ -20,7 +27,7 @@ the engine reserves after launching a step); ``grow`` takes them first.
 
 Touches, on the coordinator: the pool (budget, trim, release_all / recreate, allocate,
 decref), its groups' reserved pages and window rules, lengths (read), ``_sync``, the
-transactional core (``_attach_row``) and the cache's sleep hooks (``_release_all``,
+transactional core (``_tx.attach_row``) and the cache's sleep hooks (``_release_all``,
 ``_restore_all``, ``_wake_fill``, ``_device_bytes``); the prefix index only to ``forget`` it
 on a sleep that keeps nothing.
 """
@@ -29,23 +36,60 @@ from __future__ import annotations
 
 from vmcache.errors import CacheFull, check_int
 from vmcache.memory.budget import LocalBudget
+from vmcache.sequences import reserve
 
 
-class Memory:
-    """``cache.memory``: trims, limits, sleep and wake, pages mapped ahead."""
+class Elastic:
+    """``cache.elastic``: trims, limits, sleep and wake, pages mapped ahead, admission
+    arithmetic."""
 
     def __init__(self, coordinator) -> None:
         self._c = coordinator
 
+    # --- admission arithmetic (read only) --------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        """Pages the pool can ever hold (its size; the budget may allow fewer at a time)."""
+        return self._c._pool.num_pages
+
+    @property
+    def used_pages(self) -> int:
+        """Pages in use: mapped by sequences, held by the prefix index, reserved ahead."""
+        return self._c._pool.num_used
+
+    @property
+    def available_pages(self) -> int:
+        """Pages an allocation could take now (free ones and those the budget may create)."""
+        return self._c._pool.num_available
+
+    def can_allocate(self, n: int) -> bool:
+        """Whether ``n`` pages could be allocated now (the prefix index's evictable pages
+        count as free)."""
+        return self._c._pool.can_allocate(n)
+
+    def pages_for_tokens(self, n: int) -> int:
+        """Pages a new sequence of ``n`` tokens maps (every table), for admission planning."""
+        return self._c._pages_for_tokens(n)
+
+    def mapped_pages(self, s: int) -> int:
+        """Pages sequence ``s`` maps, every table: its tables' mapped pages (shared ones
+        counted per sequence; released ones not) and the pages reserved ahead of it."""
+        return reserve.mapped_pages(self._c, s)
+
+    @property
+    def free_slots(self) -> int:
+        """Sequence slots free now (``new_sequence``, ``fork`` and a swap's restore take one)."""
+        return self._c._seqs.num_free
+
     @property
     def asleep(self) -> bool:
-        return self._c.pool.asleep
+        return self._c._pool.asleep
 
     @property
     def resident_bytes(self) -> int:
         """Physical memory the cache holds now (0 while asleep)."""
         c = self._c
-        return c.pool.num_created * c.page_bytes
+        return c._pool.num_created * c.config.page_bytes
 
     @property
     def releases(self) -> bool:
@@ -63,7 +107,7 @@ class Memory:
     def shared_budget(self) -> bool:
         """Whether the cache's memory budget is shared with other processes (memory another
         process frees may let a stalled engine run: it waits instead of failing)."""
-        return self._c.pool.shared_budget
+        return self._c._pool.shared_budget
 
     def trim(self, keep_free_bytes: int = 0) -> int:
         """Release the memory of free pages until at most ``keep_free_bytes`` of them stay
@@ -73,8 +117,8 @@ class Memory:
         c = self._c
         if check_int("keep_free_bytes", keep_free_bytes) < 0:
             raise ValueError(f"keep_free_bytes must be >= 0, got {keep_free_bytes}")
-        n = c.pool.trim(keep_free_bytes // c.page_bytes)
-        return n * c.page_bytes if c._releases_memory else 0
+        n = c._pool.trim(keep_free_bytes // c.config.page_bytes)
+        return n * c.config.page_bytes if c._releases_memory else 0
 
     def set_limit(self, limit_bytes: int) -> None:
         """The most physical memory the cache may hold (whole pages). Lowering it releases
@@ -82,13 +126,13 @@ class Memory:
         created while it holds more than the limit (a grow then raises ``CacheFull``, so an
         engine preempts by its policy)."""
         c = self._c
-        if not isinstance(c.pool.budget, LocalBudget):
+        if not isinstance(c._pool.budget, LocalBudget):
             raise TypeError("this cache draws from a shared budget: its ledger sets the limits")
         if check_int("limit_bytes", limit_bytes) < 0:
             raise ValueError(f"limit_bytes must be >= 0, got {limit_bytes}")
-        pages = min(limit_bytes // c.page_bytes, c.pool.num_pages)
-        c.pool.budget.set_limit(pages)
-        c.pool.trim(max(0, pages - c.pool.num_used))
+        pages = min(limit_bytes // c.config.page_bytes, c._pool.num_pages)
+        c._pool.budget.set_limit(pages)
+        c._pool.trim(max(0, pages - c._pool.num_used))
 
     def sleep(self, keep: str = "host") -> int:
         """Give every physical page back, keeping sequences, page tables, the prefix index
@@ -106,17 +150,17 @@ class Memory:
         c = self._c
         if keep not in ("host", "none"):
             raise ValueError(f"keep must be 'host' or 'none', got {keep!r}")
-        if c.pool.asleep:
+        if c._pool.asleep:
             raise RuntimeError("the cache is already asleep")
         for s in c.sequences:
             c._drop_reserved(s)  # pages mapped ahead: nothing to keep
-        if keep == "none" and c.prefix is not None:
-            c.prefix.forget()  # cached K/V would read zeros: never serve them (tiers keep them)
+        if keep == "none" and c.prefix.index is not None:
+            c.prefix.index.forget()  # cached K/V would read zeros: never serve them (tiers keep)
         c._sync()
-        live = c.pool.used_pages()
+        live = c._pool.used_pages()
         held = self.resident_bytes if c._releases_memory else c._device_bytes()
         state = c._release_all(live, keep == "host")  # contents saved, nothing mapped
-        c.pool.release_all(live)
+        c._pool.release_all(live)
         c._asleep = (live, state)
         return held
 
@@ -125,14 +169,14 @@ class Memory:
         every sequence mapped where it was. ``CacheFull`` when the budget or the device
         cannot give the pages back; the cache then stays asleep (call again later)."""
         c = self._c
-        if not c.pool.asleep:
+        if not c._pool.asleep:
             raise RuntimeError("the cache is not asleep")
         live, state = c._asleep
-        c.pool.recreate(live, c._wake_fill(live, state))  # bytes back chunk by chunk
+        c._pool.recreate(live, c._wake_fill(live, state))  # bytes back chunk by chunk
         try:
             c._restore_all(live, state)  # contents back, every sequence mapped again
         except BaseException:
-            c.pool.release_all(live)
+            c._pool.release_all(live)
             raise
         c._asleep = None
 
@@ -143,7 +187,7 @@ class Memory:
         check_int("n", n)
         if n < 0:
             raise ValueError(f"reserve needs n >= 0, got {n}")
-        n = min(n, c.max_seq_len - c._seqs.length(s))
+        n = min(n, c.config.max_seq_len - c._seqs.length(s))
         plan = []  # (group, first index not yet mapped, pages per table)
         for g in c._groups:
             first = g.num_pages(s) + len(g.reserved(s)[0])
@@ -151,23 +195,23 @@ class Memory:
             if extra > 0:
                 plan.append((g, first, extra))
         total = sum(len(g.ids) * extra for g, _, extra in plan)
-        if not plan or not c.pool.can_allocate(total):
+        if not plan or not c._pool.can_allocate(total):
             return 0
         try:
-            fresh = iter(c.pool.allocate(total))
+            fresh = iter(c._pool.allocate(total))
         except CacheFull:  # a shared budget's pages went to another process first
             return 0
         rows = [[[next(fresh) for _ in range(extra)] for _ in g.ids] for g, _, extra in plan]
         done = []
         try:
             for (g, first, _), r in zip(plan, rows):
-                c._attach_row(s, g.ids, first, r)
+                c._tx.attach_row(s, g.ids, first, r)
                 done.append((g, first, r))
         except BaseException:
             for g, first, r in done:
                 for t, pages in zip(g.ids, r):
                     c._detach(s, t, first, len(pages))
-            c.pool.decref([p for r in rows for row in r for p in row])
+            c._pool.decref([p for r in rows for row in r for p in row])
             raise
         for (g, _, _), r in zip(plan, rows):
             g.add_reserved(s, r)

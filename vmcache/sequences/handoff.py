@@ -1,14 +1,14 @@
-"""A sequence as it moves between caches and processes (``cache.transfer``): its
-:class:`Manifest` (what it is apart from its K/V), its :class:`Wire` per table (where its K/V
+"""A sequence as it moves between caches and processes (``cache.handoff``): its
+:class:`Manifest` (what it is apart from its K/V), its :class:`TableRuns` per table (where its K/V
 lie, as few contiguous tensors as the layout allows), ``adopt`` (map a new sequence where a
 manifest says and fill it, all or nothing), and a host copy of a sequence (``export`` /
 ``load``, a :class:`SwapHandle`: the swap tier uses them). A sliding window's released pages
-stay released: only what the tables map travels. :mod:`vmcache.distributed.transfer` sends
+stay released: only what the tables map travels. :mod:`vmcache.distributed.handoff` sends
 these between processes.
 
 Touches, on the coordinator: lengths, token ids, salts (read; ``adopt`` sets the new
 sequence's), the groups' page lists (``open``), ``new_sequence`` / ``free``, the cache's
-``_wire`` hook and the transactional core (``_split_pages``); the pool only through those.
+``_runs`` hook and the transactional core (``_tx.split_pages``); the pool only through those.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class SwapHandle:
 
     manifest: Manifest = field(repr=False)  # length, released pages, token ids, salt
     nbytes: int
-    payload: list[torch.Tensor] = field(repr=False)  # per table: its Wire, packed (uint8)
+    payload: list[torch.Tensor] = field(repr=False)  # per table: its TableRuns, packed (uint8)
     owner: int = field(repr=False)  # id() of the cache that made it
     consumed: bool = False
     spec: object = field(default=None, repr=False)  # what the bytes mean (dtypes, scales)
@@ -57,7 +57,7 @@ def as_bytes(x: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(eq=False)
-class Wire:
+class TableRuns:
     """One table's mapped K/V of one sequence as contiguous tensors (``views``, in order):
     what a transfer sends, or receives into, without a copy. ``packed()`` is all of them as
     one flat uint8 tensor (the view itself when there is one; else a copy, by ``gather`` when
@@ -91,8 +91,8 @@ class Wire:
             i += n
 
 
-class Transfer:
-    """``cache.transfer``: manifests, wires, adoption and host copies of sequences."""
+class Handoff:
+    """``cache.handoff``: manifests, runs, adoption and host copies of sequences."""
 
     def __init__(self, coordinator) -> None:
         self._c = coordinator
@@ -121,30 +121,30 @@ class Transfer:
         ``headroom_pages`` still free after."""
         c = self._c
         need = self.adopt_pages(m.length, m.firsts) + headroom_pages
-        return (c._seqs.num_free > 0 and 0 < m.length <= c.max_seq_len
-                and c.pool.can_allocate(need))  # fmt: skip
+        return (c._seqs.num_free > 0 and 0 < m.length <= c.config.max_seq_len
+                and c._pool.can_allocate(need))  # fmt: skip
 
     def adopt_pages(self, length: int, firsts) -> int:
         """Pages a sequence of ``length`` tokens maps with ``firsts`` released per group."""
         c = self._c
         return sum(len(g.ids) * (g.pages_for(length) - f) for g, f in zip(c._groups, firsts))
 
-    def wires(self, s: int) -> list[Wire]:
-        """Sequence ``s``'s mapped K/V, one :class:`Wire` per table (table order): zero-copy
+    def runs(self, s: int) -> list[TableRuns]:
+        """Sequence ``s``'s mapped K/V, one :class:`TableRuns` per table (table order): zero-copy
         views a transfer sends from or receives into."""
         c = self._c
         s = c._check_seq(s)
-        return [c._wire(s, t, g.first(s), c._seqs.length(s)) for g in c._groups for t in g.ids]
+        return [c._runs(s, t, g.first(s), c._seqs.length(s)) for g in c._groups for t in g.ids]
 
     def adopt(self, m: Manifest, fill: Callable[[int], None],
                        slot: int | None = None) -> int:  # fmt: skip
         """A new sequence (in ``slot``, else any free slot) of ``m.length`` tokens, mapped
         where ``m`` says (released pages stay released), whose K/V ``fill(s)`` writes (through
-        :meth:`wires`); all or nothing: if ``fill`` raises, the sequence is
+        :meth:`runs`); all or nothing: if ``fill`` raises, the sequence is
         freed and the error propagates. Token ids and salt are set once it is filled."""
         c = self._c
-        if m.length > c.max_seq_len:
-            raise ValueError(f"{m.length} tokens exceed max_seq_len {c.max_seq_len}")
+        if m.length > c.config.max_seq_len:
+            raise ValueError(f"{m.length} tokens exceed max_seq_len {c.config.max_seq_len}")
         if len(m.firsts) != len(c._groups):
             raise ValueError(f"manifest has {len(m.firsts)} groups, this cache {len(c._groups)}")
         s = c.new_sequence(slot, salt=m.salt)
@@ -154,7 +154,7 @@ class Transfer:
             for g, f in zip(c._groups, m.firsts):
                 g.open(s, [[RELEASED] * f for _ in g.ids], f)
                 ext.append((g, f, g.pages_for(m.length)))
-            c._split_pages([], s, ext)
+            c._tx.split_pages([], s, ext)
             c._set_len(s, m.length)
             fill(s)
         except BaseException:
@@ -166,9 +166,9 @@ class Transfer:
     def export(self, s: int) -> SwapHandle:
         """A host copy of sequence ``s`` (its mapped K/V, length, ids, salt); ``s`` stays."""
         c = self._c
-        pin = c.device.type == "cuda"
+        pin = c.config.device.type == "cuda"
         payload = [torch.empty(w.nbytes, dtype=torch.uint8, pin_memory=pin).copy_(w.packed())
-                   for w in self.wires(s)]  # fmt: skip
+                   for w in self.runs(s)]  # fmt: skip
         nbytes = sum(p.numel() for p in payload)
         return SwapHandle(self.manifest(s), nbytes, payload, id(c), spec=c.spec)
 
@@ -183,7 +183,7 @@ class Transfer:
                              f"{c.spec}")  # fmt: skip
 
         def fill(s: int) -> None:
-            for w, data in zip(self.wires(s), handle.payload, strict=True):
-                w.unpack(data.to(c.device))
+            for w, data in zip(self.runs(s), handle.payload, strict=True):
+                w.unpack(data.to(c.config.device))
 
         return self.adopt(handle.manifest, fill, slot)

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from vmcache.distributed import wire
 from vmcache.errors import CacheFull
-from vmcache.sequences.transfer import Manifest
+from vmcache.sequences.handoff import Manifest
 
 MAGIC = 0x564D4B56  # "VMKV"
 VERSION = 2  # 1: pickled metadata (refused)
@@ -93,12 +93,12 @@ def layout_key(cache) -> int:
     """A checksum of what must match on both sides for bytes to mean the same K/V."""
     unit = getattr(cache, "page_size", None) or getattr(cache, "block_size", None)
     desc = (type(cache).__name__, getattr(cache, "layout", None), repr(cache.spec), unit,
-            [list(g) for g in cache.transfer.layout()])  # fmt: skip
+            [list(g) for g in cache.handoff.layout()])  # fmt: skip
     return zlib.crc32(repr(desc).encode())
 
 
 def _ctrl_device(cache, group) -> torch.device:
-    return control_device(cache.device, dist.get_backend(group))
+    return control_device(cache.config.device, dist.get_backend(group))
 
 
 def control_device(device: torch.device, backend: str) -> torch.device:
@@ -113,18 +113,18 @@ def control_device(device: torch.device, backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _runs(wires, packed: bool) -> list[torch.Tensor]:
+def _buffers(runs, packed: bool) -> list[torch.Tensor]:
     """The messages of a hand-off: every view, or one packed tensor per table."""
     if packed:
-        return [w.packed() for w in wires]
-    return [v.reshape(-1).view(torch.uint8) for w in wires for v in w.views]
+        return [r.packed() for r in runs]
+    return [v.reshape(-1).view(torch.uint8) for r in runs for v in r.views]
 
 
 def plan_handoff(cache, s: int, packed: bool = False) -> tuple[int, int]:
     """(data messages, data bytes) sending sequence ``s`` takes; changes nothing."""
-    wires = cache.transfer.wires(s)
-    n = len(wires) if packed else sum(len(w.views) for w in wires)
-    return n, sum(w.nbytes for w in wires)
+    runs = cache.handoff.runs(s)
+    n = len(runs) if packed else sum(len(w.views) for w in runs)
+    return n, sum(w.nbytes for w in runs)
 
 
 def send_sequence(cache, s: int, dst: int, group=None, *, packed: bool = False,
@@ -140,9 +140,9 @@ def send_sequence(cache, s: int, dst: int, group=None, *, packed: bool = False,
     dev = _ctrl_device(cache, group)
     header = torch.zeros(8, dtype=torch.int64, device=dev)
     try:
-        m = cache.transfer.manifest(s)
-        wires = cache.transfer.wires(s)
-        runs = _runs(wires, packed)
+        m = cache.handoff.manifest(s)
+        runs = cache.handoff.runs(s)
+        runs = _buffers(runs, packed)
         meta = wire.encode_meta(m.firsts, m.token_ids, m.salt, extra)
     except BaseException as exc:
         note = wire.encode_note(f"{type(exc).__name__}: {exc}")
@@ -196,8 +196,8 @@ def recv_sequence(cache, src: int, group=None, *, headroom_pages: int = 0,
         note = torch.zeros(n_meta, dtype=torch.uint8, device=dev)
         _recv(note, src, group, deadline)
         raise TransferError(f"rank {src} aborted the hand-off: {wire.decode_note(_bytes(note))}")
-    groups = len(cache.transfer.layout())
-    fits = status == OK and 0 < length <= cache.max_seq_len and key >> 33 == 0
+    groups = len(cache.handoff.layout())
+    fits = status == OK and 0 < length <= cache.config.max_seq_len and key >> 33 == 0
     bound = wire.meta_bound(groups, max(0, length), max_extra_bytes)
     if status != OK or not 1 <= n_meta <= min(bound, DRAIN_BYTES) or min(n_runs, nbytes) < 0:
         raise TransferError(f"rank {src} sent a header out of bounds (status {status}, "
@@ -214,25 +214,27 @@ def recv_sequence(cache, src: int, group=None, *, headroom_pages: int = 0,
     if not fits or key & 0xFFFFFFFF != layout_key(cache):
         reply(MISMATCH)
         raise TransferError(f"rank {src}'s sequence is for another cache layout or longer "
-                            f"than max_seq_len {cache.max_seq_len}")  # fmt: skip
+                            f"than max_seq_len {cache.config.max_seq_len}")  # fmt: skip
     packed = bool(key >> 32)
     try:
         m = _manifest(cache, length, _bytes(raw), max_extra_bytes)
     except wire.WireError as exc:
         reply(REFUSED)
         raise TransferError(f"rank {src} sent a manifest this cache refuses: {exc}") from None
-    if not cache.transfer.can_adopt(m.manifest, headroom_pages):
-        need = cache.transfer.adopt_pages(length, m.manifest.firsts)
+    if not cache.handoff.can_adopt(m.manifest, headroom_pages):
+        need = cache.handoff.adopt_pages(length, m.manifest.firsts)
         reply(FULL, need)
         raise CacheFull(f"no room for rank {src}'s sequence of {length} tokens",
-                        wanted=need, free=cache.pool.num_available)  # fmt: skip
+                        wanted=need, free=cache.elastic.available_pages)  # fmt: skip
 
     def fill(s: int) -> None:
-        wires = cache.transfer.wires(s)
+        runs = cache.handoff.runs(s)
         if packed:
-            bufs = [torch.zeros(w.nbytes, dtype=torch.uint8, device=cache.device) for w in wires]
+            bufs = [
+                torch.zeros(w.nbytes, dtype=torch.uint8, device=cache.config.device) for w in runs
+            ]
         else:
-            bufs = _runs(wires, False)
+            bufs = _buffers(runs, False)
         if len(bufs) != n_runs or sum(b.numel() for b in bufs) != nbytes:
             reply(MISMATCH)
             raise TransferError(f"rank {src} sends {n_runs} runs of {nbytes} bytes; this "
@@ -241,11 +243,11 @@ def recv_sequence(cache, src: int, group=None, *, headroom_pages: int = 0,
         for b in bufs:
             _recv(b, src, group, deadline)
         if packed:
-            for w, b in zip(wires, bufs):
+            for w, b in zip(runs, bufs):
                 w.unpack(b)
 
     try:
-        s = cache.transfer.adopt(m.manifest, fill)
+        s = cache.handoff.adopt(m.manifest, fill)
     except CacheFull as exc:  # a shared budget gave the pages to another process meanwhile
         if not replied:
             reply(FULL, exc.wanted)
@@ -274,10 +276,10 @@ class _Received:
 def _manifest(cache, length: int, raw: bytes, max_extra_bytes: int) -> _Received:
     """The sender's manifest, checked against this cache: released pages within what its own
     window rule may release (never one a next step reads, never past the sequence)."""
-    groups = len(cache.transfer.layout())
+    groups = len(cache.handoff.layout())
     firsts, ids, salt, extra = wire.decode_meta(raw, groups=groups, length=length,
                                                 max_extra_bytes=max_extra_bytes)  # fmt: skip
-    for most, f in zip(cache.transfer.releasable_pages(length), firsts):
+    for most, f in zip(cache.handoff.releasable_pages(length), firsts):
         if f > most:
             raise wire.WireError(f"{f} released pages in a group whose window keeps pages "
                                  f"from {most} at {length} tokens")  # fmt: skip

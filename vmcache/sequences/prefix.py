@@ -1,0 +1,116 @@
+"""Prefix caching of a cache (``cache.prefix``): turning it (and its tiers) on, attaching a
+new sequence's cached prefix, indexing a sequence's pages, and the questions a scheduler asks.
+
+    index                 the :class:`~vmcache.prefix.index.PrefixIndex` (None when off):
+                          its entries, LRU eviction, stats, tiers
+    enabled               whether prefix caching is on
+    tokens_per_block      tokens one cached block holds (None when off)
+    publish(s)            index ``s``'s full pages of known tokens now (``free`` does it too)
+    cached_tokens(ids)    leading tokens a new sequence would find cached now
+    tier_stats()          the tiers' counters (None without tiers)
+
+Touches, on the coordinator: lengths, token ids and salts (read; ``attach`` sets a new
+sequence's tokens and length through ``Slots``), its one full-attention group (``open``,
+``rows``), the transactional core (``_tx.attach_row``), the pool (``incref``; the index is its
+reclaimer) and the cache's page hooks (``_read_pages``, ``_write_pages``) for the tiers. The
+index owns its entries, the pool the refcounts. Refused for sliding-window models.
+"""
+
+from __future__ import annotations
+
+import math
+
+from vmcache.prefix.index import PrefixIndex
+
+
+class Prefix:
+    """``cache.prefix``: the prefix index of a cache and the calls that feed it."""
+
+    def __init__(self, coordinator, prefix_caching: bool, prefix_tiers) -> None:
+        c = self._c = coordinator
+        self.index: PrefixIndex | None = None  # owned here; holds pool references
+        if not prefix_caching:
+            if prefix_tiers is not None:
+                raise ValueError("prefix_tiers needs prefix_caching=True")
+            return
+        if any(g.sliding for g in c._groups):
+            raise ValueError(
+                "prefix caching is not supported for models with sliding-window layers "
+                f"(layers {list(c.spec.sliding_layers)}): a cached prefix would need the "
+                "pages those layers release"
+            )
+        u, P = c._groups[0].u, c._groups[0].P  # a token's and a page's units in one table
+        k = math.lcm(P, u) // P  # pages per block: the least run of whole pages ending on a token
+        self.index = PrefixIndex(c._pool, k * P // u, c._T * k, k)
+        c._pool.reclaimer = self.index
+        if prefix_tiers is not None:
+            self._bind_tiers(prefix_tiers)
+
+    @property
+    def enabled(self) -> bool:
+        return self.index is not None
+
+    @property
+    def tokens_per_block(self) -> int | None:
+        return None if self.index is None else self.index.tokens_per_block
+
+    def attach(self, s: int, tokens: list[int]) -> None:
+        """Map the cached blocks that begin ``tokens`` into new sequence ``s`` (nothing
+        copied); its length is then the tokens found."""
+        c, ix = self._c, self.index
+        entries = ix.match(
+            tokens, c._seqs.salt(s), max_pages=c.config.max_seq_len // ix.tokens_per_block
+        )
+        if not entries:
+            return
+        (g,) = c._groups
+        k = ix.pages_per_table
+        rows = [[p for e in entries for p in e.pages[i * k : (i + 1) * k]] for i in range(c._T)]
+        c._tx.attach_row(s, g.ids, 0, rows)
+        c._pool.incref([p for r in rows for p in r])
+        n = len(entries) * ix.tokens_per_block
+        g.open(s, rows)
+        c._seqs.set_tokens(s, tokens[:n])
+        c._set_len(s, n)
+
+    def close_tiers(self) -> None:
+        """The disk tier's directory given up (the cache's close)."""
+        if self.index is not None and self.index.tiers is not None:
+            self.index.tiers.close()
+
+    def _bind_tiers(self, tiers) -> None:
+        from vmcache.prefix.tiers import PrefixTiers
+
+        if not isinstance(tiers, PrefixTiers):
+            raise TypeError(f"prefix_tiers must be a PrefixTiers, got {type(tiers).__name__}")
+        c, ix = self._c, self.index
+        kind = c.config.layout
+        layout = {"cache": type(c).__name__, "spec": repr(c.spec), "tables": c._T,
+                  "layout": None if kind == "paged" else kind, "page_bytes": c.config.page_bytes,
+                  "tokens_per_page": ix.tokens_per_block}  # fmt: skip
+        if ix.pages_per_table > 1:  # (absent for one page a block: older tier files still match)
+            layout["pages_per_table"] = ix.pages_per_table
+        ix.root = tiers.bind(layout, ix.pages_per_entry * c.config.page_bytes)
+        ix.tiers, ix.read_pages, ix.write_pages = tiers, c._read_pages, c._write_pages
+
+    def tier_stats(self):
+        """The prefix tiers' :class:`~vmcache.prefix.tiers.TierStats` (None without tiers)."""
+        ix = self.index
+        return None if ix is None or ix.tiers is None else ix.tiers.stats(ix.pages_per_entry)
+
+    def cached_tokens(self, tokens, salt=None) -> int:
+        """How many leading tokens of ``tokens`` a new sequence would find cached under
+        ``salt`` now (0 without prefix caching); changes nothing."""
+        return 0 if self.index is None else self.index.peek(list(tokens), salt)
+
+    def publish(self, s: int) -> int:
+        """Index sequence ``s``'s full pages of known tokens now (``free`` does it too), so
+        requests that arrive while it runs share them; call it once their K/V are written.
+        Returns the pages newly indexed (0 without prefix caching or known token ids)."""
+        c = self._c
+        s = c._check_seq(s)
+        tokens = c._seqs.tokens(s)
+        if self.index is None or tokens is None:
+            return 0
+        n = c._seqs.length(s)
+        return self.index.insert(tokens[:n], c._groups[0].rows(s), c._seqs.salt(s))
