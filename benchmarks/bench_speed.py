@@ -315,7 +315,9 @@ def main(argv=None) -> int:
     extra.update(repeats=args.repeats, quick=args.quick)
     if "dropin" in names:
         extra["dropin"] = run_dropin(model, tok, args.repeats, 6 if args.quick else 64)
-    path = save("speed", cpu, rows, extra, Path(args.out))
+    # the drop-in alone (--only dropin) is its own file: the workloads' stay as measured
+    path = save("speed_dropin" if names == {"dropin"} else "speed", cpu, rows, extra,
+                Path(args.out))  # fmt: skip
     print(f"saved {path}")
     try:
         plot(rows, extra.get("dropin", []), path.with_suffix(".png"))

@@ -4,7 +4,10 @@ before and after one write and one attention call per layer."""
 
 from __future__ import annotations
 
-from readme_format import f, md, newest, source
+import glob
+import os
+
+from readme_format import RESULTS, f, md, newest, source
 
 GOALS = {  # workload: (engine_vm vs padded generate, vs generate_batch), from the issue
     "uniform": (1.0, 0.5),
@@ -84,12 +87,20 @@ def profile(before, after) -> str:
             + "\nBefore: " + source(nb, db) + "After: " + source(na, da))  # fmt: skip
 
 
+def newest_dropin():
+    """The drop-in rows of the newest run that measured them: a ``--only dropin`` run
+    (``speed_dropin-*.json``) or the whole benchmark's (``speed-*.json``), by date."""
+    runs = [newest(p) for p in ("speed-20??-*.json", "speed_dropin-20??-*.json")
+            if glob.glob(os.path.join(RESULTS, p))]  # fmt: skip
+    return max(runs, key=lambda r: (r[1]["date"], r[0].startswith("speed_dropin")))
+
+
 def profiles():
     return newest("speed_profile_before-*.json"), newest("speed_profile-20??-*.json")
 
 
 BLOCKS = {
     "speed": lambda: speed(*newest("speed-20??-*.json")),
-    "speed-dropin": lambda: dropin(*newest("speed-20??-*.json")),
+    "speed-dropin": lambda: dropin(*newest_dropin()),
     "speed-profile": lambda: profile(*profiles()),
 }

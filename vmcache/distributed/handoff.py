@@ -164,7 +164,7 @@ def send_sequence(cache, s: int, dst: int, group=None, *, packed: bool = False,
     if code != ACCEPTED:
         why = {MISMATCH: "its cache's layout or limits differ"}.get(code, "it could not map it")
         raise TransferError(f"rank {dst} refused the sequence: {why}")
-    cache._sync()  # K/V written by kernels still running must be in place
+    cache.views.synchronize()  # K/V written by kernels still running must be in place
     for r in runs:
         _send(r, dst, group, deadline)
     commit = torch.ones(1, dtype=torch.int64, device=dev)

@@ -36,6 +36,7 @@ from vmcache.hf.layer import _Layer, cache_keyword
 from vmcache.paged_fallback import PagedKVCache
 from vmcache.paged_fallback.cache import layers_per_table
 from vmcache.sequences.cache import VMKVCache
+from vmcache.sequences.hooks import _bits
 from vmcache.sequences.spec import KVSpec
 from vmcache.sequences.stats import CacheStats
 
@@ -321,7 +322,8 @@ class VMCache(_HFCache):
             return stand_ins(
                 self.spec, kv.config.device, b, n - lo
             )  # the attention reads the cache
-        k, v = kv._decode(layer, kv._rows(layer, 0)[:b, lo:n], kv._rows(layer, 1)[:b, lo:n])
+        rows = kv.views.stored_rows
+        k, v = kv.views.decode(layer, rows(layer, 0)[:b, lo:n], rows(layer, 1)[:b, lo:n])
         return k.transpose(1, 2), v.transpose(1, 2)
 
 
@@ -335,6 +337,9 @@ class PagedCache(_HFCache):
                  kv_scales=None, kv_granularity: str = "head",
                  **paged_options) -> None:  # fmt: skip
         self._block_size, self._num_blocks, self._options = block_size, num_blocks, paged_options
+        # (cache, epoch, table) -> the rows' block tables [b, W]: one step's, rebuilt when the
+        # cache changes (a grow, a split, a reorder)
+        self._tables: dict = {}
         super().__init__(config, max_cache_len, max_batch_size, device, dtype, kv_dtype,
                          kv_scales, kv_granularity)  # fmt: skip
 
@@ -354,20 +359,34 @@ class PagedCache(_HFCache):
         return self._gather(layer)
 
     def _gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of every row from the layer's window start to its length, ``[b, N_KV, n,
-        d_h]``, gathered through the layer's block tables: with this step's batch, one
-        gather of its index (built once a step for every layer of a table)."""
-        n = self.layers[layer].length
-        batch = self._step_batch(n)
-        if batch is not None:
-            k, v = batch.kv(layer)  # every row has one length: no padding
-            return k.transpose(1, 2), v.transpose(1, 2)
-        lo = self.kv.views.window_start(layer, self.rows[0])
-        pos = torch.arange(lo, n, device=self.kv.config.device)
-        tables = self.kv.views.block_tables(self.rows, layer).long()  # [b, blocks]
-        blocks, offs = tables[:, pos // self._block_size], pos % self._block_size
-        k, v = self.kv._rows(layer, 0), self.kv._rows(layer, 1)  # stored rows
-        k, v = self.kv._decode(layer, k[blocks, offs], v[blocks, offs])  # FP8/INT8: dequantized
+        """K and V of every row from the layer's window start ``lo`` to its length ``n``,
+        ``[b, N_KV, n − lo, d_h]``. Rows all have one length, so whole blocks are gathered:
+        one ``index_select`` of ``[num_blocks, B·R]`` rows per K and V (a copy of 16 tokens at
+        a time, not one token), through the block tables' tensor built once per step and
+        table; then the first and last block are trimmed:
+
+            tables [b, W] -> blocks lo//B .. (n-1)//B of each row -> [b, k·B, R]
+                          -> tokens [lo − (lo//B)·B, n − (lo//B)·B) of each row
+        """
+        kv, n, b, B = self.kv, self.layers[layer].length, len(self.rows), self._block_size
+        lo = kv.views.window_start(layer, self.rows[0])
+        t = kv.views.table_of_layer(layer)
+        key = (kv, kv.views.epoch, t)  # the cache itself: a rebuilt one counts epochs anew
+        tables = self._tables.get(key)
+        if tables is None:
+            rows = [kv.views.block_row(s, t) for s in self.rows]
+            width = max(map(len, rows))
+            tables = torch.tensor([[max(p, 0) for p in r] + [0] * (width - len(r)) for r in rows],
+                                  dtype=torch.long, device=kv.config.device)  # fmt: skip
+            self._tables = {k: v for k, v in self._tables.items() if k[:2] == key[:2]}
+            self._tables[key] = tables
+        first, last = lo // B, -(-n // B)
+        idx = tables[:, first:last].reshape(-1)
+        cut = slice(lo - first * B, n - first * B)
+        k, v = (_bits(kv.views.stored_rows(layer, x)).flatten(1).index_select(0, idx)
+                .view(b, (last - first) * B, -1)[:, cut].view(kv.spec.storage_dtype)
+                for x in (0, 1))  # fmt: skip
+        k, v = kv.views.decode(layer, k, v)  # FP8/INT8: dequantized
         return k.transpose(1, 2), v.transpose(1, 2)
 
 

@@ -55,6 +55,22 @@ class Views:
         ``RELEASED`` (-1) where a sliding window gave a page back)."""
         return self._c._page_table(s)
 
+    def stored_rows(self, layer: int, kv: int) -> torch.Tensor:
+        """The stored rows of ``layer``'s K (``kv`` 0) or V (1), in the storage dtype:
+        ``[max_seqs, max_seq_len, R]`` (VMKVCache; mapped only up to each sequence's length)
+        or ``[num_blocks, B, R]`` (PagedKVCache), R = ``spec.row_elems``."""
+        return self._c._rows(self._c._check_layer(layer), kv)
+
+    def decode(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Stored rows ``[..., R]`` of ``layer`` (from :meth:`stored_rows`) → K and V
+        ``[..., N_KV, d_h]`` in the compute dtype: views unless FP8/INT8 (dequantized)."""
+        return self._c._decode(layer, k, v)
+
+    def synchronize(self) -> None:
+        """Wait until no kernel may still write the cache (before reading its bytes from
+        another stream or process)."""
+        self._c._sync()
+
     def kv_scales_for(self, layer: int):
         """What a kernel dequantizes ``layer``'s K/V with: fp32 ``[2, N_KV]`` head scales, or
         per token the pair of fp32 views ``[..., N_KV]`` over K's and V's stored rows, or

@@ -4,7 +4,8 @@
     page         an offset in one memfd file (the "physical" memory)
     map          mmap(va, P, PROT_READ|PROT_WRITE, MAP_SHARED|MAP_FIXED, memfd, offset)
     unmap        mmap(va, P, PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE|MAP_FIXED)
-    zero page    fallocate(PUNCH_HOLE|KEEP_SIZE): the memory goes back to the OS, reads as 0
+    release      fallocate(PUNCH_HOLE|KEEP_SIZE): the memory goes back to the OS, reads as 0
+    zero page    a memset (scrub on reuse: the page stays resident, it is written next)
 
 The same offset mapped at two addresses really aliases. Adjacent pages whose offsets are
 contiguous are mapped with one call, so the kernel keeps one VMA for them
@@ -135,7 +136,11 @@ class HostBackend:
             raise self._error("mmap(PROT_NONE unmap)", f"{npages} page(s) at {va:#x}")
 
     def zero_page(self, handle: int, view: torch.Tensor) -> None:
-        self._punch(handle, view.numel())
+        """A memset, as on CUDA: the page stays resident, since a scrubbed page is about to
+        be written (scrub on reuse). Punching a hole instead gave the memory back and made
+        the next write fault every 4 KiB in again: ~0.5 ms a 64 KiB page against ~0.03 ms
+        (what a copy-on-write copy of beam search paid each step)."""
+        view.zero_()
 
     def _punch(self, offset: int, size: int) -> None:
         mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
