@@ -37,7 +37,7 @@ load that fits, and sleep/wake time (vmcache/bench/elastic.py). TIERS MODE (--mo
 bench-tiers): a multi-turn trace four times the device pool through prefix tiers in host RAM
 and on disk (vmcache/bench/tiers.py). SPEC MODE (--mode spec; make bench-spec): speculative
 decoding by prompt lookup against none, where drafts match and where they do not
-(vmcache/bench/spec.py). Each takes --quick, --repeats and --out here, and any other option
+(vmcache/bench/speculation.py). Each takes --quick, --repeats and --out here, and any other option
 of its own is passed on (e.g. --mode elastic --loads 1).
 
 CLAIMS: each row with a claim from the literature gets a verdict that can read DIFFERS (rules
@@ -213,13 +213,15 @@ def main(argv=None) -> None:
     ap = parser()
     args, rest = ap.parse_known_args(argv)
     if args.mode in ("elastic", "tiers", "spec", "quant"):  # their own workloads and files
-        from vmcache.bench import elastic, quant, spec, tiers
+        from vmcache.bench import elastic, quant, speculation, tiers
 
         # the options this parser does not know go to the mode's own (e.g. elastic --loads)
         fwd = ["--repeats", str(args.repeats)] + ["--quick"] * args.quick
         fwd += ["--real-model", args.real_model] if args.mode in ("spec", "quant") else []
         fwd += (["--out", args.out] if args.out else []) + rest
-        {"elastic": elastic, "tiers": tiers, "spec": spec, "quant": quant}[args.mode].main(fwd)
+        {"elastic": elastic, "tiers": tiers, "spec": speculation, "quant": quant}[args.mode].main(
+            fwd
+        )
         return
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from vmcache.bench import spec  # noqa: E402
+from vmcache.bench import speculation as spec  # noqa: E402
 
 
 @pytest.mark.parametrize("kind", ["vm", "paged"])

@@ -178,12 +178,12 @@ def main(argv=None):
     print(table(rows, COLUMNS))
     extra = {"prompt_tokens": PROMPT, "new_tokens": NEW, "requests": n}
     save_and_plot("spec", torch.device("cpu"), rows, extra, args.out, plot)
-    from vmcache.bench import real, spec_real
+    from vmcache.bench import real, speculation_real
 
     if real.available(args.real_model):  # the trained model on real tasks: its own file
         print("\n-- speculation on the trained model, real tasks --")
         new = 16 if args.quick else 96
-        real_rows = spec_real.rows(reps, new, 1 if args.quick else None, args.real_model)
+        real_rows = speculation_real.rows(reps, new, 1 if args.quick else None, args.real_model)
         print(table(real_rows, REAL_COLUMNS))
         save("spec_real", torch.device("cpu"), real_rows,
              {"model": real.label(args.real_model), "new_tokens": new},
