@@ -49,12 +49,14 @@ from vmcache.sequences.transactions import Transactions
 
 
 class SequenceCache(PhysicalHooks):
-    """The core: sequences (``new_sequence``, ``grow``, ``write``, ``kv``, ``fork``, ``free``,
-    ``seq_len(s)``, ``can_grow``), ``stats``, ``close``, and named facets for the rest, each
-    an object with its own file and a docstring saying what of the coordinator it touches:
-    ``beams`` (assign, truncate, write_group), ``swap`` (out, restore), ``transfer``
-    (manifest, wires, adopt, export, load), ``memory`` (trim, set_limit, sleep, wake,
-    reserve, headroom). ``prefix`` is the prefix index (None without prefix caching)."""
+    """The core: sequences (``new_sequence``, ``grow``, ``can_grow``, ``write``, ``batch``,
+    ``kv``, ``fork``, ``free``, ``seq_len(s)``, ``sequences``), ``stats``, ``close``; ``spec``
+    and ``config``; and named facets for the rest, each an object with its own file and a
+    docstring saying what of the coordinator it touches: ``beams`` (assign, truncate,
+    write_group), ``swap`` (out, restore), ``handoff`` (manifest, runs, adopt, export, load),
+    ``elastic`` (trim, set_limit, sleep, wake, reserve, headroom, admission arithmetic),
+    ``prefix`` (the index, publish, cached_tokens) and ``views`` (what kernels read; each
+    cache makes its own). Everything else is private: 20 public names in all."""
 
     _releases_memory = False  # whether trim / sleep give physical pages back (the caches set it)
 

@@ -1,5 +1,5 @@
 """The core's questions about a grow and the pages mapped ahead of one (the
-:class:`~vmcache.memory.Memory` facet's ``reserve`` maps them): what a grow would need
+:class:`~vmcache.sequences.elastic.Elastic` facet's ``reserve`` maps them): what a grow would need
 (``can_grow``), the pages a sequence maps, and giving reserved pages back before anything
 moves a row. Reserved pages belong to each :class:`~vmcache.sequences.tables.PageTables` group:
 

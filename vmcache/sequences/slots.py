@@ -7,10 +7,10 @@
     salt:    "a"    None   None   None         the tenant's prefix-index salt
     free:    [3, 1]                            slots new_sequence / fork take (from the end)
 
-The coordinator, the facets (beams, transfer, memory), the prefix operations and the kernels'
-plan read through the queries; only this file assigns the fields. A sequence's token ids are
-known only while they cover exactly its length (``tokens(s)`` is None otherwise): a change
-that would break that forgets them.
+The coordinator and its facets (beams, handoff, elastic, prefix, views; the kernels' plan
+through ``views.lengths``) read through the queries; only this file assigns the fields. A
+sequence's token ids are known only while they cover exactly its length (``tokens(s)`` is
+None otherwise): a change that would break that forgets them.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 its pages freed (``out``), then restored byte-identical into a free slot (``restore``): the
 engine's swap preemption. The facet owns the tier's limit and the bytes live handles hold.
 
-Touches, on the coordinator: ``cache.transfer`` (export, load, wires, adopt_pages) and
+Touches, on the coordinator: ``cache.handoff`` (export, load, runs, adopt_pages) and
 ``free``; nothing else.
 """
 
