@@ -60,16 +60,16 @@ def one(head_dim, kv_heads, storage, layout, backend) -> dict:
             if r:
                 hits.append(hit)
             tables = 2 * LAYERS if layout == "layer_major" else 2
-            mapped = tables * -(-len(tokens) * row // c.config.page_size)
+            mapped = tables * -(-len(tokens) * row // c.config.page_bytes)
             pages.append(mapped)
-            waste.append(mapped * c.config.page_size - len(tokens) * spec.bytes_per_token)
+            waste.append(mapped * c.config.page_bytes - len(tokens) * spec.bytes_per_token)
         st = c.stats()
         physical = st.physical_pages
     enlarged = math.lcm(granule, row)
     big = -(-page // enlarged) * enlarged  # the least whole-token page >= the default
     big_pages = tables * -(-(SYSTEM + OWN) * row // big)
     return {"head_dim": head_dim, "kv_heads": kv_heads, "storage": storage, "layout": layout,
-            "backend": backend, "row_bytes": row, "page_bytes": c.config.page_size,
+            "backend": backend, "row_bytes": row, "page_bytes": c.config.page_bytes,
             "pages_per_block": ix.pages_per_table, "tokens_per_block": ix.tokens_per_block,
             "hit_tokens": sum(hits), "shareable_tokens": (REQUESTS - 1) * SYSTEM,
             "hit_pct": 100 * sum(hits) / ((REQUESTS - 1) * SYSTEM),

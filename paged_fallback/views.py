@@ -9,10 +9,6 @@ from vmcache.sequences.views import Views
 
 
 class PagedViews(Views):
-    @property
-    def block_size(self) -> int:
-        return self._c.config.block_size
-
     def k_pool(self, layer: int) -> torch.Tensor:
         """``[num_blocks, B, N_KV, d_h]`` K blocks of ``layer`` (read through the block
         table of :meth:`table_of_layer`)."""

@@ -43,7 +43,7 @@ def test_every_shape_builds_with_prefix_caching_by_default(layout, strict):
                 be = StrictBackend(HostBackend()) if strict else None
                 with VMKVCache(spec, max_seqs=2, max_seq_len=256, layout=layout, backend=be,
                                own_backend=True, prefix_caching=True) as c:  # fmt: skip
-                    u, P = table_row_bytes(spec, layout), c.config.page_size
+                    u, P = table_row_bytes(spec, layout), c.config.page_bytes
                     ix = c.prefix.index
                     assert ix.pages_per_table == math.lcm(P, u) // P, (d, h, storage)
                     assert ix.tokens_per_block * u == ix.pages_per_table * P

@@ -161,7 +161,7 @@ class Engine:
         if not want:
             return []
         sched = self.scheduler
-        free_slots = self.kv.config.max_seqs - len(self.kv.sequences)
+        free_slots = self.kv.elastic.free_slots
         kids = self.kv.fork(seq.slot, min(want, free_slots)) if free_slots else []
         forked = []
         for i in range(1, want + 1):

@@ -119,7 +119,7 @@ class Scheduler:
         """Whether a running sequence still prefilling shares more whole pages with ``seq``
         than the cache holds now: admitted next step instead, ``seq`` finds them cached."""
         kv = self.kv
-        if kv.prefix.index is None:
+        if not kv.prefix.enabled:
             return False
         page = kv.prefix.tokens_per_block
         hit = kv.prefix.cached_tokens(seq.tokens, seq.req.salt)

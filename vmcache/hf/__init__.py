@@ -374,10 +374,7 @@ class PagedCache(_HFCache):
         key = (kv, kv.views.epoch, t)  # the cache itself: a rebuilt one counts epochs anew
         tables = self._tables.get(key)
         if tables is None:
-            rows = [kv.views.block_row(s, t) for s in self.rows]
-            width = max(map(len, rows))
-            tables = torch.tensor([[max(p, 0) for p in r] + [0] * (width - len(r)) for r in rows],
-                                  dtype=torch.long, device=kv.config.device)  # fmt: skip
+            tables = kv.views.block_tables(self.rows, layer).long()  # [b, W], RELEASED -> 0
             self._tables = {k: v for k, v in self._tables.items() if k[:2] == key[:2]}
             self._tables[key] = tables
         first, last = lo // B, -(-n // B)

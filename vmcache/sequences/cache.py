@@ -198,15 +198,15 @@ class VMKVCache(SequenceCache):
         return (
             self._base
             + (t * self.config.max_seqs + s) * self._row_bytes
-            + j * self.config.page_size
+            + j * self.config.page_bytes
         )
 
     def _attach(self, s: int, t: int, j0: int, pages: list[int]) -> None:
         handles = self._pagestore.handles(pages)
-        self._backend.map(self._va(s, t, j0), handles, self.config.page_size)
+        self._backend.map(self._va(s, t, j0), handles, self.config.page_bytes)
 
     def _detach(self, s: int, t: int, j0: int, n: int) -> None:
-        self._backend.unmap(self._va(s, t, j0), n, self.config.page_size)
+        self._backend.unmap(self._va(s, t, j0), n, self.config.page_bytes)
 
     def _copy_page(self, src: int, dst: int, used_units: int) -> None:
         self._pagestore.view(dst)[:used_units].copy_(self._pagestore.view(src)[:used_units])
@@ -240,7 +240,7 @@ class VMKVCache(SequenceCache):
     def _runs(self, s: int, t: int, j0: int, length: int) -> TableRuns:
         """One run: the mapped pages of a row are adjacent in the virtual range."""
         return TableRuns(
-            [self._row(s, t, j0 * self.config.page_size, length * self._token_bytes[t])]
+            [self._row(s, t, j0 * self.config.page_bytes, length * self._token_bytes[t])]
         )
 
     def _sync(self) -> None:

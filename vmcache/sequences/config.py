@@ -24,8 +24,3 @@ class CacheConfig:
     layout: str
     block_size: int | None = None
     num_blocks: int | None = None
-
-    @property
-    def page_size(self) -> int:
-        """VMKVCache's name for ``page_bytes`` (its constructor's argument)."""
-        return self.page_bytes
