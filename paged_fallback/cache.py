@@ -128,6 +128,10 @@ class PagedKVCache(SequenceCache):
         super().__init__(spec, config, pool, groups=groups, swap_bytes=swap_bytes,
                          prefix_caching=prefix_caching, prefix_tiers=prefix_tiers)  # fmt: skip
         self._max_blocks_per_seq = -(-max_seq_len // block_size)
+        # per layer, K's and V's stored rows as one [num_blocks·B, R] view (the pool is never
+        # reallocated): what a step's writes and gathers index
+        self._flat = [tuple(self._kv_pool[self._layer_at[i][1], kv].view(-1, spec.row_elems)
+                            for kv in (0, 1)) for i in range(spec.num_layers)]  # fmt: skip
         self.views = PagedViews(self)  # facet: what the kernels read
 
     # --- kernel-facing views (cache.views reads them) --------------------------------------
@@ -170,7 +174,7 @@ class PagedKVCache(SequenceCache):
         return [self._layer_at[layer][0]]
 
     def _flat_rows(self, layer: int, kv: int) -> torch.Tensor:
-        return self._kv_pool[self._layer_at[layer][1], kv].view(-1, self.spec.row_elems)
+        return self._flat[layer][kv]
 
     def _flat_index(self, layer: int, seqs: torch.Tensor, positions: torch.Tensor):
         """Row ``block·B + offset`` of the pool's flat view, through the block tables."""

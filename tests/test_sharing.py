@@ -47,6 +47,50 @@ def test_assign_remaps_only_differing_entries_and_copies_nothing(name):
 
 
 @pytest.mark.parametrize("name", CACHES)
+def test_assign_copies_a_tail_its_destination_holds_alone_instead_of_remapping_it(name):
+    c = FACTORIES[name]()
+    a = c.new_sequence()
+    _fill(c, a, 40, 1)
+    b, d = c.fork(a, 2)
+    _fill(c, b, 5, 2)  # b and d each split the shared tail page: their own, refcount 1
+    _fill(c, d, 5, 3)
+    tails_d = [t[-1] for t in c.views.page_table(d)]
+    heads_b = [t[:-1] for t in c.views.page_table(b)]
+    copies = c.stats().cow_copies
+    c.beams.assign([d], [b])  # d becomes b: b's tail copied into d's own tail page
+    assert [t[-1] for t in c.views.page_table(d)] == tails_d  # kept, not remapped
+    assert [t[:-1] for t in c.views.page_table(d)] == heads_b  # the history is shared
+    tables = len(tails_d)
+    assert c.stats().cow_copies == copies + tables  # one copy per table, none later:
+    k, v = c.kv(1, d)
+    assert (k[:40] == 1).all() and (k[40:] == 2).all() and (v[40:] == 2).all()
+    _fill(c, d, 1, 4)  # d's next write lands in its own page: no split
+    assert c.stats().cow_copies == copies + tables
+    k, _ = c.kv(1, b)
+    assert c.seq_len(b) == 45 and (k[40:] == 2).all()  # the source is untouched
+    check_invariants(c)
+
+
+@pytest.mark.parametrize("name", CACHES)
+def test_assign_of_a_swap_remaps_the_tails_each_other_still_needs(name):
+    c = FACTORIES[name]()
+    a = c.new_sequence()
+    _fill(c, a, 40, 1)
+    (b,) = c.fork(a, 1)
+    _fill(c, a, 5, 2)
+    _fill(c, b, 5, 3)
+    pa, pb = _pages(c, a), _pages(c, b)
+    copies = c.stats().cow_copies
+    c.beams.assign([a, b], [b, a])  # each tail is the other's source: remapped, not copied
+    assert (_pages(c, a), _pages(c, b)) == (pb, pa)
+    assert c.stats().cow_copies == copies
+    ka, _ = c.kv(1, a)
+    kb, _ = c.kv(1, b)
+    assert (ka[40:] == 3).all() and (kb[40:] == 2).all()
+    check_invariants(c)
+
+
+@pytest.mark.parametrize("name", CACHES)
 def test_assign_validates_before_changing_anything(name):
     c = FACTORIES[name]()
     a = c.new_sequence()

@@ -247,6 +247,9 @@ class Engine:
         premap = self._map_ahead(batch)
         now = time.perf_counter()
         logits, starts = work.logits, work.starts
+        # greedy sequences' tokens: one argmax over every row (not one call per sequence)
+        greedy = (logits.argmax(-1).tolist()
+                  if any(s.req.params.temperature == 0 for s in batch) else None)  # fmt: skip
         for i, seq in enumerate(batch):
             if work.verifies[i]:
                 mine, branches = logits[starts[i] : starts[i + 1]], None
@@ -264,7 +267,8 @@ class Engine:
             times = self.times[seq.req.req_id]
             times[1] = now if times[1] is None else times[1]
             kids = self._fork_siblings(seq, row)  # before the parent's token joins its context
-            self._append(seq, self._sample(row, seq))
+            greedy_here = greedy is not None and seq.req.params.temperature == 0
+            self._append(seq, greedy[starts[i + 1] - 1] if greedy_here else self._sample(row, seq))
             if self.on_prefilled is not None and seq.status is Status.RUNNING:
                 self.on_prefilled(seq, [k for k in kids if k.status is Status.RUNNING])
         keep = self.keep_free_pages

@@ -13,8 +13,8 @@ returns ``[b, N_KV, length, d_h]`` views:
 Sharing where transformers copies: ``generate`` repeats each prompt for beams / return
 sequences before prefill, so those rows arrive with identical K/V; rows found identical at
 prefill hold one physical copy (``assign`` + ``write_group``). ``reorder_cache(beam_idx)``
-remaps pages (``assign``) instead of gathering K/V; a shared tail page is copied on the next
-write, and only its used part.
+remaps pages (``assign``) instead of gathering K/V; the tail page a row writes next is copied
+into a page the row holds alone (what splitting a shared tail on that write would copy).
 
 ``attn_implementation="vmcache"`` (registered on import) runs :func:`vmcache.kernels.prefill`
 / :func:`~vmcache.kernels.decode` on the cache itself; a step with padding (a mask) falls back
@@ -107,9 +107,10 @@ class _HFCache(Cache):
         start, end = layer.length, layer.length + q
         if end > self.max_cache_len:
             raise ValueError(f"{end} tokens would pass max_cache_len={self.max_cache_len}")
-        dtype_in = k.dtype
-        k = k.to(self.spec.dtype).transpose(1, 2)  # [b, q, N_KV, d_h]
-        v = v.to(self.spec.dtype).transpose(1, 2)
+        dtype_in, dtype = k.dtype, self.spec.dtype
+        if k.dtype != dtype or v.dtype != dtype:
+            k, v = k.to(dtype), v.to(dtype)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [b, q, N_KV, d_h]
         if end > self._len:
             self._grow(end - self._len, k, v)
         if self._groups is None and end == self._len:  # every row: one write per layer
@@ -151,7 +152,8 @@ class _HFCache(Cache):
         """What ``layer.update`` returns: keys and values ``[batch, heads, keys, head_dim]``
         from the window's first mapped token to the layer's length (``real``: the K/V
         themselves, never the zero-stride stand-ins the vmcache attention takes)."""
-        lo = self.kv.views.window_start(layer.idx, self.rows[0])
+        views, rows = self.kv.views, self.rows
+        lo = 0 if self.spec.layer_windows is None else views.window_start(layer.idx, rows[0])
         keys, values = self._views(layer.idx, lo, layer.length, real)
         dtype_in = getattr(layer, "dtype_in", keys.dtype)
         if keys.dtype != dtype_in and keys.stride(-1):  # stored narrower (dtype=): convert;
@@ -322,6 +324,9 @@ class VMCache(_HFCache):
             return stand_ins(
                 self.spec, kv.config.device, b, n - lo
             )  # the attention reads the cache
+        if not kv.spec.quantized:  # the layer's whole virtual K/V: views, no decode
+            return (kv.views.k_cache(layer)[:b, lo:n].transpose(1, 2),
+                    kv.views.v_cache(layer)[:b, lo:n].transpose(1, 2))  # fmt: skip
         rows = kv.views.stored_rows
         k, v = kv.views.decode(layer, rows(layer, 0)[:b, lo:n], rows(layer, 1)[:b, lo:n])
         return k.transpose(1, 2), v.transpose(1, 2)
@@ -369,21 +374,24 @@ class PagedCache(_HFCache):
                           -> tokens [lo − (lo//B)·B, n − (lo//B)·B) of each row
         """
         kv, n, b, B = self.kv, self.layers[layer].length, len(self.rows), self._block_size
-        lo = kv.views.window_start(layer, self.rows[0])
-        t = kv.views.table_of_layer(layer)
-        key = (kv, kv.views.epoch, t)  # the cache itself: a rebuilt one counts epochs anew
-        tables = self._tables.get(key)
-        if tables is None:
-            tables = kv.views.block_tables(self.rows, layer).long()  # [b, W], RELEASED -> 0
+        views = kv.views
+        lo = 0 if self.spec.layer_windows is None else views.window_start(layer, self.rows[0])
+        t = views.table_of_layer(layer)
+        key = (kv, views.epoch, t, lo, n)  # the cache itself: a rebuilt one counts epochs anew
+        got = self._tables.get(key)
+        if got is None:
+            tables = views.block_tables(self.rows, layer).long()  # [b, W], RELEASED -> 0
+            first, last = lo // B, -(-n // B)
+            got = (tables[:, first:last].reshape(-1), (last - first) * B,
+                   slice(lo - first * B, n - first * B))  # fmt: skip
             self._tables = {k: v for k, v in self._tables.items() if k[:2] == key[:2]}
-            self._tables[key] = tables
-        first, last = lo // B, -(-n // B)
-        idx = tables[:, first:last].reshape(-1)
-        cut = slice(lo - first * B, n - first * B)
-        k, v = (_bits(kv.views.stored_rows(layer, x)).flatten(1).index_select(0, idx)
-                .view(b, (last - first) * B, -1)[:, cut].view(kv.spec.storage_dtype)
-                for x in (0, 1))  # fmt: skip
-        k, v = kv.views.decode(layer, k, v)  # FP8/INT8: dequantized
+            self._tables[key] = got
+        idx, width, cut = got
+        k, v = (_bits(views.stored_rows(layer, x)).flatten(1).index_select(0, idx)
+                .view(b, width, -1)[:, cut] for x in (0, 1))  # fmt: skip
+        if k.dtype != kv.spec.storage_dtype:  # FP8 gathered as its bytes
+            k, v = k.view(kv.spec.storage_dtype), v.view(kv.spec.storage_dtype)
+        k, v = views.decode(layer, k, v)  # FP8/INT8: dequantized
         return k.transpose(1, 2), v.transpose(1, 2)
 
 

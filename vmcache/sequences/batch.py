@@ -70,6 +70,10 @@ class StepBatch:
         if splits:
             cache._tx.split_pages(splits)
         self._epoch = cache._epoch
+        # what every layer's write must bring: checked in full (check_kv) only when it differs
+        sp = cache.spec
+        self._kv_shape = (self.num_tokens, sp.num_kv_heads, sp.head_dim)
+        self._kv_dtype, self._device = sp.dtype, cache.config.device
         self._writes: dict[int, torch.Tensor] = {}  # group index -> [Σ q] flat rows (owned here)
         self._reads: dict[int, tuple] = {}  # group index -> (index, window starts, spans)
         self._group_at: dict[int, int] = {}  # layer -> group index (owned here)
@@ -102,9 +106,16 @@ class StepBatch:
         device, batch order) for ``layer``: one indexed copy each."""
         c = self._cache
         self._check(c)
-        if check_kv(c.spec, c.config.device, k, v) != self.num_tokens:
-            raise ValueError(f"the batch writes {self.num_tokens} tokens, got {k.shape[0]}")
-        gi = self.group(layer)
+        shape, dtype, dev = self._kv_shape, self._kv_dtype, self._device.type
+        if not (type(k) is torch.Tensor and type(v) is torch.Tensor and k.shape == shape
+                and v.shape == shape and k.dtype == dtype and v.dtype == dtype
+                and k.device.type == dev and v.device.type == dev):  # fmt: skip
+            if check_kv(c.spec, c.config.device, k, v) != self.num_tokens:  # the precise error
+                raise ValueError(f"the batch writes {self.num_tokens} tokens, got {k.shape[0]}")
+            raise TypeError(f"k and v must be plain tensors, got {type(k).__name__} and "
+                            f"{type(v).__name__}")  # fmt: skip
+        gi = self._group_at.get(layer)
+        gi = self.group(layer) if gi is None else gi
         idx = self._writes.get(gi)
         if idx is None:
             pos = torch.cat([torch.arange(a, n) for a, n in zip(self.starts, self.kv_lens)])

@@ -1,13 +1,13 @@
-"""Page-table rewiring without copying K/V: ``fork`` (a core call of the coordinator), and
-the :class:`Beams` facet (``cache.beams``): assign (beam reorder), truncate (crop, a draft's
-rollback), compact (a token tree's accepted path moved into place) and write_group (one
-write for rows that hold the same tokens).
+"""Page-table rewiring, K/V copied only where a copy-on-write would copy them: ``fork`` (a
+core call of the coordinator), and the :class:`Beams` facet (``cache.beams``): assign (beam
+reorder), truncate (crop, a draft's rollback), compact (a token tree's accepted path moved
+into place) and write_group (one write for rows that hold the same tokens).
 
 Touches, on the coordinator: its slots, lengths, token ids and salts (read; ``assign`` and
 ``truncate`` set lengths, ids and salts of the sequences they change), its page-table groups
 (plans, ``open``, ``cut``), the pool's refcounts (``incref``/``decref``), the physical hooks
-(``_attach``, ``_detach``, ``_sync``, ``_store``, ``_load``) and the transactional core
-(``_tx.split_pages``). Nothing else.
+(``_attach``, ``_detach``, ``_sync``, ``_store``, ``_load``, ``_copy_page``) and the
+transactional core (``_tx.split_pages``, ``_tx.count_copies``). Nothing else.
 
 assign remaps only the entries that differ, so beams sharing a history keep their pages:
 
@@ -61,7 +61,8 @@ def fork(c, s: int, n: int = 1) -> list[int]:
 
 
 class Beams:
-    """``cache.beams``: rewiring a set of sequences' tables without copying K/V."""
+    """``cache.beams``: rewiring a set of sequences' tables (K/V copied only in place of a
+    copy-on-write split, see :meth:`assign`)."""
 
     def __init__(self, coordinator) -> None:
         self._c = coordinator
@@ -69,7 +70,18 @@ class Beams:
     def assign(self, dsts: Sequence[int], srcs: Sequence[int]) -> None:
         """Sequence ``dsts[i]`` becomes a copy-on-write copy of ``srcs[i]`` as it was before
         the call (beam search's reorder: a source may appear several times, and a sequence
-        may be both a source and a destination). Nothing is copied; all or nothing."""
+        may be both a source and a destination); all or nothing.
+
+        Pages that differ are remapped, except each table's tail: where the source's length
+        ends inside a page that would stay shared, and the destination holds its own page
+        there alone (no other destination takes it, nothing else references it), the
+        source's page is copied into it. Remapping would share that page, and the
+        destination's next write would split it again (a copy and a second remap): the copy
+        alone is what is left of both.
+
+            src s: [a b x y']   dst d: [a b c z]   (z: d's own tail, refcount 1)
+            after: d = [a b x z ← y']   (c unmapped, x mapped in, page y' copied into z)
+        """
         c = self._c
         dsts, srcs = list(dsts), list(srcs)
         if len(dsts) != len(srcs):
@@ -86,6 +98,7 @@ class Beams:
         # (dst, table, detach from, old pages, attach from, new pages)
         plan = [(d, *step) for (d, gi), (rows, first) in new.items()
                 for step in c._groups[gi].assign_plan(d, rows, first)]  # fmt: skip
+        plan, copies = self._tail_copies(plan, dict(zip(dsts, srcs)), new)
         c._sync()
         undo: list[Callable[[], None]] = []
         try:
@@ -101,12 +114,48 @@ class Beams:
             for f in reversed(undo):
                 f()
             raise
+        for src, dst, units, _ in copies:  # after every mapping held: nothing left to undo
+            c._copy_page(src, dst, units)
+        c._tx.count_copies(len(copies), sum(b for *_, b in copies))
         c._pool.incref([p for *_, nw in plan for p in nw])
         c._pool.decref([p for _, _, _, old, _, _ in plan for p in old])
         for (d, gi), (rows, first) in new.items():
             c._groups[gi].open(d, rows, first)
         c._seqs.copy_from(list(zip(dsts, srcs)))  # lengths, token ids, salts
         c._changed()
+
+    def _tail_copies(self, plan: list, src_of: dict, new: dict) -> tuple[list, list]:
+        """``plan`` less the tail pages copied instead of remapped (see :meth:`assign`), and
+        those copies: (source page, the destination's own page, units, bytes). ``new`` (the
+        destinations' rows to be) is updated to keep the destination's page there."""
+        c = self._c
+        taken = {p for *_, nw in plan for p in nw}  # pages some destination maps
+        # references each page would hold after a pure remap: a tail left with one holder
+        # is moved, not copied (its new owner's write splits nothing)
+        after = Counter(p for *_, nw in plan for p in nw)
+        after.subtract(p for _, _, _, old, _, _ in plan for p in old)
+        kept, copies = [], []
+        for d, t, ja, old, jb, nw in plan:
+            g = c._group_of[t]
+            n = c._seqs.length(src_of[d])
+            j = n * g.u // g.P  # the page the next write lands in, when n ends inside it
+            if not (n * g.u % g.P and nw and j == jb + len(nw) - 1 and ja <= j < ja + len(old)):
+                kept.append((d, t, ja, old, jb, nw))
+                continue
+            mine, theirs = old[j - ja], nw[-1]
+            shared = c._pool.refcount(theirs) + after[theirs] >= 2
+            if not shared or c._pool.refcount(mine) != 1 or mine in taken:
+                kept.append((d, t, ja, old, jb, nw))
+                continue
+            after[theirs] -= 1
+            # the whole page: what lies past the source's length must read as a remap would
+            # show it (the source's bytes), never the destination's own older ones
+            copies.append((theirs, mine, g.P, c.config.page_bytes))
+            new[(d, c._groups.index(g))][0][g.ids.index(t)][j] = mine
+            kept.append((d, t, ja, old[: j - ja], jb, nw[:-1]))
+            if j + 1 < ja + len(old):  # the destination's pages past the tail still leave
+                kept.append((d, t, j + 1, old[j + 1 - ja :], j + 1, []))
+        return kept, copies
 
     def truncate(self, s: int, length: int) -> None:
         """Shorten sequence ``s`` to ``length`` tokens (``crop``): pages past it are unmapped

@@ -287,6 +287,8 @@ class SequenceCache(PhysicalHooks):
         """K, V ``[n, N_KV, d_h]`` → stored rows ``[n, spec.row_elems]`` (quantized with the
         layer's head scales or each token's own, FP8/INT8; else the same elements)."""
         sp = self.spec
+        if not sp.quantized:  # the same elements: views, every write of every step
+            return k.reshape(k.shape[0], sp.row_elems), v.reshape(v.shape[0], sp.row_elems)
         sc = (None, None) if self._kv_scales is None else self._kv_scales[layer]
         return tuple(encode_rows(x, s, sp.storage_dtype, sp.row_elems) for x, s in zip((k, v), sc))
 
@@ -294,6 +296,9 @@ class SequenceCache(PhysicalHooks):
         """Stored rows ``[..., spec.row_elems]`` → K, V ``[..., N_KV, d_h]`` in the compute
         dtype (zero-copy views unless quantized; dequantized copies for FP8/INT8)."""
         sp = self.spec
+        if not sp.quantized:  # views of the same elements
+            shape = (sp.num_kv_heads, sp.head_dim)
+            return k.view(*k.shape[:-1], *shape), v.view(*v.shape[:-1], *shape)
         sc = (None, None) if self._kv_scales is None else self._kv_scales[layer]
         return tuple(decode_rows(x, s, sp.num_kv_heads, sp.head_dim, sp.dtype)
                      for x, s in zip((k, v), sc))  # fmt: skip

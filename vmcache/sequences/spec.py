@@ -19,6 +19,7 @@ convention for ``sliding_window``). Such a layer needs at most W tokens of K/V:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -104,17 +105,17 @@ class KVSpec:
                 raise ValueError(f"KVSpec.kv_scales entries must be finite and > 0, got {x!r}")
 
     # --- derived arithmetic -------------------------------------------------------------
-    @property
+    @cached_property  # read by every layer's write and view: computed once
     def storage_dtype(self) -> torch.dtype:
         """What the pages hold: ``kv_dtype`` when set, else the compute ``dtype``."""
         return self.kv_dtype or self.dtype
 
-    @property
+    @cached_property
     def quantized(self) -> bool:
         """K/V stored as FP8 or INT8 with scales (written quantized, read dequantized)."""
         return self.storage_dtype in Q_MAX
 
-    @property
+    @cached_property
     def dtype_bytes(self) -> int:
         """b: bytes of one stored element (the storage dtype's)."""
         return self.storage_dtype.itemsize
@@ -143,14 +144,14 @@ class KVSpec:
             return 0
         return -(-4 * self.num_kv_heads // SCALE_ALIGN) * SCALE_ALIGN
 
-    @property
+    @cached_property
     def bytes_per_token_per_layer(self) -> int:
         """Bytes of K (or of V) of one token in one layer: N_KV · d_h · b, plus its scales
         (:attr:`scale_bytes_per_token_per_layer`)."""
         data = self.num_kv_heads * self.head_dim * self.dtype_bytes
         return data + self.scale_bytes_per_token_per_layer
 
-    @property
+    @cached_property
     def row_elems(self) -> int:
         """Storage-dtype elements of one stored row (one token, layer, K or V; see
         :mod:`vmcache.sequences.quant`): N_KV · d_h, plus the scale bytes when per token."""

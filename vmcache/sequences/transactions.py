@@ -31,6 +31,12 @@ class Transactions:
         self.cow_copies = 0  # pages copied on write since construction (owned here)
         self.cow_bytes_copied = 0  # bytes those copies moved (used part of each page only)
 
+    def count_copies(self, pages: int, nbytes: int) -> None:
+        """``pages`` copied outside :meth:`split_pages` in place of a copy-on-write split
+        (``beams.assign``'s tail copies), ``nbytes`` in all (their used parts)."""
+        self.cow_copies += pages
+        self.cow_bytes_copied += nbytes
+
     def split_pages(self, splits: list[tuple[int, int, int]], s_ext: int | None = None,
                      ext: list[tuple[PageTables, int, int]] = ()) -> None:  # fmt: skip
         """Copy-on-write ``splits`` (sequence, table, page index), possibly of several
