@@ -347,7 +347,8 @@ def test_beam_reorder_moves_no_kv_bytes_counted_where_bytes_move():
     per_token = 2 * spec.bytes_per_token_per_layer * spec.num_layers
     assert stored[0] == per_token * (200 + beams * (new - 1))
     assert 0 < moved[0] <= (new - 1) * beams * cache.kv._T * cache.kv.config.page_bytes
-    assert moved[0] < 0.05 * sum(beams * spec.kv_bytes(200 + t) for t in range(new - 1))
+    # a reorder copies whole tail pages (beams.assign), still a tenth of what a gather moves
+    assert moved[0] < 0.1 * sum(beams * spec.kv_bytes(200 + t) for t in range(new - 1))
 
 
 def test_dtype_and_token_major_layout():
