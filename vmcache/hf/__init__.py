@@ -324,9 +324,6 @@ class VMCache(_HFCache):
             return stand_ins(
                 self.spec, kv.config.device, b, n - lo
             )  # the attention reads the cache
-        if not kv.spec.quantized:  # the layer's whole virtual K/V: views, no decode
-            return (kv.views.k_cache(layer)[:b, lo:n].transpose(1, 2),
-                    kv.views.v_cache(layer)[:b, lo:n].transpose(1, 2))  # fmt: skip
         rows = kv.views.stored_rows
         k, v = kv.views.decode(layer, rows(layer, 0)[:b, lo:n], rows(layer, 1)[:b, lo:n])
         return k.transpose(1, 2), v.transpose(1, 2)

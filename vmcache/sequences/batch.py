@@ -114,8 +114,7 @@ class StepBatch:
                 raise ValueError(f"the batch writes {self.num_tokens} tokens, got {k.shape[0]}")
             raise TypeError(f"k and v must be plain tensors, got {type(k).__name__} and "
                             f"{type(v).__name__}")  # fmt: skip
-        gi = self._group_at.get(layer)
-        gi = self.group(layer) if gi is None else gi
+        gi = self.group(layer)
         idx = self._writes.get(gi)
         if idx is None:
             pos = torch.cat([torch.arange(a, n) for a, n in zip(self.starts, self.kv_lens)])
