@@ -1,8 +1,9 @@
 """Attention of a whole step in one SDPA call per kind of sequence: the CPU path of both
 caches when the caller hands a :class:`~vmcache.sequences.batch.StepBatch`.
 
-The batch gathers every sequence's history once (``batch.kv``: ``[B, span, N_KV, d_h]``,
-rows past a sequence's length repeat its last token); the queries are padded to the
+The batch hands every sequence's history (``batch.kv``: ``[B, span, N_KV, d_h]``, a view
+of VMKVCache's rows where they lie in consecutive slots, else gathered once; rows past a
+sequence's length hold its last token or whatever its mapped pages hold); the queries are padded to the
 longest of their group and a boolean mask keeps each query to its own causal keys:
 
     group:   decodes (q_len 1, one call), then prefills (one padded call, or one call each

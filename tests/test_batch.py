@@ -213,3 +213,41 @@ def test_batched_attention_reads_dequantized_int8():
     got = kernels.attend(cache, 1, q, seqs, [1, 1], batch=cache.batch(seqs, [1, 1]))
     torch.testing.assert_close(got, reference(q, oracle, seqs, [1, 1], 1), atol=1e-5, rtol=1e-4)
     cache.close()
+
+
+def test_vm_reads_a_batch_in_place_where_its_pages_cover_the_span():
+    """Consecutive slots whose mapped pages all reach the longest history: K/V are one view
+    of the cache's rows (no copy), and rows past a shorter sequence's length (zeros, or K/V
+    a truncate left behind) stay out of the attention. Anything else gathers: another
+    order, a sequence whose pages end before the span, the paged cache."""
+    cache = big("vm")  # 32 tokens a 4 KiB page here
+    written = prefill_apart(cache, [30, 12, 25])
+    a, b, c = seqs = list(written)
+    junk = torch.full((18, SPEC.num_kv_heads, SPEC.head_dim), 1e4)
+    cache.grow(b, 18)  # b: 12 tokens, then junk at 12..29 left behind by a truncate
+    for layer in range(SPEC.num_layers):
+        cache.write(layer, b, 12, junk, junk)
+    cache.beams.truncate(b, 12)
+    batch = cache.batch(seqs, [1, 1, 1])
+    assert batch.in_place(0) == a
+    k, _ = batch.kv(0)
+    assert k.shape == (3, 30, SPEC.num_kv_heads, SPEC.head_dim)
+    assert k.data_ptr() == cache._seq_rows(0, 0)[a].data_ptr()  # read where it lies
+    assert k[1, 12:].abs().max() == 1e4  # the junk is there; the attention keeps it out
+    q = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(4))
+    got = kernels.attend(cache, 0, q, seqs, [1, 1, 1], batch=batch)
+    torch.testing.assert_close(got, reference(q, written, seqs, [1, 1, 1], 0),
+                               atol=2e-5, rtol=1e-4)  # fmt: skip
+    apart = cache.batch([c, a, b], [1, 1, 1])  # not in slot order: gathered
+    assert apart.in_place(0) is None
+    got2 = kernels.attend(cache, 0, q[[2, 0, 1]], [c, a, b], [1, 1, 1], batch=apart)
+    torch.testing.assert_close(got2, got[[2, 0, 1]], atol=2e-5, rtol=1e-4)
+    cache.grow(a, 3)  # a reaches 33 tokens, a second page; b's and c's end at 32
+    for layer in range(SPEC.num_layers):
+        cache.write(layer, a, 30, *rand_kv(3, SPEC, 9))
+    assert cache.batch(seqs, [1, 1, 1]).in_place(0) is None
+    cache.close()
+    other = big("paged")
+    prefill_apart(other, [5, 6])
+    assert other.batch(other.sequences, [1, 1]).in_place(0) is None
+    other.close()

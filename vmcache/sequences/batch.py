@@ -13,14 +13,24 @@ with one ``index_select``:
     read index:  [B, span]: sequence i's positions w_i … length_i − 1, then its last one
                  repeated to the longest span (masked out by the attention)
 
+Where the cache keeps each sequence's rows in one range of its own (VMKVCache), the batch's
+sequences sit in consecutive slots, no window has released a page and every sequence has
+pages mapped up to the longest span, the read is no copy at all: one strided view.
+
+    rows [max_seqs, L_row, R]   slot 4 | a a a a a . . . |  mapped to 8 ≥ span 5
+                                slot 5 | b b b . . . . . |  mapped to 8 (b's keys 3, 4:
+                                slot 6 | c c c c . . . . |  masked by the attention)
+    batch (4, 5, 6), span 5  ->  rows[4:7, :5], [3, 5, R], read where it lies
+
 The indices depend on the page-table group of a layer (its row size and its window), so
 they are built once per group and step, on the first layer that asks. Copy-on-write happens
 here, for every table at once, before any layer writes. Any change to the cache after the
 batch was built (a grow, a fork, a free, a split) makes it stale: using it then raises.
 
 Touches: the coordinator's checks (``_check_seq``), lengths (``_seqs``, read only), the
-groups' page tables (read), ``_tx.split_pages`` (copy-on-write), ``_epoch`` (read), and the
-physical hooks ``_flat_rows``, ``_flat_index`` and ``_store_flat``.
+groups' page tables (read), ``_tx.split_pages`` (copy-on-write), ``_epoch`` and
+``_pool.scrub_on_reuse`` (read), and the physical hooks ``_flat_rows``, ``_flat_index``,
+``_seq_rows`` and ``_store_flat``.
 """
 
 from __future__ import annotations
@@ -76,6 +86,7 @@ class StepBatch:
         self._kv_dtype, self._device = sp.dtype, cache.config.device
         self._writes: dict[int, torch.Tensor] = {}  # group index -> [Σ q] flat rows (owned here)
         self._reads: dict[int, tuple] = {}  # group index -> (index, window starts, spans)
+        self._in_place: dict[int, int | None] = {}  # group index -> first slot (None: gather)
         self._group_at: dict[int, int] = {}  # layer -> group index (owned here)
         self.memo: dict = {}
 
@@ -141,12 +152,36 @@ class StepBatch:
             got = self._reads[gi] = (idx.to(c.config.device), lo, span)
         return got
 
+    def in_place(self, layer: int) -> int | None:
+        """The first slot when :meth:`kv` reads ``layer`` where it lies (see the module
+        docstring), else None (it gathers)."""
+        _, lo, span = self.read_index(layer)
+        gi = self.group(layer)
+        if gi not in self._in_place:
+            c, s0, b = self._cache, self.seq_ids[0], len(self.seq_ids)
+            g = c._groups[gi]
+            # a page that changed owner reads zeros (scrub on reuse): a masked row holds zeros
+            # or K/V this sequence's pages were given (its own, a copy-on-write or beam
+            # copy's source), never a stranger's bytes, never unmapped memory
+            ok = (c._seq_rows(layer, 0) is not None and c._pool.scrub_on_reuse
+                  and self.seq_ids == tuple(range(s0, s0 + b)) and not bool(lo.any())
+                  and all(g.num_pages(s) * g.P // g.u >= span for s in self.seq_ids))  # fmt: skip
+            self._in_place[gi] = s0 if ok else None
+        return self._in_place[gi]
+
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[B, span, N_KV, d_h]`` of every sequence's history (see
-        :meth:`read_index`; rows past a sequence's length repeat its last token), gathered in
-        one copy each, dequantized for FP8/INT8."""
+        :meth:`read_index`), dequantized for FP8/INT8: a view of the rows where
+        :meth:`in_place` says so (rows past a sequence's length hold what its mapped pages
+        hold: zeros or K/V written there before), else gathered in one copy each (rows past
+        a length repeat its last token). Either way the attention masks them."""
         c = self._cache
         idx, _, span = self.read_index(layer)
+        s0 = self.in_place(layer)
+        if s0 is not None:
+            end = s0 + len(self.seq_ids)
+            return c._decode(layer, c._seq_rows(layer, 0)[s0:end, :span],
+                             c._seq_rows(layer, 1)[s0:end, :span])  # fmt: skip
         flat = idx.view(-1)
         k = _bits(c._flat_rows(layer, 0)).index_select(0, flat).view(c.spec.storage_dtype)
         v = _bits(c._flat_rows(layer, 1)).index_select(0, flat).view(c.spec.storage_dtype)

@@ -218,6 +218,9 @@ class VMKVCache(SequenceCache):
     def _rows(self, layer: int, kv: int) -> torch.Tensor:
         return self._row_views[layer][kv]
 
+    def _seq_rows(self, layer: int, kv: int) -> torch.Tensor:
+        return self._row_views[layer][kv]  # each sequence's own virtual range
+
     def _flat_rows(self, layer: int, kv: int) -> torch.Tensor:
         return self._flat[layer][kv]  # row s·L_row + t: token t of sequence s
 

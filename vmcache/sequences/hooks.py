@@ -44,6 +44,12 @@ class PhysicalHooks(Protocol):
         only)."""
         raise NotImplementedError
 
+    def _seq_rows(self, layer: int, kv: int) -> torch.Tensor | None:
+        """``[max_seqs, L_row, R]`` where every sequence's rows of ``layer`` lie in one range
+        of its own (VMKVCache: :meth:`_rows`; a step reads its batch there in place), or
+        None where they are scattered over blocks (PagedKVCache: a step gathers them)."""
+        return None
+
     def _store_flat(self, layer: int, index: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> None:  # fmt: skip
         """Stored rows ``[n, R]`` of K and V written at rows ``index`` (int64 ``[n]``, on the
