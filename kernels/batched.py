@@ -3,8 +3,8 @@ caches when the caller hands a :class:`~vmcache.sequences.batch.StepBatch`.
 
 The batch hands every sequence's history (``batch.kv``: ``[B, span, N_KV, d_h]``, a view
 of VMKVCache's rows where they lie in consecutive slots, else gathered once; rows past a
-sequence's length hold its last token or whatever its mapped pages hold); the queries are padded to the
-longest of their group and a boolean mask keeps each query to its own causal keys:
+sequence's length hold its last token or whatever its mapped pages hold); the queries are
+padded to the longest of their group and a boolean mask keeps each query to its own causal keys:
 
     group:   decodes (q_len 1, one call), then prefills (one padded call, or one call each
              when padding would more than double their queries)

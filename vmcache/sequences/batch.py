@@ -154,10 +154,10 @@ class StepBatch:
 
     def in_place(self, layer: int) -> int | None:
         """The first slot when :meth:`kv` reads ``layer`` where it lies (see the module
-        docstring), else None (it gathers)."""
-        _, lo, span = self.read_index(layer)
+        docstring), else None (it gathers); decided once per group and step."""
         gi = self.group(layer)
         if gi not in self._in_place:
+            _, lo, span = self.read_index(layer)
             c, s0, b = self._cache, self.seq_ids[0], len(self.seq_ids)
             g = c._groups[gi]
             # a page that changed owner reads zeros (scrub on reuse): a masked row holds zeros
