@@ -101,7 +101,6 @@ readme: $(STAMP)
 fetch-model: $(STAMP)
 	$(PY) -m vmcache.models fetch
 
-# the pytest script, not `python -m`, keeps the repository root off sys.path (see kernels/);
 # tests/conftest.py interprets Triton only where no GPU is visible
 test: test-newest test-oldest
 

@@ -7,13 +7,11 @@ import os
 import re
 
 import torch
-from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import KVSpec, VMKVCache
+from vmcache.paged_fallback import PagedKVCache
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-SOURCES = {"vmcache": "vmcache", "vmcache.kernels": "kernels",
-           "vmcache.paged_fallback": "paged_fallback"}  # fmt: skip
 
 
 def design() -> str:
@@ -35,16 +33,11 @@ def layers() -> dict[str, int]:
 def modules() -> dict[str, str]:
     """module name -> file, for every module the wheel installs."""
     out = {}
-    for package, folder in SOURCES.items():
-        for d, _, files in os.walk(os.path.join(ROOT, folder)):
-            for f in files:
-                if not f.endswith(".py"):
-                    continue
-                rel = os.path.relpath(os.path.join(d, f), os.path.join(ROOT, folder))
-                parts = rel[:-3].split(os.sep)
-                name = ".".join([package, *parts]).removesuffix(".__init__")
-                if not (package == "vmcache" and parts[0] in ("kernels", "paged_fallback")):
-                    out[name] = os.path.join(d, f)
+    for d, _, files in os.walk(os.path.join(ROOT, "vmcache")):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(d, f), ROOT)
+                out[rel[:-3].replace(os.sep, ".").removesuffix(".__init__")] = os.path.join(d, f)
     return out
 
 

@@ -1,4 +1,4 @@
-"""StepBatch (vmcache/sequences/batch.py) and the batched attention (kernels/batched.py): a
+"""StepBatch (vmcache/sequences/batch.py) and the batched attention (vmcache/kernels/batched.py): a
 step's writes in one indexed copy land where per-sequence writes land, on every cache and
 storage, copy-on-write included; a stale or wrong batch is refused with nothing changed; and
 the one-call attention equals the plain reference over awkward mixes of decodes and
@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 from caches import FACTORIES, INT8_TOKEN, SPEC, WINDOWED, int8_token_roundtrip, paged, vm
+
+from vmcache import KVSpec, kernels
 from vmcache.kernels.batched import attend_batch
 from vmcache.kernels.common import _softcapped, causal_lower_right
 from vmcache.kernels.reference import dense_attention
-
-from vmcache import KVSpec, kernels
 from vmcache.sequences.invariants import check_invariants
 
 FP8 = KVSpec(2, 2, 16, torch.float32, kv_dtype=torch.float8_e4m3fn, kv_scales=(1.0,) * 8)

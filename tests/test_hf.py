@@ -211,24 +211,24 @@ def test_bad_use_raises_clear_errors():
         gen(m, cache, input_ids=ids[:2], max_new_tokens=2)
 
 
-def test_kernels_folder_is_never_imported_as_kernels_from_the_repo_root():
-    """transformers probes for the Hub package ``kernels``; run from the repository root, our
-    ``kernels/`` folder is on sys.path under that name. It must stay inert there."""
+def test_no_folder_of_the_checkout_shadows_a_top_level_package():
+    """Run from the repository root (``python -m ...``, ``python -c``) the root is on sys.path:
+    a top-level folder there would shadow an installed package of the same name (a ``kernels/``
+    folder once shadowed Hugging Face's ``kernels``, which transformers 5.25 imports). Only
+    ``vmcache`` may resolve into the checkout, and transformers builds a model from there."""
     code = (
-        "import sys\n"
+        "import importlib.util, pkgutil, sys\n"
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
-        "from transformers.utils import is_kernels_available\n"
         "LlamaForCausalLM(LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8,"
         " num_hidden_layers=1, num_attention_heads=2))\n"
-        "k = sys.modules.get('kernels')\n"
-        "names = [n for n in dir(k) if not n.startswith('__')] if k else []\n"
-        "subs = [m for m in sys.modules if m.startswith('kernels.')]\n"
-        "print(names, subs, is_kernels_available())\n"
+        "mine = [m.name for m in pkgutil.iter_modules(['.'])]\n"
+        "print(sorted(mine), importlib.util.find_spec('vmcache.kernels').origin)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                          text=True, check=True).stdout  # fmt: skip
-    assert out.strip().splitlines()[-1] == "[] [] False"
-    assert sys.modules.get("kernels") is None or not hasattr(sys.modules["kernels"], "decode")
+    packages, origin = out.strip().splitlines()[-1].rsplit(" ", 1)
+    assert packages == "['vmcache']", packages
+    assert origin == os.path.join(os.path.realpath(REPO), "vmcache", "kernels", "__init__.py")
     import vmcache.kernels
 
     assert vmcache.kernels.__name__ == "vmcache.kernels" and hasattr(vmcache.kernels, "decode")

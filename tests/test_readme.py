@@ -1,5 +1,5 @@
 """Every Python snippet of the README and the docs runs on its own, as a newcomer would paste it
-(in a fresh process, outside the repository, so the root's kernels/ folder is not importable);
+(in a fresh process, outside the repository, where only the installed package is importable);
 and the README stays one screen: what it is, five ways in, two commands, links."""
 
 import os

@@ -16,18 +16,16 @@ tomllib = pytest.importorskip("tomllib")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _listed() -> tuple[set[str], dict[str, str]]:
+def _listed() -> set[str]:
     conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    return set(conf["packages"]), conf["package-dir"]
+    return set(conf["packages"])
 
 
 def test_every_package_folder_is_listed():
-    packages, dirs = _listed()
+    packages = _listed()
     folders = {}  # package name -> folder, for every folder with code in it
-    for base, name in [("vmcache", "vmcache"), *[(d, p) for p, d in dirs.items() if p != d]]:
-        for src in (ROOT / base).rglob("*.py"):
-            rel = src.parent.relative_to(ROOT / base).parts
-            folders[".".join((name, *rel))] = src.parent
+    for src in (ROOT / "vmcache").rglob("*.py"):
+        folders[".".join(src.parent.relative_to(ROOT).parts)] = src.parent
     assert set(folders) == packages, f"missing: {set(folders) - packages}, stale: " \
         f"{packages - set(folders)}"  # fmt: skip
     for folder in folders.values():  # regular packages (walk_packages skips namespace ones)
@@ -38,8 +36,7 @@ def test_built_wheel_imports_every_module(tmp_path):
     dist, src = tmp_path / "dist", tmp_path / "src"
     # from a copy of the sources: setuptools reuses a checkout's build/lib without cleaning it,
     # so modules moved or deleted since an earlier build would ride along in the wheel
-    for part in ("vmcache", "kernels", "paged_fallback"):
-        shutil.copytree(ROOT / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "vmcache", src / "vmcache", ignore=shutil.ignore_patterns("__pycache__"))
     for part in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / part, src / part)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",

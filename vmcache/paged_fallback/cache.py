@@ -28,9 +28,9 @@ from __future__ import annotations
 import math
 
 import torch
-from vmcache.paged_fallback.views import PagedViews
 
 from vmcache.memory.pool import PagePool
+from vmcache.paged_fallback.views import PagedViews
 from vmcache.sequences.config import CacheConfig
 from vmcache.sequences.coordinator import SequenceCache, _check_int
 from vmcache.sequences.handoff import TableRuns

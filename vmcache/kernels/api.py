@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from vmcache.kernels import batched, contiguous, paged
 from vmcache.kernels.common import (
     MAX_TREE_TOKENS,
@@ -14,7 +15,6 @@ from vmcache.kernels.common import (
 
 def _module(cache):
     from vmcache.paged_fallback import PagedKVCache
-
     from vmcache.sequences.cache import VMKVCache
 
     if isinstance(cache, VMKVCache):

@@ -28,6 +28,7 @@ import functools
 import math
 
 import torch
+
 from vmcache.kernels import triton_decode, triton_prefill
 from vmcache.kernels.common import attend_cache_views, layer_window, packed_trees
 from vmcache.kernels.plan import plan

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from vmcache.kernels.common import _softcapped, layer_window
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from vmcache.kernels.triton_tiles import (
     FULL,
     load_tile,

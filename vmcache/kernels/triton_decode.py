@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+
 from vmcache.kernels.triton_tiles import (
     FULL,
     load_tile,
