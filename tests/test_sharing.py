@@ -72,7 +72,9 @@ def test_assign_copies_a_tail_its_destination_holds_alone_instead_of_remapping_i
 
 
 @pytest.mark.parametrize("name", CACHES)
-def test_assign_of_a_swap_remaps_the_tails_each_other_still_needs(name):
+def test_assign_of_a_swap_moves_the_tails_each_other_still_needs(name):
+    """A swap moves pages, sharing nothing: the paged cache rewrites its block tables, VMKVCache
+    copies both ways (each source read before either page is written) and maps nothing."""
     c = FACTORIES[name]()
     a = c.new_sequence()
     _fill(c, a, 40, 1)
@@ -81,13 +83,48 @@ def test_assign_of_a_swap_remaps_the_tails_each_other_still_needs(name):
     _fill(c, b, 5, 3)
     pa, pb = _pages(c, a), _pages(c, b)
     copies = c.stats().cow_copies
-    c.beams.assign([a, b], [b, a])  # each tail is the other's source: remapped, not copied
-    assert (_pages(c, a), _pages(c, b)) == (pb, pa)
-    assert c.stats().cow_copies == copies
+    c.beams.assign([a, b], [b, a])
+    if c._copies_moves:
+        assert (_pages(c, a), _pages(c, b)) == (pa, pb)
+        assert c.stats().cow_copies == copies + 2 * len(c.views.page_table(a))
+    else:
+        assert (_pages(c, a), _pages(c, b)) == (pb, pa)
+        assert c.stats().cow_copies == copies
     ka, _ = c.kv(1, a)
     kb, _ = c.kv(1, b)
+    assert (ka[:40] == 1).all() and (kb[:40] == 1).all()
     assert (ka[40:] == 3).all() and (kb[40:] == 2).all()
     check_invariants(c)
+
+
+@pytest.mark.parametrize("name", CACHES)
+def test_assign_of_a_rotation_with_a_duplicate_keeps_full_pages_shared(name):
+    """Three beams, full pages and tails: b ← a, c ← b, a ← a. Every page a remap would move is
+    copied (VMKVCache) or remapped (paged); c's old pages are freed, and a's full pages, taken
+    by a and b, stay one shared copy on either cache."""
+    cache = FACTORIES[name]()
+    a = cache.new_sequence()
+    _fill(cache, a, 4, 1)
+    b, c = cache.fork(a, 2)
+    for s, value in ((a, 2), (b, 3), (c, 4)):
+        _fill(cache, s, 70, value)  # 74 tokens: full pages and a tail, each its own
+    before = {s: _pages(cache, s) for s in (a, b, c)}
+    held = cache.stats().physical_pages
+    cache.beams.assign([b, c, a], [a, b, a])
+    for s, value in ((a, 2), (b, 2), (c, 3)):
+        k, v = cache.kv(1, s)
+        assert cache.seq_len(s) == 74
+        assert (k[:4] == 1).all() and (k[4:] == value).all() and (v[4:] == value).all()
+    assert _pages(cache, a) == before[a]
+    if cache._copies_moves:  # b's pages moved to c: copied into c's own
+        assert _pages(cache, c) == before[c]
+    heads = {s: [t[:-1] for t in cache.views.page_table(s)] for s in (a, b)}
+    assert heads[a] == heads[b]  # the full pages b takes from a: shared, not copied
+    assert cache.stats().physical_pages < held
+    check_invariants(cache)
+    for s in (a, b, c):
+        cache.free(s)
+    assert cache.stats().physical_pages == 0
 
 
 @pytest.mark.parametrize("name", CACHES)

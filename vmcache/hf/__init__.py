@@ -13,8 +13,10 @@ returns ``[b, N_KV, length, d_h]`` views:
 Sharing where transformers copies: ``generate`` repeats each prompt for beams / return
 sequences before prefill, so those rows arrive with identical K/V; rows found identical at
 prefill hold one physical copy (``assign`` + ``write_group``). ``reorder_cache(beam_idx)``
-remaps pages (``assign``) instead of gathering K/V; the tail page a row writes next is copied
-into a page the row holds alone (what splitting a shared tail on that write would copy).
+remaps pages (``assign``) instead of gathering K/V where beams share them; the tail page a row
+writes next is copied into a page the row holds alone (what splitting a shared tail on that
+write would copy), and on VMKVCache so is a page a remap would only move (cheaper than an
+unmap and a map; nothing would be shared).
 
 ``attn_implementation="vmcache"`` (registered on import) runs :func:`vmcache.kernels.prefill`
 / :func:`~vmcache.kernels.decode` on the cache itself; a step with padding (a mask) falls back
@@ -217,7 +219,8 @@ class _HFCache(Cache):
 
     # --- what generate calls on the whole cache --------------------------------------
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Row i takes row ``beam_idx[i]``'s history: pages remapped, nothing gathered."""
+        """Row i takes row ``beam_idx[i]``'s history: pages remapped or copied page by page
+        (``assign``), nothing gathered."""
         srcs = [int(i) for i in beam_idx.tolist()]
         if self.rows and srcs != self.rows:
             self.kv.beams.assign(self.rows, srcs)

@@ -74,6 +74,7 @@ class _BlockStore:
 
 class PagedKVCache(SequenceCache):
     _releases_memory = False  # one preallocated block tensor: trim counts, gives nothing back
+    _copies_moves = False  # a beam reorder rewrites block tables: cheaper than a block copy
 
     def __init__(
         self,
@@ -167,8 +168,8 @@ class PagedKVCache(SequenceCache):
     def _detach(self, s: int, t: int, j0: int, n: int) -> None:
         pass
 
-    def _copy_page(self, src: int, dst: int, used_units: int) -> None:
-        self._kv_pool[:, :, dst, :used_units] = self._kv_pool[:, :, src, :used_units]
+    def _page(self, p: int, units: int) -> torch.Tensor:
+        return self._kv_pool[:, :, p, :units]  # every layer of the block's table, K and V
 
     def _tables_of_layer(self, layer: int) -> list[int]:
         return [self._layer_at[layer][0]]

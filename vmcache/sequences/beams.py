@@ -1,12 +1,13 @@
-"""Page-table rewiring, K/V copied only where a copy-on-write would copy them: ``fork`` (a
-core call of the coordinator), and the :class:`Beams` facet (``cache.beams``): assign (beam
-reorder), truncate (crop, a draft's rollback), compact (a token tree's accepted path moved
-into place) and write_group (one write for rows that hold the same tokens).
+"""Page-table rewiring, K/V copied only where a copy-on-write would copy them or a page would
+only move: ``fork`` (a core call of the coordinator), and the :class:`Beams` facet
+(``cache.beams``): assign (beam reorder), truncate (crop, a draft's rollback), compact (a token
+tree's accepted path moved into place) and write_group (one write for rows that hold the same
+tokens).
 
 Touches, on the coordinator: its slots, lengths, token ids and salts (read; ``assign`` and
 ``truncate`` set lengths, ids and salts of the sequences they change), its page-table groups
 (plans, ``open``, ``cut``), the pool's refcounts (``incref``/``decref``), the physical hooks
-(``_attach``, ``_detach``, ``_sync``, ``_store``, ``_load``, ``_copy_page``) and the
+(``_attach``, ``_detach``, ``_sync``, ``_store``, ``_load``, ``_copy_pages``) and the
 transactional core (``_tx.split_pages``, ``_tx.count_copies``). Nothing else.
 
 assign remaps only the entries that differ, so beams sharing a history keep their pages:
@@ -72,12 +73,16 @@ class Beams:
         the call (beam search's reorder: a source may appear several times, and a sequence
         may be both a source and a destination); all or nothing.
 
-        Pages that differ are remapped, except each table's tail: where the source's length
-        ends inside a page that would stay shared, and the destination holds its own page
-        there alone (no other destination takes it, nothing else references it), the
-        source's page is copied into it. Remapping would share that page, and the
-        destination's next write would split it again (a copy and a second remap): the copy
-        alone is what is left of both.
+        Pages that differ are remapped, except where the destination holds its own page
+        alone (nothing else references it, no remap maps it elsewhere); the source's page is
+        then copied into it:
+
+        - at each table's tail, where the source's length ends inside a page a remap would
+          leave shared: the destination's next write would split it again (a copy and a
+          second remap), and the copy alone is what is left of both;
+        - on VMKVCache (``_copies_moves``), at any page a remap would move (the source gives
+          it up, so sharing saves nothing): a page copy costs less than an unmap and a map.
+          A swap of two beams copies both ways, each source read before either is written.
 
             src s: [a b x y']   dst d: [a b c z]   (z: d's own tail, refcount 1)
             after: d = [a b x z ← y']   (c unmapped, x mapped in, page y' copied into z)
@@ -98,7 +103,7 @@ class Beams:
         # (dst, table, detach from, old pages, attach from, new pages)
         plan = [(d, *step) for (d, gi), (rows, first) in new.items()
                 for step in c._groups[gi].assign_plan(d, rows, first)]  # fmt: skip
-        plan, copies = self._tail_copies(plan, dict(zip(dsts, srcs)), new)
+        plan, copies = self._copies(plan, dict(zip(dsts, srcs)), new)
         c._sync()
         undo: list[Callable[[], None]] = []
         try:
@@ -114,8 +119,8 @@ class Beams:
             for f in reversed(undo):
                 f()
             raise
-        for src, dst, units, _ in copies:  # after every mapping held: nothing left to undo
-            c._copy_page(src, dst, units)
+        # after every mapping held (nothing left to undo), before any page is released
+        c._copy_pages([(src, dst, units) for src, dst, units, _ in copies])
         c._tx.count_copies(len(copies), sum(b for *_, b in copies))
         c._pool.incref([p for *_, nw in plan for p in nw])
         c._pool.decref([p for _, _, _, old, _, _ in plan for p in old])
@@ -124,37 +129,62 @@ class Beams:
         c._seqs.copy_from(list(zip(dsts, srcs)))  # lengths, token ids, salts
         c._changed()
 
-    def _tail_copies(self, plan: list, src_of: dict, new: dict) -> tuple[list, list]:
-        """``plan`` less the tail pages copied instead of remapped (see :meth:`assign`), and
-        those copies: (source page, the destination's own page, units, bytes). ``new`` (the
-        destinations' rows to be) is updated to keep the destination's page there."""
+    def _copies(self, plan: list, src_of: dict, new: dict) -> tuple[list, list]:
+        """``plan`` less the pages copied instead of remapped (see :meth:`assign`), and those
+        copies: (source page, the destination's own page, units, bytes). ``new`` (the
+        destinations' rows to be) is updated to keep the destination's pages there.
+
+        A copy writes a page its destination holds alone, keeps it there and maps nothing:
+        it is taken at a tail a remap would leave shared, and (``_copies_moves``) at any page a
+        remap would move (its one holder afterwards: this destination). A page some remap left
+        in the plan still maps elsewhere is never written: those copies fall back to remaps
+        until none conflicts."""
         c = self._c
-        taken = {p for *_, nw in plan for p in nw}  # pages some destination maps
         # references each page would hold after a pure remap: a tail left with one holder
         # is moved, not copied (its new owner's write splits nothing)
         after = Counter(p for *_, nw in plan for p in nw)
         after.subtract(p for _, _, _, old, _, _ in plan for p in old)
-        kept, copies = [], []
-        for d, t, ja, old, jb, nw in plan:
+        picked: dict[tuple[int, int], tuple[int, int]] = {}  # (plan entry, page j) -> pages
+        for i, (d, t, ja, old, jb, nw) in enumerate(plan):
             g = c._group_of[t]
             n = c._seqs.length(src_of[d])
-            j = n * g.u // g.P  # the page the next write lands in, when n ends inside it
-            if not (n * g.u % g.P and nw and j == jb + len(nw) - 1 and ja <= j < ja + len(old)):
+            tail = n * g.u // g.P if n * g.u % g.P else -1  # the page the next write lands in
+            for j in range(max(ja, jb), min(ja + len(old), jb + len(nw))):
+                mine, theirs = old[j - ja], nw[j - jb]
+                if c._pool.refcount(mine) != 1:
+                    continue
+                holders = c._pool.refcount(theirs) + after[theirs]
+                if j == tail == jb + len(nw) - 1 and holders >= 2:
+                    after[theirs] -= 1
+                elif not (c._copies_moves and holders == 1):
+                    continue
+                picked[(i, j)] = (theirs, mine)
+        while True:  # a page a remaining remap maps must keep its bytes: no copy into it
+            mapped = {p for i, (_, _, _, _, jb, nw) in enumerate(plan)
+                      for j, p in enumerate(nw, jb) if (i, j) not in picked}  # fmt: skip
+            clash = [key for key, (_, mine) in picked.items() if mine in mapped]
+            if not clash:
+                break
+            for key in clash:
+                del picked[key]
+        kept, copies = [], []
+        for i, (d, t, ja, old, jb, nw) in enumerate(plan):
+            js = sorted(j for (k, j) in picked if k == i)
+            if not js:
                 kept.append((d, t, ja, old, jb, nw))
                 continue
-            mine, theirs = old[j - ja], nw[-1]
-            shared = c._pool.refcount(theirs) + after[theirs] >= 2
-            if not shared or c._pool.refcount(mine) != 1 or mine in taken:
-                kept.append((d, t, ja, old, jb, nw))
-                continue
-            after[theirs] -= 1
-            # the whole page: what lies past the source's length must read as a remap would
-            # show it (the source's bytes), never the destination's own older ones
-            copies.append((theirs, mine, g.P, c.config.page_bytes))
-            new[(d, c._groups.index(g))][0][g.ids.index(t)][j] = mine
-            kept.append((d, t, ja, old[: j - ja], jb, nw[:-1]))
-            if j + 1 < ja + len(old):  # the destination's pages past the tail still leave
-                kept.append((d, t, j + 1, old[j + 1 - ja :], j + 1, []))
+            g = c._group_of[t]
+            rows = new[(d, c._groups.index(g))][0][g.ids.index(t)]
+            for j in js:
+                theirs, mine = picked[(i, j)]
+                # the whole page: what lies past the source's length must read as a remap
+                # would show it (the source's bytes), never the destination's own older ones
+                copies.append((theirs, mine, g.P, c.config.page_bytes))
+                rows[j] = mine
+            for lo, hi in _gaps(ja, ja + len(old), js):  # detach around the copied pages
+                kept.append((d, t, lo, old[lo - ja : hi - ja], jb, []))
+            for lo, hi in _gaps(jb, jb + len(nw), js):  # and attach around them
+                kept.append((d, t, ja, [], lo, nw[lo - jb : hi - jb]))
         return kept, copies
 
     def truncate(self, s: int, length: int) -> None:
@@ -268,3 +298,13 @@ class Beams:
             if key not in written:
                 written.add(key)
                 c._store(layer, s, start, k, v)
+
+
+def _gaps(lo: int, hi: int, cut: list[int]) -> list[tuple[int, int]]:
+    """The runs of ``range(lo, hi)`` between the sorted positions ``cut``."""
+    runs, start = [], lo
+    for j in [*cut, hi]:
+        if start < min(j, hi):
+            runs.append((start, min(j, hi)))
+        start = max(start, j + 1)
+    return runs

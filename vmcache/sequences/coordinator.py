@@ -59,6 +59,7 @@ class SequenceCache(PhysicalHooks):
     cache makes its own). Everything else is private: 20 public names in all."""
 
     _releases_memory = False  # whether trim / sleep give physical pages back (the caches set it)
+    _copies_moves = False  # whether beams.assign copies a page it would move (the caches set it)
 
     def __init__(
         self,

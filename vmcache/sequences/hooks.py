@@ -22,8 +22,21 @@ class PhysicalHooks(Protocol):
     def _detach(self, s: int, t: int, j0: int, n: int) -> None:
         raise NotImplementedError
 
-    def _copy_page(self, src: int, dst: int, used_units: int) -> None:
+    def _page(self, p: int, units: int) -> torch.Tensor:
+        """Physical page ``p``'s first ``units`` units, as a view that writes through."""
         raise NotImplementedError
+
+    def _copy_page(self, src: int, dst: int, used_units: int) -> None:
+        self._page(dst, used_units).copy_(self._page(src, used_units))
+
+    def _copy_pages(self, copies: list[tuple[int, int, int]]) -> None:
+        """``(source, destination, units)`` copies as one simultaneous assignment: a source
+        that is also a destination is read before anything is written (the pages of a beam
+        swap form a cycle: a ← b, b ← a)."""
+        dsts = {d for _, d, _ in copies}
+        staged = {s: self._page(s, u).clone() for s, _, u in copies if s in dsts}
+        for s, d, u in copies:
+            self._page(d, u).copy_(staged[s] if s in staged else self._page(s, u))
 
     def _tables_of_layer(self, layer: int) -> list[int]:
         raise NotImplementedError
