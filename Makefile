@@ -101,21 +101,26 @@ readme: $(STAMP)
 fetch-model: $(STAMP)
 	$(PY) -m vmcache.models fetch
 
-# tests/conftest.py interprets Triton only where no GPU is visible
+# tests/conftest.py interprets Triton only where no GPU is visible. Without a GPU, TEST_WORKERS
+# pytest processes (pytest-xdist) share the tests, one torch thread each; with one, a single
+# process (0), since tests that read the device's free memory must not share it
+TEST_WORKERS ?= $(if $(shell command -v nvidia-smi),0,2)
 test: test-newest test-oldest
 
 # (fetch-model has just parsed the GGUF file under this transformers: its test runs in the
 # oldest tier only)
 test-newest: $(STAMP) fetch-model
-	$(VENV)/bin/pytest --deselect tests/test_models.py::test_the_gguf_file_itself_loads_as_its_converted_copy
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) \
+		--deselect tests/test_models.py::test_the_gguf_file_itself_loads_as_its_converted_copy
 
 # the oldest supported transformers and triton: the drop-in, the engine, the sm_90 compile,
 # the drop-in on the hybrid sliding-window family (Gemma 3: layer types, windows), and the
 # trained model: its GGUF file loaded by this transformers, its answers and the engine's
 # parity up to where it stops (skipped unless fetched: `make test` fetches it first)
 test-oldest: $(OLD_STAMP)
-	$(OLD)/bin/pytest tests/test_hf.py tests/test_hf_layers.py tests/test_hf_assisted.py tests/test_engine.py \
-		tests/test_compile_sm90.py tests/test_hf_adapter.py tests/test_models.py
+	$(OLD)/bin/pytest -n $(TEST_WORKERS) tests/test_hf.py tests/test_hf_layers.py \
+		tests/test_hf_assisted.py tests/test_engine.py tests/test_compile_sm90.py \
+		tests/test_hf_adapter.py tests/test_models.py
 	$(OLD)/bin/pytest tests/test_hf_sliding.py -k gemma3
 	$(OLD)/bin/pytest tests/test_real_model.py -k stops
 

@@ -19,6 +19,8 @@ settings.register_profile("ci", derandomize=True, database=None, print_blob=True
 settings.register_profile("long", derandomize=False, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs a worker per core: one thread each
+    torch.set_num_threads(1)
 from caches import strict_host  # noqa: E402
 
 from vmcache import KVSpec, VMKVCache  # noqa: E402

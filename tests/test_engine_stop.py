@@ -10,6 +10,7 @@ import pytest
 import torch
 from caches import strict_host
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from vmcache import KVSpec, VMKVCache
 from vmcache.engine import Engine, Request, SamplingParams
@@ -138,7 +139,11 @@ def test_the_engine_leaves_the_models_attention_alone(model):
                for m in model.model.layers.modules() if hasattr(m, "config"))  # fmt: skip
     assert generate(model, PROMPTS[2], 8, None) == before  # its own generate, as before
     gc = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-    batch = model.generate_batch(inputs=[list(PROMPTS[2])], generation_config=gc)
+    # a bounded cache: unsized, continuous batching sizes its cache from free memory (a minute
+    # of page faults on this CPU before the first token)
+    bounded = ContinuousBatchingConfig(num_blocks=4, max_batch_tokens=64)
+    batch = model.generate_batch(inputs=[list(PROMPTS[2])], generation_config=gc,
+                                 continuous_batching_config=bounded)  # fmt: skip
     (res,) = batch.values()
     assert list(res.generated_tokens) == before  # transformers' continuous batching runs too
     # a step that fails midway restores the attention implementation all the same
