@@ -6,14 +6,7 @@ K/V are already written) → ``[B, N_Q, d_h]``.
 last ``q_lens[i]`` positions of sequence i are the queries' own; causal → same shape as q.
 """
 
-if __name__ == "vmcache.kernels":
-    from vmcache.kernels.api import attend, decode, prefill
-    from vmcache.kernels.reference import dense_attention, paged_decode_reference
+from vmcache.kernels.api import attend, decode, prefill
+from vmcache.kernels.reference import dense_attention, paged_decode_reference
 
-    __all__ = ["attend", "decode", "prefill", "dense_attention", "paged_decode_reference"]
-else:
-    # Imported as a top-level "kernels": the repository root is on sys.path (``python -c`` or
-    # ``python -m`` run from it) and transformers probed that name for the unrelated Hub
-    # package. Run nothing, expose nothing, no ``__version__``: transformers then reports the
-    # Hub package as unavailable and our modules are never loaded twice under two names.
-    __all__ = []
+__all__ = ["attend", "decode", "prefill", "dense_attention", "paged_decode_reference"]

@@ -144,7 +144,7 @@ class Beams:
         # is moved, not copied (its new owner's write splits nothing)
         after = Counter(p for *_, nw in plan for p in nw)
         after.subtract(p for _, _, _, old, _, _ in plan for p in old)
-        picked: dict[tuple[int, int], tuple[int, int]] = {}  # (plan entry, page j) -> pages
+        picked: dict[tuple[int, int], tuple[int, int]] = {}  # (plan entry, j) -> (theirs, mine)
         for i, (d, t, ja, old, jb, nw) in enumerate(plan):
             g = c._group_of[t]
             n = c._seqs.length(src_of[d])
@@ -167,9 +167,12 @@ class Beams:
                 break
             for key in clash:
                 del picked[key]
+        at: dict[int, list[int]] = {}  # plan entry -> its copied pages j, ascending
+        for i, j in sorted(picked):
+            at.setdefault(i, []).append(j)
         kept, copies = [], []
         for i, (d, t, ja, old, jb, nw) in enumerate(plan):
-            js = sorted(j for (k, j) in picked if k == i)
+            js = at.get(i)
             if not js:
                 kept.append((d, t, ja, old, jb, nw))
                 continue
