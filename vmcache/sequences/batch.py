@@ -125,6 +125,14 @@ class StepBatch:
                 raise ValueError(f"the batch writes {self.num_tokens} tokens, got {k.shape[0]}")
             raise TypeError(f"k and v must be plain tensors, got {type(k).__name__} and "
                             f"{type(v).__name__}")  # fmt: skip
+        c._store_flat(layer, self.write_index(layer), *c._encode(layer, k, v))
+
+    def write_index(self, layer: int) -> torch.Tensor:
+        """int64 ``[num_tokens]`` (on the cache's device): the flat row of
+        ``_flat_rows(layer, ·)`` each new token's K/V goes to, batch order; built once per
+        group and step."""
+        c = self._cache
+        self._check(c)
         gi = self.group(layer)
         idx = self._writes.get(gi)
         if idx is None:
@@ -132,7 +140,7 @@ class StepBatch:
             seqs = torch.repeat_interleave(torch.tensor(self.seq_ids), torch.tensor(self.q_lens))
             idx = c._flat_index(layer, seqs[:, None], pos[:, None])[:, 0].to(c.config.device)
             self._writes[gi] = idx
-        c._store_flat(layer, idx, *c._encode(layer, k, v))
+        return idx
 
     def read_index(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(int64 ``[B, span]`` flat rows of every sequence's mapped history, each row from

@@ -1,0 +1,239 @@
+"""The engine step compiled (``Engine(model, cache, compile=True)``): the model's own forward
+traced once by TorchDynamo and compiled by inductor, every layer's K/V written into and read
+from the cache inside the compiled graph through one operator
+(:func:`~vmcache.kernels.step_op.step_attention`).
+
+What makes the graph reusable step after step is that the cache never moves: a VMKVCache
+layer's K and V are one flat tensor of rows over a virtual range reserved once (pages are
+mapped under it as sequences grow; PagedKVCache: its block pool), so every step hands the
+graph the same tensors, and only the step's small index tensors change:
+
+    per step, on the host (once)          per layer, inside the graph
+    ids, positions  [1, N]            ─►  the model's embedding, norms, projections, rotary
+    write  int64 [N]                  ─►  step_attention: K/V stored, history gathered,
+    read   int64 [B, S]                   causal SDPA per sequence
+    lens   int64 [2, B] (q, kv)       ─►  (its output [N, N_Q, d_h] back into the model)
+    keep   int64 [B]                  ─►  logits of each sequence's last token only
+
+Shapes are symbolic, so one graph serves every step: the token count N is at least 2 (a
+lone decode runs as two copies of itself, one row of logits kept: a size of 1 would be
+specialized by TorchDynamo into a second graph), and the batch's sizes are *unbacked*
+(never specialized). ``warm_up`` compiles it on scratch sequences before the first request
+(one prefill, one decode, two sequences at once) and checks the compiled logits against the
+eager step's there; :attr:`CompiledRunner.compiles` counts the graphs this runner's calls
+built, so a caller can see that serving compiled nothing more. Runners on the same model
+share the graph (a second engine starts in milliseconds).
+
+On the CPU inductor *freezes* the weights: it folds them into the graph as constants and
+packs every linear layer's weight for oneDNN's matmul (what vLLM's CPU build does with its
+own packed GEMMs). The packed copies double the memory of the linear weights, and the
+compiled step keeps computing with the weights as they were at warm-up.
+
+The dynamo and inductor settings this needs (no duck sizing, freezing) are set for the
+length of each call only; nothing of the user's model changes.
+What it cannot compile it refuses at construction with the reason (``ValueError``):
+sliding-window layers, FP8 / INT8 K/V, soft-capped attention; steps that verify drafts or
+token trees run the eager step (:class:`~vmcache.engine.runner.ModelRunner`) instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
+
+from vmcache.engine.runner import ModelRunner
+from vmcache.hf.attention import no_mask
+from vmcache.kernels.step_op import default_scale, layout_of, step_attention, store_of
+
+COMPILED_ATTN_NAME = "vmcache_compiled_step"
+STEP_KWARG = "vmcache_step"  # the model-forward keyword the step's tensors travel under
+
+
+def compiled_step_attention(module, query, key, value, attention_mask, dropout=0.0,
+                            scaling=None, **kwargs):  # fmt: skip
+    """transformers attention function of the compiled step: query ``[1, N_Q, N, d_h]``,
+    key / value ``[1, N_KV, N, d_h]`` (the step's new tokens, rotary applied) →
+    ``[1, N, N_Q, d_h]``, through ``step_attention`` on ``module.layer_idx``'s rows."""
+    step = kwargs[STEP_KWARG]
+    n = key.shape[2]
+    q = query[0].transpose(0, 1)
+    k = key[0].transpose(0, 1).reshape(n, -1)
+    v = value[0].transpose(0, 1).reshape(n, -1)
+    scale = default_scale(query.shape[-1]) if scaling is None else float(scaling)
+    out = step_attention(q, k, v, step["store"], step["layout"][module.layer_idx],
+                         step["write"], step["read"], step["lens"], scale)  # fmt: skip
+    return out[None], None
+
+
+def register() -> None:
+    """Make :data:`COMPILED_ATTN_NAME` available to transformers (idempotent)."""
+    AttentionInterface.register(COMPILED_ATTN_NAME, compiled_step_attention)
+    AttentionMaskInterface.register(COMPILED_ATTN_NAME, no_mask)
+
+
+register()
+
+
+def unsupported(model, kv) -> str | None:
+    """Why the compiled step cannot run ``model`` over ``kv`` (None: it can)."""
+    spec = kv.spec
+    if any(w is not None for w in spec.layer_windows or ()):
+        return "sliding-window layers (the compiled step reads full histories only)"
+    if spec.quantized:
+        return f"{spec.storage_dtype} K/V (the compiled step stores unquantized K/V only)"
+    cfg = model.config.get_text_config()
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        return "soft-capped attention logits (SDPA has no soft-capping)"
+    if any(getattr(m, "layer_idx", None) is None for m in _attention_modules(model)):
+        return "attention modules without a layer_idx"
+    if kv._seq_rows(0, 0) is None and not hasattr(kv, "_flat"):
+        return "a cache without flat stored rows"
+    return None
+
+
+def _attention_modules(model):
+    return [layer.self_attn for layer in model.model.layers]
+
+
+def _inductor_frozen(gm, example_inputs):
+    """inductor, with the weights frozen on the CPU (and CUDA graphs on a GPU). One function
+    for every runner: TorchDynamo keeps a graph for the backend that built it, so runners on
+    the same model share graphs of the same bucket."""
+    from torch._inductor.compile_fx import compile_fx
+
+    dev = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
+    cuda = dev is not None and dev.type == "cuda"
+    patch = {"freezing": not cuda, "cpp.dynamic_threads": True, "triton.cudagraphs": cuda}
+    with torch._inductor.config.patch(patch):
+        return compile_fx(gm, example_inputs)
+
+
+def _graphs() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+class CompiledRunner:
+    """``step(slots, starts, tokens)`` → next-token logits ``[len(slots), vocab]`` (fp32), as
+    :class:`~vmcache.engine.runner.ModelRunner`, through the compiled graph; construction
+    compiles (:meth:`warm_up`) and raises ``ValueError`` (with the reason) where the model,
+    the cache or the compiler cannot. ``startup_s``: how long that took."""
+
+    def __init__(self, model, kv) -> None:
+        self.eager = ModelRunner(model, kv)  # drafts, trees, and the warm-up's reference
+        why = unsupported(model, kv)
+        if why is not None:
+            raise ValueError(f"compile=True cannot compile this model's step: {why}; "
+                             "use compile=False")  # fmt: skip
+        self.model, self.kv, self.device = model, kv, self.eager.device
+        # the cache's storage (every layer's rows lie in it) and each layer's place there
+        self.store = store_of(kv._flat_rows(0, 0))
+        self.layout = [layout_of(kv._flat_rows(i, 0), kv._flat_rows(i, 1))
+                       for i in range(kv.spec.num_layers)]  # fmt: skip
+        if any(not kv._flat_rows(i, j).untyped_storage().data_ptr() == self.store.data_ptr()
+               for i in range(kv.spec.num_layers) for j in (0, 1)):  # fmt: skip
+            raise ValueError("compile=True needs every layer's rows in one storage")
+        self.compiles = 0  # graphs TorchDynamo built for this runner's calls (warm-up: ≤ 1)
+        self._compiled = torch.compile(self._forward, backend=_inductor_frozen, dynamic=True,
+                                       fullgraph=True)  # fmt: skip
+        t = time.perf_counter()
+        try:
+            self.warm_up()
+        except ValueError:
+            raise
+        except Exception as e:  # dynamo / inductor: the reason, and the way out
+            raise ValueError(f"compile=True could not compile this model's step "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:300]}); "
+                             "use compile=False") from e  # fmt: skip
+        self.startup_s = time.perf_counter() - t
+
+    def _forward(self, ids, pos, keep, step):
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep,
+                         **{STEP_KWARG: step})  # fmt: skip
+        return out.logits[0].float()
+
+    @contextlib.contextmanager
+    def _settings(self):
+        """For one call: freezing (TorchDynamo must see it while it traces, to hand the
+        parameters to inductor as constants), no duck sizing (sizes equal by chance must not
+        become one symbol, or a later step recompiles), and the compiled attention on the
+        model's configs."""
+        import torch.fx.experimental._config as fx_config
+
+        with (
+            torch._inductor.config.patch(freezing=self.device.type == "cpu"),
+            fx_config.patch(use_duck_shape=False),
+            self.eager._attention(COMPILED_ATTN_NAME),
+        ):
+            yield
+
+    @torch.inference_mode()
+    def step(self, slots: list[int], starts: list[int], tokens: list[list[int]],
+             rows: list[int] | None = None, trees: list | None = None) -> torch.Tensor:  # fmt: skip
+        """As :meth:`ModelRunner.step`; drafts (``rows``) and token trees run eagerly."""
+        if rows is not None or trees is not None:
+            return self.eager.step(slots, starts, tokens, rows=rows, trees=trees)
+        q_lens = [len(t) for t in tokens]
+        cache = self.eager.cache
+        cache.plan(slots, starts, q_lens)  # checked, copied on write, indexed once
+        b = cache.batch
+        read, _, _ = b.read_index(0)
+        write, lens = b.write_index(0), [list(b.q_lens), list(b.kv_lens)]
+        flat = [t for ts in tokens for t in ts]
+        pos = [p for s, q in zip(starts, q_lens) for p in range(s, s + q)]
+        one = len(flat) == 1  # a lone decode runs as two copies of itself (see the module)
+        if one:
+            read, write = read.repeat(2, 1), write.repeat(2)
+            lens, flat, pos, q_lens = [[1, 1], lens[1] * 2], flat * 2, pos * 2, [1, 1]
+        dev = self.device
+        step = {"store": self.store, "layout": self.layout, "write": write, "read": read,
+                "lens": torch.tensor(lens)}  # fmt: skip
+        ids = torch.tensor(flat, device=dev)[None]
+        positions = torch.tensor(pos, device=dev)[None]
+        keep = (torch.tensor(q_lens).cumsum(0) - 1).to(dev)
+        # no size-1 specialization of the batch's sizes (the token count is ≥ 2 already)
+        for t, dims in ((keep, (0,)), (write, (0,)), (read, (0, 1)), (step["lens"], (1,))):
+            for d in dims:
+                torch._dynamo.decorators.mark_unbacked(t, d)
+        before = _graphs()
+        with self._settings():
+            out = self._compiled(ids, positions, keep, step)
+        self.compiles += _graphs() - before
+        return out[:1] if one else out
+
+    def warm_up(self) -> None:
+        """Compile the step's graph on scratch sequences (freed after; nothing else in the
+        cache is touched), checking the compiled logits against the eager step's."""
+        kv = self.kv
+        if kv.elastic.free_slots < 1:
+            raise ValueError("compile=True warms up on a free sequence slot; the cache has none")
+        two = kv.elastic.free_slots >= 2
+        a = kv.new_sequence()
+        scratch = [a]
+        try:
+            kv.grow(a, 3)
+            self._check([a], [0], [[1, 2, 3]])  # one prefill
+            kv.grow(a, 1)
+            self._check([a], [3], [[4]])  # one decode
+            if two:
+                b = kv.new_sequence()
+                scratch.append(b)
+                kv.grow(b, 5)
+                kv.grow(a, 1)
+                self._check([a, b], [4, 0], [[5], [6, 7, 8, 9, 10]])  # several sequences
+        finally:
+            for s in scratch:
+                kv.free(s)
+
+    def _check(self, slots, starts, tokens) -> None:
+        got = self.step(slots, starts, tokens)
+        want = self.eager.step(slots, starts, tokens)  # writes the same K/V again
+        err = float((got - want).abs().max())
+        tol = 1e-3 * max(1.0, float(want.abs().max()))
+        if not err <= tol:
+            raise ValueError(f"compile=True: the compiled step's logits differ from the "
+                             f"eager step's by {err:.3g} (tolerance {tol:.3g}); use "
+                             "compile=False")  # fmt: skip

@@ -1,0 +1,94 @@
+"""``torch.ops.vmcache.step_attention``: one layer of a packed engine step (write the new
+K/V, attend over every sequence's history) as one operator that a compiled graph calls
+without looking inside (vLLM's ``unified_attention`` is the same kind of boundary).
+
+Everything it touches comes in as tensors, so a graph that calls it never holds a Python
+object of the cache: the cache's whole storage as one flat tensor (``store``: its address
+does not move while sequences grow; one argument for every layer, as a compiler can update
+a mutated input in place only where no other mutated argument aliases it), where the
+layer's K and V rows lie in it (``layout``, host), and the step's indices, built once a
+step on the host (:meth:`~vmcache.sequences.batch.StepBatch.write_index`, ``read_index``):
+
+    q      [N, N_Q, d_h]  packed queries, batch order (sequence b's q_len_b rows in a run)
+    k, v   [N, R]         the same tokens' K/V as stored rows (R = N_KV · d_h)
+    store  [E]            the storage; layout int64 [4]: rows, R, K's and V's offsets
+    write  int64 [N]      row of k_rows / v_rows each token goes to
+    read   int64 [B, S]   rows of sequence b's positions 0 … S−1 (past its length: repeats)
+    lens   int64 [2, B]   host: q_len_b and kv_len_b (kv_len counts the new tokens)
+
+        k_rows.index_copy_(0, write, k)            the step's K/V stored
+        K = k_rows[read]  [B, S, N_KV, d_h]        every history, one gather
+        queries grouped as the eager step does     (kernels.batched: decodes in one SDPA
+        (plan_groups), causal per sequence          call, prefills padded or one each)
+
+Full-attention layers and unquantized K/V only (the compiled step checks this once).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+from vmcache.kernels.batched import attend_groups, plan_groups
+
+# the last step's groups, planned by its first layer and read by the others: a memo of a pure
+# function, kept for the step's ``lens`` tensor (the same object for every layer of a step;
+# a new step brings a new one)
+_LAST_PLAN: list = [None]
+
+
+@torch.library.custom_op("vmcache::step_attention", mutates_args=("store",))
+def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: torch.Tensor,
+                   layout: torch.Tensor, write: torch.Tensor, read: torch.Tensor,
+                   lens: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+    """See the module docstring: → ``[N, N_Q, d_h]`` in q's dtype."""
+    rows, width, k_at, v_at = layout.tolist()
+    k_rows = store.as_strided((rows, width), (width, 1), k_at)
+    v_rows = store.as_strided((rows, width), (width, 1), v_at)
+    k_rows.index_copy_(0, write, k.to(k_rows.dtype))
+    v_rows.index_copy_(0, write, v.to(v_rows.dtype))
+    b, span = read.shape
+    heads_kv = width // q.shape[2]
+    flat = read.reshape(-1)
+    keys = k_rows.index_select(0, flat).view(b, span, heads_kv, q.shape[2])
+    values = v_rows.index_select(0, flat).view(b, span, heads_kv, q.shape[2])
+    last = _LAST_PLAN[0]
+    if last is not None and last[0]() is lens and last[1] == span:
+        groups = last[2]
+    else:  # the step's first layer plans for all of them
+        q_lens, kv_lens = lens.tolist()
+        lo = torch.zeros(b, dtype=torch.long)
+        groups = plan_groups(q_lens, kv_lens, lo, span, None, q.device)
+        _LAST_PLAN[0] = (weakref.ref(lens), span, groups)
+    out = attend_groups(q.to(k_rows.dtype), keys, values, groups, scale)
+    return out.to(q.dtype)
+
+
+@step_attention.register_fake
+def _(q, k, v, store, layout, write, read, lens, scale):
+    return torch.empty_like(q)
+
+
+def store_of(rows: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``rows`` as one flat tensor of its dtype (a view: nothing is
+    read or copied, unmapped pages included)."""
+    st = rows.untyped_storage()
+    n = st.nbytes() // rows.element_size()
+    return torch.empty(0, dtype=rows.dtype, device=rows.device).set_(st, 0, (n,), (1,))
+
+
+def layout_of(k_rows: torch.Tensor, v_rows: torch.Tensor) -> torch.Tensor:
+    """int64 ``[4]`` (host): rows, row width, and K's and V's element offsets in the store
+    (both ``[rows, width]`` and row-contiguous, in one storage)."""
+    if (k_rows.untyped_storage().data_ptr() != v_rows.untyped_storage().data_ptr()
+            or k_rows.shape != v_rows.shape or k_rows.stride() != (k_rows.shape[1], 1)
+            or v_rows.stride() != (v_rows.shape[1], 1)):  # fmt: skip
+        raise ValueError("step_attention needs K and V rows [rows, width], row-contiguous, "
+                         "in one storage")  # fmt: skip
+    return torch.tensor([*k_rows.shape, k_rows.storage_offset(), v_rows.storage_offset()])
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
