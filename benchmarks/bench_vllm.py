@@ -96,7 +96,7 @@ def main(argv=None) -> int:
              if k in ("uniform", "chat")}  # fmt: skip
     rows, startup = [], {}
     for threads in [int(x) for x in args.threads.split(",")]:
-        anchor = run_vllm(args.vllm_python, loads, threads, args.repeats)
+        anchor = run_vllm(str(Path(args.vllm_python).absolute()), loads, threads, args.repeats)
         startup[f"vllm_{threads}"] = anchor["startup_s"]
         torch.set_num_threads(threads)
         engines = {}
