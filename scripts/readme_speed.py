@@ -104,8 +104,48 @@ def profiles():
     return newest("speed_profile_before-*.json"), newest("speed_profile-20??-*.json")
 
 
+SYSTEMS_VS_VLLM = ("engine_vm", "engine_vm_compiled", "engine_paged_compiled")
+
+
+def vllm(name, doc) -> str:
+    """The engine (eager, compiled on both caches) against vLLM's CPU build, per workload and
+    thread setting; the verdict compares each system at its own faster setting."""
+    rows = []
+    for r in doc["rows"]:
+        base = r["vllm"]["seconds"]["median"]
+        rows.append([r["workload"], r["threads"], _t(r["vllm"]),
+                     *[_t(r[k]) for k in SYSTEMS_VS_VLLM],
+                     *[r[k]["seconds"]["median"] / base for k in SYSTEMS_VS_VLLM],
+                     " / ".join(str(r[k]["equal"]) for k in SYSTEMS_VS_VLLM)
+                     + f" of {r['requests']}",
+                     " / ".join(str(r[k]["recompiles"]) for k in SYSTEMS_VS_VLLM[1:])])  # fmt: skip
+    verdicts = []
+    for w in dict.fromkeys(r["workload"] for r in doc["rows"]):
+        mine = [r for r in doc["rows"] if r["workload"] == w]
+        best = {k: min(mine, key=lambda r: r[k]["seconds"]["median"])
+                for k in ("vllm", "engine_vm_compiled")}  # fmt: skip
+        ratio = (best["engine_vm_compiled"]["engine_vm_compiled"]["seconds"]["median"]
+                 / best["vllm"]["vllm"]["seconds"]["median"])  # fmt: skip
+        equal = all(r["engine_vm_compiled"]["equal"] == r["requests"] for r in mine)
+        verdicts.append(f"{w}: {'MEETS' if ratio <= 1.0 and equal else 'MISSES'} the goal "
+                        f"(compiled engine on VMKVCache ≤ 1.0× vLLM, each at its faster "
+                        f"setting: {best['engine_vm_compiled']['threads']} and "
+                        f"{best['vllm']['threads']} thread(s); measured {f(ratio)}×; tokens "
+                        f"equal to vLLM's: {'yes' if equal else '**no**'})")  # fmt: skip
+    st = doc["startup_s"]
+    starts = ", ".join(f"{k.replace('_', ' ')}: {f(v)} s" for k, v in st.items())
+    return (md(["workload", "threads", "vLLM s", "engine VM s", "engine VM compiled s",
+                "engine paged compiled s", "VM / vLLM", "VM compiled / vLLM",
+                "paged compiled / vLLM", "tokens equal to vLLM (VM / VM compiled / paged "
+                "compiled)", "recompiles after warm-up (VM / paged)"], rows)
+            + "\n" + "; ".join(verdicts) + ".\n\nStart-up (model load and compile; a "
+            "compiled engine after the first on the same model reuses its graph): "
+            + starts + ".\n\n" + source(name, doc))  # fmt: skip
+
+
 BLOCKS = {
     "speed": lambda: speed(*newest("speed-20??-*.json")),
     "speed-dropin": lambda: dropin(*newest_dropin()),
     "speed-profile": lambda: profile(*profiles()),
+    "speed-vllm": lambda: vllm(*newest("vllm-20??-*.json")),
 }
