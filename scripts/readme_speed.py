@@ -132,8 +132,13 @@ def vllm(name, doc) -> str:
                         f"setting: {best['engine_vm_compiled']['threads']} and "
                         f"{best['vllm']['threads']} thread(s); measured {f(ratio)}×; tokens "
                         f"equal to vLLM's: {'yes' if equal else '**no**'})")  # fmt: skip
-    st = doc["startup_s"]
-    starts = ", ".join(f"{k.replace('_', ' ')}: {f(v)} s" for k, v in st.items())
+    st, names = doc["startup_s"], {"vllm": "vLLM", "engine_vm": "engine VM",
+                                   "engine_vm_compiled": "engine VM compiled",
+                                   "engine_paged_compiled": "engine paged compiled"}  # fmt: skip
+    starts = "; ".join(
+        f"{label} " + ", ".join(f"{f(st[f'{k}_{t}'])} s ({t} thread{'s' if t > 1 else ''})"
+                                for t in sorted({r['threads'] for r in doc['rows']}))
+        for k, label in names.items())  # fmt: skip
     return (md(["workload", "threads", "vLLM s", "engine VM s", "engine VM compiled s",
                 "engine paged compiled s", "VM / vLLM", "VM compiled / vLLM",
                 "paged compiled / vLLM", "tokens equal to vLLM (VM / VM compiled / paged "

@@ -148,3 +148,15 @@ class _Spec:
 
     def _seq_rows(self, layer, kv):
         return torch.empty(0)
+
+
+def test_the_server_flag_builds_the_compiled_engine(model):
+    from vmcache.engine.compiled import CompiledRunner
+    from vmcache.server.cli import build_engine, parse_args
+
+    args = parse_args(["--compile", "--pool-mib", "1", "--max-seqs", "4", "--max-seq-len", "64"])
+    engine = build_engine(args, model)
+    assert isinstance(engine.runner, CompiledRunner)
+    out = engine.run([Request("a", (5, 6, 7), SamplingParams(max_new_tokens=4))])
+    assert len(out["a"][0]) == 4
+    assert not isinstance(build_engine(parse_args([]), model).runner, CompiledRunner)

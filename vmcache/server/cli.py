@@ -79,6 +79,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="the compiled engine step (compiles at start: a minute or more on a CPU)",
+    )
+    p.add_argument(
         "--speculative",
         action="store_true",
         help="prompt-lookup drafts (k=4), verified in the next step",
@@ -136,7 +141,8 @@ def build_engine(args, model):
                        rollback_tokens=rollback)  # fmt: skip
     drafter = NgramDrafter(k=4) if args.speculative else None
     return Engine(model, kv, preemption=args.preemption,
-                  max_batch_tokens=args.max_batch_tokens, speculative=drafter)  # fmt: skip
+                  max_batch_tokens=args.max_batch_tokens, speculative=drafter,
+                  compile=args.compile)  # fmt: skip
 
 
 def build_server(args, model=None, tokenizer=None):
