@@ -153,3 +153,16 @@ def test_the_engine_leaves_the_models_attention_alone(model):
     with pytest.raises(AttributeError):
         engine.runner.step([s], [0], [[1, 2]])
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_sampling_without_a_seed_is_fresh_and_any_int64_seed_reproduces(model):
+    kv = VMKVCache(KVSpec.from_hf_config(model.config), 4, 64, pool_bytes=1 << 20)
+    engine = Engine(model, kv)
+    draw = lambda rid, **kw: engine.run([Request(rid, (3, 4, 5), SamplingParams(
+        max_new_tokens=12, temperature=1.0, ignore_eos=True, **kw))])[rid][0]  # fmt: skip
+    assert draw("a") != draw("b")  # 12 tokens drawn from a wide distribution twice
+    for seed in (-(2**63), -1, 2**63 - 1):
+        assert draw(f"s{seed}", seed=seed) == draw(f"t{seed}", seed=seed)
+    with pytest.raises(TypeError, match="seed"):
+        SamplingParams(seed=1.5)
+    kv.close()

@@ -165,6 +165,12 @@ def test_completions_stop_strings_and_n(srv):
     again = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, n=3,
                                  temperature=1.0, seed=3)  # fmt: skip
     assert [ch.text for ch in again.choices] == [ch.text for ch in many.choices]  # seeded
+    fresh = [c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8,
+                                  temperature=1.0).choices[0].text for _ in range(2)]  # fmt: skip
+    assert fresh[0] != fresh[1]  # no seed: sampled afresh each time, as vLLM does
+    low = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=2,
+                               temperature=1.0, seed=-(2**63))  # fmt: skip
+    assert low.usage.completion_tokens == 2  # any int64 seed
 
 
 def test_concurrent_streams_each_equal_their_sequential_answer(srv):

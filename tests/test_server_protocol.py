@@ -27,6 +27,8 @@ def test_a_good_request_becomes_a_job_with_openais_defaults():
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}  # fmt: skip
     assert parse(parts, "chat", LIMITS).messages == ({"role": "system", "content": "ab"},)
     assert parse({**CHAT, "max_completion_tokens": 9}, "chat", LIMITS).max_tokens == 9
+    assert parse(dict(CHAT), "chat", LIMITS).params.seed is None  # sampled afresh
+    assert parse({**CHAT, "seed": -(2**63)}, "chat", LIMITS).params.seed == -(2**63)
 
 
 BAD = [
@@ -54,7 +56,8 @@ BAD = [
     ("chat", {**CHAT, "top_p": 0}, "top_p"),
     ("chat", {**CHAT, "top_p": 1.5}, "top_p"),
     ("chat", {**CHAT, "top_k": -2}, "top_k"),
-    ("chat", {**CHAT, "seed": -1}, "seed"),
+    ("chat", {**CHAT, "seed": -(2**63) - 1}, "seed"),
+    ("chat", {**CHAT, "seed": 2**63}, "seed"),
     ("chat", {**CHAT, "stop": ["a"] * 5}, "stop"),
     ("chat", {**CHAT, "stop": [""]}, "stop"),
     ("chat", {**CHAT, "stop": 3}, "stop"),

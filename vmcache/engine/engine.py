@@ -138,7 +138,11 @@ class Engine:
 
     def _seq(self, req: Request, index: int, tokens: list[int]) -> Seq:
         p = req.params
-        g = torch.Generator().manual_seed(p.seed * 1_000_003 + index)
+        g = torch.Generator()
+        if p.seed is None:  # fresh randomness, from the operating system
+            g.seed()
+        else:  # sequence `index` of a seeded request: its own stream, any int seed
+            g.manual_seed((p.seed * 1_000_003 + index) % 2**64)
         stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
         seq = Seq(req, index, list(tokens), g, stop_ids=stops)
         self.records.register(seq)

@@ -16,7 +16,8 @@ class SamplingParams:
     (``"stop"``, the token kept as its last): one of ``stop_token_ids``, or one of the
     model's end-of-sequence ids (its ``generation_config.eos_token_id``) unless
     ``ignore_eos``. Sampling filters: ``top_k`` (0: off), ``top_p`` (1: off), ``min_p``
-    (0: off), in transformers' order after the temperature.
+    (0: off), in transformers' order after the temperature. ``seed`` (any int) makes a
+    sampled request reproducible; None (the default) samples afresh every time.
 
     (``stop_token_id``, the single stop id of earlier versions, is gone: pass
     ``stop_token_ids=[id]``.)"""
@@ -27,13 +28,15 @@ class SamplingParams:
     top_k: int = 0  # 0 = the whole vocabulary
     top_p: float = 1.0
     min_p: float = 0.0
-    seed: int = 0
+    seed: int | None = None  # None: fresh randomness for every sequence (vLLM's default)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "n", "top_k", "seed"):
             value = getattr(self, name)
+            if name == "seed" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {value!r}")
         for name in ("temperature", "top_p", "min_p"):

@@ -172,9 +172,9 @@ def parse(body, kind: str, limits: Limits) -> Job:
     top_k = _opt(body, "top_k", (int,), 0)
     if top_k < -1:
         raise _bad(f"'top_k' must be >= 0 (or -1: off), got {top_k}", "top_k")
-    seed = _opt(body, "seed", (int,), 0)
-    if not 0 <= seed < 2**63:
-        raise _bad("'seed' must be a non-negative 64-bit int", "seed")
+    seed = _opt(body, "seed", (int,), None)  # none: sampled afresh, as vLLM does
+    if seed is not None and not -(2**63) <= seed < 2**63:
+        raise _bad("'seed' must be a 64-bit int", "seed")
     stream = _opt(body, "stream", (bool,), False)
     options = _opt(body, "stream_options", (dict,), {})
     include_usage = options.get("include_usage", False)
