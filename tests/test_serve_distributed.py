@@ -63,3 +63,19 @@ def test_tensor_parallel_equals_one_process(tp_results, kind):
     assert r0[kind]["preempted"] > 0  # the pools were small enough to preempt
     torch.testing.assert_close(r0[kind]["logits"], r0[kind]["single_logits"], atol=1e-5, rtol=1e-5)
     assert torch.equal(r0[kind]["logits"], r1[kind]["logits"])
+
+
+def test_the_guides_tensor_parallel_check_runs_as_typed():
+    """`python -m vmcache.distributed.launch --mode tp --nproc 2 --check`, as docs/guide.md
+    shows it (no --model: a random Llama saved without tokenizer files, which the one-process
+    reference must load as it is)."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "vmcache.distributed.launch", "--mode", "tp", "--nproc", "2",
+           "--check"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["world"] == 2 and report["ranks"][0]["equal_to_one_process"] is True

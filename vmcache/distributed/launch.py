@@ -127,7 +127,13 @@ def worker(args) -> dict:
 
 
 def _load(name_or_path):
-    """The model ``--model`` names (:func:`vmcache.models.load`: fp32, eval)."""
+    """The model ``--model`` names, fp32, eval: a checkpoint directory's model alone (the
+    launcher's requests are token ids: no tokenizer is needed, and the random model ``--mode
+    tp`` saves has none), anything else through :func:`vmcache.models.load`."""
+    if os.path.isdir(name_or_path):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32).eval()
     from vmcache.models import load
 
     return load(name_or_path, dtype=torch.float32)[0]
