@@ -116,6 +116,10 @@ def root(running) -> str:
 def test_models_and_health(srv):
     c = client(srv)
     assert [m.id for m in c.models.list().data] == [MODEL]
+    got = c.models.retrieve(MODEL)  # GET /v1/models/{id}
+    assert got.id == MODEL and got.object == "model"
+    status, body = http("GET", root(srv) + "/v1/models/no-such-model")
+    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
     assert json.loads(http("GET", root(srv) + "/health")[1]) == {"status": "ok"}
 
 

@@ -2,7 +2,7 @@
 streamed as server-sent events or answered whole, plus health, models and metrics.
 
     POST /v1/completions        POST /v1/chat/completions       GET /v1/models
-    GET  /health                GET  /metrics
+    GET  /health                GET  /metrics                   GET /v1/models/{id}
 
 Every request is bounded: its body (``max_body_bytes``), its fields (:mod:`.protocol`), its
 wait (``request_timeout_s``; a stream also pings every second, so a client that went away
@@ -99,6 +99,7 @@ class Server:
 
     def app(self) -> Starlette:
         routes = [Route("/health", self.health), Route("/v1/models", self.models),
+                  Route("/v1/models/{model_id:path}", self.model),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/metrics", self.render_metrics)]  # fmt: skip
@@ -147,9 +148,25 @@ class Server:
             self._authorize(request)
         except APIError as e:
             return _error(e)
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.limits.model, "object": "model", "created": self.created,
-             "owned_by": "vmcache", "max_model_len": self.limits.max_seq_len}]})  # fmt: skip
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}`` (the openai client's ``models.retrieve``): the served
+        model's card, or OpenAI's 404 for any other id."""
+        try:
+            self._authorize(request)
+            wanted = request.path_params["model_id"]
+            if wanted != self.limits.model:
+                raise APIError(404, f"the model '{wanted}' does not exist; this server serves "
+                               f"'{self.limits.model}'", param="model",
+                               code="model_not_found")  # fmt: skip
+        except APIError as e:
+            return _error(e)
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.limits.model, "object": "model", "created": self.created,
+                "owned_by": "vmcache", "max_model_len": self.limits.max_seq_len}  # fmt: skip
 
     async def render_metrics(self, request: Request) -> Response:
         if self.metrics is None:

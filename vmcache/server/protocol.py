@@ -177,6 +177,8 @@ def parse(body, kind: str, limits: Limits) -> Job:
         raise _bad("'seed' must be a 64-bit int", "seed")
     stream = _opt(body, "stream", (bool,), False)
     options = _opt(body, "stream_options", (dict,), {})
+    if options and not stream:  # vLLM's answer too: the options only shape a stream
+        raise _bad("'stream_options' is only allowed with 'stream': true", "stream_options")
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise _bad("'stream_options.include_usage' must be a bool", "stream_options")
