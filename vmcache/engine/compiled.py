@@ -102,7 +102,7 @@ def _attention_modules(model):
 def _inductor_frozen(gm, example_inputs):
     """inductor, with the weights frozen on the CPU (and CUDA graphs on a GPU). One function
     for every runner: TorchDynamo keeps a graph for the backend that built it, so runners on
-    the same model share graphs of the same bucket."""
+    the same model share the graph."""
     from torch._inductor.compile_fx import compile_fx
 
     dev = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
