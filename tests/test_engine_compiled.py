@@ -110,7 +110,7 @@ def test_step_attention_equals_the_batched_kernel_and_the_reference(kind):
     read, _, _ = b.read_index(layer)
     lens = torch.tensor([b.q_lens, b.kv_lens])
     store = store_of(kv._flat_rows(0, 0))
-    layout = layout_of(kv._flat_rows(layer, 0), kv._flat_rows(layer, 1))
+    layout = layout_of(store, kv._flat_rows(layer, 0), kv._flat_rows(layer, 1))
     with torch.inference_mode():
         got = step_attention(q, k.reshape(n, -1), v.reshape(n, -1), store, layout,
                              b.write_index(layer), read, lens, 0.25)  # fmt: skip

@@ -88,15 +88,9 @@ def unsupported(model, kv) -> str | None:
     cfg = model.config.get_text_config()
     if getattr(cfg, "attn_logit_softcapping", None) is not None:
         return "soft-capped attention logits (SDPA has no soft-capping)"
-    if any(getattr(m, "layer_idx", None) is None for m in _attention_modules(model)):
+    if any(getattr(layer.self_attn, "layer_idx", None) is None for layer in model.model.layers):
         return "attention modules without a layer_idx"
-    if kv._seq_rows(0, 0) is None and not hasattr(kv, "_flat"):
-        return "a cache without flat stored rows"
     return None
-
-
-def _attention_modules(model):
-    return [layer.self_attn for layer in model.model.layers]
 
 
 def _inductor_frozen(gm, example_inputs):
@@ -131,11 +125,8 @@ class CompiledRunner:
         self.model, self.kv, self.device = model, kv, self.eager.device
         # the cache's storage (every layer's rows lie in it) and each layer's place there
         self.store = store_of(kv._flat_rows(0, 0))
-        self.layout = [layout_of(kv._flat_rows(i, 0), kv._flat_rows(i, 1))
+        self.layout = [layout_of(self.store, kv._flat_rows(i, 0), kv._flat_rows(i, 1))
                        for i in range(kv.spec.num_layers)]  # fmt: skip
-        if any(not kv._flat_rows(i, j).untyped_storage().data_ptr() == self.store.data_ptr()
-               for i in range(kv.spec.num_layers) for j in (0, 1)):  # fmt: skip
-            raise ValueError("compile=True needs every layer's rows in one storage")
         self.compiles = 0  # graphs TorchDynamo built for this runner's calls (warm-up: ≤ 1)
         self._compiled = torch.compile(self._forward, backend=_inductor_frozen, dynamic=True,
                                        fullgraph=True)  # fmt: skip

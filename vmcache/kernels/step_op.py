@@ -79,14 +79,15 @@ def store_of(rows: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=rows.dtype, device=rows.device).set_(st, 0, (n,), (1,))
 
 
-def layout_of(k_rows: torch.Tensor, v_rows: torch.Tensor) -> torch.Tensor:
-    """int64 ``[4]`` (host): rows, row width, and K's and V's element offsets in the store
-    (both ``[rows, width]`` and row-contiguous, in one storage)."""
-    if (k_rows.untyped_storage().data_ptr() != v_rows.untyped_storage().data_ptr()
+def layout_of(store: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor) -> torch.Tensor:
+    """int64 ``[4]`` (host): rows, row width, and K's and V's element offsets in ``store``
+    (both ``[rows, width]`` and row-contiguous, in the storage under ``store``)."""
+    at = store.untyped_storage().data_ptr()
+    if (k_rows.untyped_storage().data_ptr() != at or v_rows.untyped_storage().data_ptr() != at
             or k_rows.shape != v_rows.shape or k_rows.stride() != (k_rows.shape[1], 1)
             or v_rows.stride() != (v_rows.shape[1], 1)):  # fmt: skip
         raise ValueError("step_attention needs K and V rows [rows, width], row-contiguous, "
-                         "in one storage")  # fmt: skip
+                         "in the store's storage")  # fmt: skip
     return torch.tensor([*k_rows.shape, k_rows.storage_offset(), v_rows.storage_offset()])
 
 

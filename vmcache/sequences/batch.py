@@ -125,14 +125,17 @@ class StepBatch:
                 raise ValueError(f"the batch writes {self.num_tokens} tokens, got {k.shape[0]}")
             raise TypeError(f"k and v must be plain tensors, got {type(k).__name__} and "
                             f"{type(v).__name__}")  # fmt: skip
-        c._store_flat(layer, self.write_index(layer), *c._encode(layer, k, v))
+        c._store_flat(layer, self._write_index(layer), *c._encode(layer, k, v))
 
     def write_index(self, layer: int) -> torch.Tensor:
         """int64 ``[num_tokens]`` (on the cache's device): the flat row of
         ``_flat_rows(layer, ·)`` each new token's K/V goes to, batch order; built once per
         group and step."""
+        self._check(self._cache)
+        return self._write_index(layer)
+
+    def _write_index(self, layer: int) -> torch.Tensor:  # the batch checked by the caller
         c = self._cache
-        self._check(c)
         gi = self.group(layer)
         idx = self._writes.get(gi)
         if idx is None:

@@ -27,7 +27,7 @@ from vmcache.models import chat_ids
 from vmcache.server import protocol
 from vmcache.server.loop import Delta, Done, EngineLoop, Failed, with_max_tokens
 from vmcache.server.metrics import Metrics
-from vmcache.server.protocol import APIError, Limits
+from vmcache.server.protocol import APIError, Limits, check_model
 
 PING_S = 1.0  # a stream's keep-alive: how soon a vanished client is noticed while waiting
 
@@ -155,11 +155,7 @@ class Server:
         model's card, or OpenAI's 404 for any other id."""
         try:
             self._authorize(request)
-            wanted = request.path_params["model_id"]
-            if wanted != self.limits.model:
-                raise APIError(404, f"the model '{wanted}' does not exist; this server serves "
-                               f"'{self.limits.model}'", param="model",
-                               code="model_not_found")  # fmt: skip
+            check_model(request.path_params["model_id"], self.limits)
         except APIError as e:
             return _error(e)
         return JSONResponse(self._model_card())

@@ -144,6 +144,13 @@ def _prompt(body: dict) -> tuple[tuple[int, ...] | None, str | None]:
     raise _bad("'prompt' must be a non-empty string or list of token ids", "prompt")
 
 
+def check_model(model: str, limits: Limits) -> None:
+    """OpenAI's 404 ``model_not_found`` unless ``model`` is the one this server serves."""
+    if model != limits.model:
+        raise APIError(404, f"the model '{model}' does not exist; this server serves "
+                       f"'{limits.model}'", param="model", code="model_not_found")  # fmt: skip
+
+
 def parse(body, kind: str, limits: Limits) -> Job:
     """A :class:`Job` from a decoded JSON ``body`` of a ``kind`` ("chat" / "completion")
     request, or :class:`APIError` (400; 404 for another model) naming the field."""
@@ -152,9 +159,7 @@ def parse(body, kind: str, limits: Limits) -> Job:
     model = body.get("model")
     if not isinstance(model, str):
         raise _bad("'model' is required (a string)", "model")
-    if model != limits.model:
-        raise APIError(404, f"the model '{model}' does not exist; this server serves "
-                       f"'{limits.model}'", param="model", code="model_not_found")  # fmt: skip
+    check_model(model, limits)
     _refuse_unsupported(body)
     prompt = text = messages = None
     if kind == "chat":
