@@ -5,8 +5,9 @@ streamed as server-sent events or answered whole, plus health, models and metric
     GET  /health                GET  /metrics                   GET /v1/models/{id}
 
 Every request is bounded: its body (``max_body_bytes``), its fields (:mod:`.protocol`), its
-wait (``request_timeout_s``; a stream also pings every second, so a client that went away
-is noticed and its request aborted, pages freed). Errors are OpenAI's error object.
+wait (``request_timeout_s``). A client that goes away is noticed when its connection closes,
+streaming or not (ASGI's ``http.disconnect``, watched while the request runs), and its request
+is aborted at the engine's next step boundary, pages freed. Errors are OpenAI's error object.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
+GONE = object()  # a subscription's event: the client disconnected (its request aborted)
+
+
 class _Subscription:
     """The events of one request, handed from the engine thread to this event loop."""
 
@@ -43,6 +47,16 @@ class _Subscription:
         self._aloop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
+
+    async def watch(self, request: Request, abort) -> None:
+        """Until cancelled: when the client disconnects, ``abort()`` (unless the request
+        finished) and :data:`GONE` to the reader. The body is read by now, so the next ASGI
+        message is the disconnect: no polling, nothing runs past the step it happened in."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        if not self.finished:
+            abort()
+            self._queue.put_nowait(GONE)
 
     def sink(self, event) -> None:  # called on the engine thread
         try:
@@ -201,10 +215,14 @@ class Server:
             return _error(e)
         name = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         created = protocol.now_s()
-        if job.stream:
+        if job.stream:  # Starlette's stream watches the disconnect and cancels the body
             return _Stream(self._events(job, sub, name, created, params.n),
                            lambda: None if sub.finished else self.loop.abort(rid))  # fmt: skip
-        return await self._whole(request, job, sub, rid, name, created, params.n)
+        watch = asyncio.create_task(sub.watch(request, lambda: self.loop.abort(rid)))
+        try:
+            return await self._whole(job, sub, rid, name, created, params.n)
+        finally:
+            watch.cancel()
 
     async def _events(self, job, sub: _Subscription, name: str, created: int, n: int):
         model, kind = self.limits.model, job.kind
@@ -236,18 +254,17 @@ class Server:
                 yield _sse(ev.error.body())
                 return
 
-    async def _whole(self, request, job, sub, rid, name, created, n) -> Response:
+    async def _whole(self, job, sub, rid, name, created, n) -> Response:
         texts, reasons = [""] * n, [None] * n
         deadline = time.monotonic() + self.request_timeout_s
         while True:
             try:
                 ev = await sub.next(deadline)
-                gone = ev is None and await request.is_disconnected()
             except TimeoutError:
-                gone = True
-            if gone:
                 self.loop.abort(rid)
                 return _error(APIError(504, "the request timed out", type="server_error"))
+            if ev is GONE:  # nobody reads an answer: the request is aborted already
+                return _error(APIError(499, "the client closed the request"))
             if ev is None:
                 continue
             if isinstance(ev, Delta):
