@@ -57,8 +57,7 @@ def body(prompt: str, stream: bool) -> dict:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("moment", MOMENTS)
-def test_an_abandoned_request_is_aborted_within_a_step_and_its_pages_come_back(srv, moment,
-                                                                                stream):  # fmt: skip
+def test_an_abandoned_request_is_aborted_within_a_step_pages_back(srv, moment, stream):
     holders = []
     try:
         abandon(srv, moment, stream, holders)
