@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from vmcache.engine.compiled import CompiledRunner
+from vmcache.engine.logits import processed, token_logprobs
 from vmcache.engine.records import Records
 from vmcache.engine.request import Request, SamplingParams, Seq, Status, model_eos_ids
 from vmcache.engine.runner import ModelRunner
@@ -45,6 +46,7 @@ class _StepWork:
     starts: list[int]  # batch entry i's rows are logits[starts[i] : starts[i + 1]]
     verifies: list[bool]  # entry i verifies drafts
     decodes: list[bool]  # entry i decodes (else it fed a prompt chunk)
+    prompt_rows: list[bool]  # entry i's prompt chunk has a row per token (prompt logprobs)
     forks: dict  # entry i -> its token tree's forks (kids, their batch entries, rows each)
 
 
@@ -115,9 +117,16 @@ class Engine:
         if not prompt or not all(isinstance(t, int) and 0 <= t < self.vocab for t in prompt):
             raise ValueError(f"request {req.req_id!r}: prompt must be a non-empty list of token "
                              f"ids in [0, {self.vocab})")  # fmt: skip
-        if any(t >= self.vocab for t in req.params.stop_token_ids):
-            raise ValueError(f"request {req.req_id!r}: stop_token_ids must be below the "
-                             f"vocabulary size {self.vocab}")  # fmt: skip
+        p = req.params
+        for what, ids in (("stop_token_ids", p.stop_token_ids),
+                          ("logit_bias", [t for t, _ in p.logit_bias])):  # fmt: skip
+            if any(t >= self.vocab for t in ids):
+                raise ValueError(f"request {req.req_id!r}: {what} must be below the "
+                                 f"vocabulary size {self.vocab}")  # fmt: skip
+        if self.speculation is not None and (p.processes_logits or p.logprobs is not None
+                                             or p.prompt_logprobs is not None):  # fmt: skip
+            raise ValueError(f"request {req.req_id!r}: log-probabilities, logit bias and "
+                             "penalties are not served with speculative decoding")  # fmt: skip
         total = len(prompt) + req.params.max_new_tokens
         if total > self.kv.config.max_seq_len:
             raise ValueError(f"request {req.req_id!r}: {total} tokens exceed the cache's "
@@ -148,9 +157,35 @@ class Engine:
         self.records.register(seq)
         return seq
 
-    def _sample(self, logits: torch.Tensor, seq: Seq) -> int:
+    def _pick(self, seq: Seq, row: torch.Tensor, greedy: int | None = None) -> int:
+        """``seq``'s next token from its logits ``row`` ``[V]`` (``greedy``: the row's
+        argmax, taken as is when the request changes no logits), its log-probability recorded
+        when the request asks (:mod:`vmcache.engine.logits`)."""
         p: SamplingParams = seq.req.params
-        return sample(logits, p.temperature, p.top_k, seq.generator, p.top_p, p.min_p)
+        if greedy is None or p.processes_logits:
+            row_p = processed(row, p, seq.req.prompt, seq.generated)
+            greedy = sample(row_p, p.temperature, p.top_k, seq.generator, p.top_p, p.min_p)
+        if p.logprobs is not None:
+            seq.logprobs += token_logprobs(row[None], [greedy], p.logprobs)
+        return greedy
+
+    def _prompt_logprobs(self, seq: Seq, rows: torch.Tensor) -> None:
+        """The prompt tokens a prefill chunk's ``rows`` ``[chunk, V]`` predict, reported.
+
+            tokens:  p0  p1  p2 | p3  p4  p5 | p6 ...      chunk [cached, cached + chunk)
+            rows:               | r3  r4  r5 |             row j predicts position cached+j+1
+            reported: p4, p5 and p6 (p0 has no context: None)
+        """
+        prompt, out = seq.req.prompt, seq.prompt_logprobs
+        if not out:
+            out.append(None)
+        lo, first = len(out), seq.cached + 1
+        hi = min(len(prompt), seq.cached + seq.chunk + 1)
+        if lo < first:  # a prefix hit skipped positions: admission must not allow it
+            raise RuntimeError(f"prompt log-probabilities from {lo} missing (prefill at {first})")
+        if lo < hi:
+            sel = rows[lo - first : hi - first]
+            out += token_logprobs(sel, list(prompt[lo:hi]), seq.req.params.prompt_logprobs)
 
     def _append(self, seq: Seq, token: int, in_tokens: bool = False) -> None:
         """``token`` generated for ``seq`` (``in_tokens``: an accepted draft, already at the
@@ -181,7 +216,7 @@ class Engine:
                 sib.status, sib.admitted_at = Status.RUNNING, seq.admitted_at
                 sched.running.append(sib)
                 forked.append(sib)
-                self._append(sib, self._sample(logits, sib))
+                self._append(sib, self._pick(sib, logits))
             else:  # no slot left: it waits and is prefilled on its own later
                 sched.waiting.append(sib)
         return forked
@@ -238,15 +273,16 @@ class Engine:
         decodes = [sp or (bool(s.generated) and s.chunk == 1 and s.cached == len(s.tokens) - 1)
                    for s, sp in zip(batch, verifies)]  # fmt: skip
         self.stats.prefill_tokens += sum(s.chunk for s, d in zip(batch, decodes) if not d)
-        rows = [s.chunk if sp else 1 for s, sp in zip(batch, verifies)]
+        prompt_rows = [not d and s.needs_prompt_logprobs for s, d in zip(batch, decodes)]
+        rows = [s.chunk if sp or pr else 1 for s, sp, pr in zip(batch, verifies, prompt_rows)]
         args = ([s.slot for s in batch], [s.cached for s in batch], [s.scheduled for s in batch])
         forks = self.speculation.fork_branches(batch, args, rows) if any(verifies) else {}
         trees = [s.tree[: s.chunk] if sp and s.tree else None for s, sp in zip(batch, verifies)]
         trees += [None] * (len(args[0]) - len(batch))  # the forks' chains
-        logits = (self.runner.step(*args, rows=rows, trees=trees) if any(verifies)
+        logits = (self.runner.step(*args, rows=rows, trees=trees) if any(r > 1 for r in rows)
                   else self.runner.step(*args))  # fmt: skip
         starts = [0, *torch.tensor(rows).cumsum(0).tolist()]
-        return _StepWork(logits, starts, verifies, decodes, forks)
+        return _StepWork(logits, starts, verifies, decodes, prompt_rows, forks)
 
     # --- stage 3: postprocess ------------------------------------------------------------
     def _postprocess(self, batch: list[Seq], work: _StepWork) -> float:
@@ -260,6 +296,7 @@ class Engine:
         # greedy sequences' tokens: one argmax over every row (not one call per sequence)
         greedy = (logits.argmax(-1).tolist()
                   if any(s.req.params.temperature == 0 for s in batch) else None)  # fmt: skip
+        greedy = greedy or [None] * len(logits)
         for i, seq in enumerate(batch):
             if work.verifies[i]:
                 mine, branches = logits[starts[i] : starts[i + 1]], None
@@ -268,6 +305,8 @@ class Engine:
                     branches = (kids, [logits[starts[j] : starts[j] + r] for j, r in zip(at, n)])
                 self.speculation.verify(seq, mine, branches, self._append)
                 continue
+            if work.prompt_rows[i]:
+                self._prompt_logprobs(seq, logits[starts[i] : starts[i + 1]])
             seq.cached += seq.chunk
             if not work.decodes[i]:
                 self.kv.prefix.publish(seq.slot)  # its prompt's full pages, for later requests
@@ -277,8 +316,8 @@ class Engine:
             times = self.times[seq.req.req_id]
             times[1] = now if times[1] is None else times[1]
             kids = self._fork_siblings(seq, row)  # before the parent's token joins its context
-            greedy_here = greedy is not None and seq.req.params.temperature == 0
-            self._append(seq, greedy[starts[i + 1] - 1] if greedy_here else self._sample(row, seq))
+            argmax = greedy[starts[i + 1] - 1] if seq.req.params.temperature == 0 else None
+            self._append(seq, self._pick(seq, row, argmax))
             if self.on_prefilled is not None and seq.status is Status.RUNNING:
                 self.on_prefilled(seq, [k for k in kids if k.status is Status.RUNNING])
         keep = self.keep_free_pages

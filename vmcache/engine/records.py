@@ -83,6 +83,21 @@ class Records:
         seqs = self.seqs[req_id]
         return [seqs[i].generated[k:] if i in seqs else [] for i, k in enumerate(seen)]
 
+    def logprobs(self, req_id: str, index: int, start: int, stop: int) -> list:
+        """Sequence ``index`` of ``req_id``: the :class:`~vmcache.engine.logits.TokenLogprob`
+        of its generated tokens ``[start, stop)`` (empty unless the request asked for
+        ``logprobs``)."""
+        self.reasons(req_id)
+        seq = self.seqs[req_id].get(index)
+        return [] if seq is None else seq.logprobs[start:stop]
+
+    def prompt_logprobs(self, req_id: str) -> list:
+        """``req_id``'s prompt tokens' reports (None for the first), once its prefill is
+        done; empty unless it asked for ``prompt_logprobs``."""
+        self.reasons(req_id)
+        first = self.seqs[req_id].get(0)
+        return [] if first is None else list(first.prompt_logprobs)
+
     def prefix_hit(self, req_id: str) -> int:
         """Prompt tokens ``req_id``'s first admission found in the prefix cache (0 before)."""
         self.reasons(req_id)

@@ -19,6 +19,15 @@ class SamplingParams:
     (0: off), in transformers' order after the temperature. ``seed`` (any int) makes a
     sampled request reproducible; None (the default) samples afresh every time.
 
+    Before sampling (:mod:`vmcache.engine.logits`): ``logit_bias`` ({token id: bias in
+    [-100, 100]}, OpenAI's) added to the logits, then ``repetition_penalty`` (1: off; over
+    prompt and generated tokens), ``frequency_penalty`` and ``presence_penalty`` (0: off;
+    in [-2, 2], over generated tokens). Reported: ``logprobs`` (None: off; k in
+    [0, :data:`MAX_LOGPROBS`]) records each generated token's log-probability with its k
+    most likely alternatives; ``prompt_logprobs`` the same for every prompt token after the
+    first (the prefill computes them; such a prompt is not served from the prefix cache).
+    Both are the model's own distribution, before bias, penalties and temperature.
+
     (``stop_token_id``, the single stop id of earlier versions, is gone: pass
     ``stop_token_ids=[id]``.)"""
 
@@ -31,15 +40,22 @@ class SamplingParams:
     seed: int | None = None  # None: fresh randomness for every sequence (vLLM's default)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # alternatives per generated token (None: not reported)
+    prompt_logprobs: int | None = None  # alternatives per prompt token (None: not reported)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
 
     def __post_init__(self) -> None:
-        for name in ("max_new_tokens", "n", "top_k", "seed"):
+        for name in ("max_new_tokens", "n", "top_k", "seed", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if name == "seed" and value is None:
+            if name in ("seed", "logprobs", "prompt_logprobs") and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {value!r}")
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number, got {value!r}")
@@ -62,6 +78,49 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 10:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got "
+                             f"{self.repetition_penalty}")  # fmt: skip
+        object.__setattr__(self, "logit_bias", _bias(self.logit_bias))
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether a logit bias or a penalty changes the logits before sampling."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or bool(
+            self.presence_penalty or self.frequency_penalty)  # fmt: skip
+
+
+MAX_LOGPROBS = 20  # alternatives one position may report (vLLM's default bound, OpenAI's)
+MAX_LOGIT_BIAS = 300  # entries of one logit_bias (OpenAI's bound)
+
+
+def _bias(bias) -> tuple[tuple[int, float], ...]:
+    """A logit bias ({id: bias} or (id, bias) pairs) as (id, bias) pairs, ids ascending."""
+    pairs = bias.items() if isinstance(bias, dict) else bias
+    if isinstance(pairs, (str, bytes)) or not hasattr(pairs, "__iter__"):
+        raise TypeError(f"logit_bias must map token ids to numbers, got {bias!r}")
+    out = {}
+    for pair in pairs:
+        if isinstance(pair, (str, bytes)) or len(pair) != 2:
+            raise TypeError(f"logit_bias must map token ids to numbers, got {bias!r}")
+        token, value = pair
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise TypeError(f"logit_bias keys must be non-negative ints, got {token!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"logit_bias values must be numbers, got {value!r}")
+        if not -100 <= value <= 100:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+        out[token] = float(value)
+    if len(out) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(out)}")
+    return tuple(sorted(out.items()))
 
 
 def model_eos_ids(model) -> frozenset[int]:
@@ -113,6 +172,15 @@ class Seq:
     stop_ids: frozenset[int] = frozenset()  # its stop tokens: the request's and the model's EOS
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     prefix_hit: int | None = None  # prompt tokens its first admission found in the prefix cache
+    logprobs: list = field(default_factory=list)  # TokenLogprob per generated token (if asked)
+    prompt_logprobs: list = field(default_factory=list)  # per prompt token (first: None)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt log-probabilities not all computed yet (its prefill must run
+        over every prompt token: no prefix-cache hit)."""
+        return (self.index == 0 and self.req.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.req.prompt))  # fmt: skip
 
     def drop_draft(self) -> None:
         """Forget the draft tokens (not verified: a preemption, or no room this step)."""

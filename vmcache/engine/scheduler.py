@@ -119,7 +119,7 @@ class Scheduler:
         """Whether a running sequence still prefilling shares more whole pages with ``seq``
         than the cache holds now: admitted next step instead, ``seq`` finds them cached."""
         kv = self.kv
-        if not kv.prefix.enabled:
+        if not kv.prefix.enabled or seq.needs_prompt_logprobs:
             return False
         page = kv.prefix.tokens_per_block
         hit = kv.prefix.cached_tokens(seq.tokens, seq.req.salt)
@@ -133,11 +133,11 @@ class Scheduler:
     def _admit(self, seq: Seq, budget: int) -> int:
         """Give a waiting sequence a slot, its cached prefix mapped in (prefix caching on),
         if its first chunk (at most ``budget`` tokens) fits; at least its last token is left
-        to compute. Returns the chunk, 0 if it was not admitted."""
+        to compute (every token, when its prompt's log-probabilities are still to report).
+        Returns the chunk, 0 if it was not admitted."""
         kv, n = self.kv, len(seq.tokens)
-        slot = kv.new_sequence(
-            prefix_tokens=seq.tokens if kv.prefix.enabled else None, salt=seq.req.salt
-        )
+        lookup = kv.prefix.enabled and not seq.needs_prompt_logprobs
+        slot = kv.new_sequence(prefix_tokens=seq.tokens if lookup else None, salt=seq.req.salt)
         hit = kv.seq_len(slot)
         if hit >= n:
             kv.beams.truncate(slot, n - 1)
