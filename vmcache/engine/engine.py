@@ -172,9 +172,9 @@ class Engine:
     def _prompt_logprobs(self, seq: Seq, rows: torch.Tensor) -> None:
         """The prompt tokens a prefill chunk's ``rows`` ``[chunk, V]`` predict, reported.
 
-            tokens:  p0  p1  p2 | p3  p4  p5 | p6 ...      chunk [cached, cached + chunk)
-            rows:               | r3  r4  r5 |             row j predicts position cached+j+1
-            reported: p4, p5 and p6 (p0 has no context: None)
+        tokens:  p0  p1  p2 | p3  p4  p5 | p6 ...      chunk [cached, cached + chunk)
+        rows:               | r3  r4  r5 |             row j predicts position cached+j+1
+        reported: p4, p5 and p6 (p0 has no context: None)
         """
         prompt, out = seq.req.prompt, seq.prompt_logprobs
         if not out:
