@@ -222,7 +222,7 @@ BAD = [  # (route, body, status, param)
     ("chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]},
      404, "model"),
     ("completions", {"model": MODEL, "prompt": "x " * 1200, "max_tokens": 4}, 400, "max_tokens"),
-    ("completions", {"model": MODEL, "prompt": [10**9], "max_tokens": 4}, 400, "max_tokens"),
+    ("completions", {"model": MODEL, "prompt": [10**9], "max_tokens": 4}, 400, "prompt"),
 ]  # fmt: skip
 
 

@@ -8,7 +8,7 @@ from real_model import smol
 from vmcache.server.protocol import APIError, Limits, parse
 from vmcache.server.text import Detokenizer, StopMatcher
 
-LIMITS = Limits("m", max_seq_len=512, max_n=4)
+LIMITS = Limits("m", max_seq_len=512, max_n=4, vocab_size=100)
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -20,7 +20,7 @@ def test_a_good_request_becomes_a_job_with_openais_defaults():
                  "stop": "x", "top_k": -1, "seed": 7, "stream": True,
                  "stream_options": {"include_usage": True}, "user": "ignored"},
                 "completion", LIMITS)  # fmt: skip
-    assert job.prompt == (5, 6) and job.params.max_new_tokens == 3 and job.params.n == 2
+    assert job.prompts == ((5, 6),) and job.params.max_new_tokens == 3 and job.params.n == 2
     assert job.stops == ("x",) and job.params.top_k == 0 and job.include_usage
     assert parse({"model": "m", "prompt": "a"}, "completion", LIMITS).max_tokens == 16
     parts = {**CHAT, "messages": [{"role": "developer", "content": [
@@ -31,12 +31,35 @@ def test_a_good_request_becomes_a_job_with_openais_defaults():
     assert parse({**CHAT, "seed": -(2**63)}, "chat", LIMITS).params.seed == -(2**63)
 
 
+def test_what_clients_and_harnesses_send_is_served():
+    batch = parse({"model": "m", "prompt": ["a", "b"], "logprobs": 0, "echo": True,
+                   "max_tokens": 0}, "completion", LIMITS)  # fmt: skip
+    assert batch.prompts == ("a", "b") and batch.echo and batch.max_tokens == 0
+    assert batch.params.logprobs == 0 and batch.params.prompt_logprobs == 0
+    ids = parse({"model": "m", "prompt": [[1, 2], [3]], "logprobs": 5}, "completion", LIMITS)
+    assert ids.prompts == ((1, 2), (3,)) and ids.params.prompt_logprobs is None
+    job = parse({**CHAT, "logprobs": True, "top_logprobs": 3, "frequency_penalty": -1,
+                 "presence_penalty": 0.5, "logit_bias": {"7": -100, "3": 2},
+                 "repetition_penalty": 1.1}, "chat", LIMITS)  # fmt: skip
+    p = job.params
+    assert p.logprobs == 3 and p.prompt_logprobs is None and p.logit_bias == ((3, 2.0), (7, -100.0))
+    assert (p.frequency_penalty, p.presence_penalty, p.repetition_penalty) == (-1, 0.5, 1.1)
+    assert parse({**CHAT, "logprobs": True}, "chat", LIMITS).params.logprobs == 0
+    assert parse({**CHAT, "logprobs": False}, "chat", LIMITS).params.logprobs is None
+    tool = {**CHAT, "messages": [{"role": "tool", "content": "42"}]}  # a template's own role
+    assert parse(tool, "chat", LIMITS).messages == ({"role": "tool", "content": "42"},)
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    assert parse({**CHAT, "stream": True, "stream_options": opts}, "chat", LIMITS).continuous_usage
+
+
 BAD = [
     ("chat", [1, 2], None),
     ("chat", {"messages": CHAT["messages"]}, "model"),
     ("chat", {**CHAT, "model": 3}, "model"),
     ("chat", {**CHAT, "messages": []}, "messages"),
-    ("chat", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    ("chat", {**CHAT, "messages": [{"role": "", "content": "x"}]}, "messages"),
+    ("chat", {**CHAT, "messages": [{"role": 5, "content": "x"}]}, "messages"),
+    ("chat", {**CHAT, "messages": [{"role": "r" * 65, "content": "x"}]}, "messages"),
     ("chat", {**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages"),
     (
         "chat",
@@ -64,14 +87,35 @@ BAD = [
     ("chat", {**CHAT, "stream": "yes"}, "stream"),
     ("chat", {**CHAT, "stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
     ("chat", {**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
-    ("chat", {**CHAT, "logprobs": True}, "logprobs"),
-    ("chat", {**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
+    ("chat", {**CHAT, "logprobs": 1}, "logprobs"),
+    ("chat", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ("chat", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {**CHAT, "presence_penalty": 2.5}, "presence_penalty"),
+    ("chat", {**CHAT, "frequency_penalty": "x"}, "frequency_penalty"),
+    ("chat", {**CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+    ("chat", {**CHAT, "logit_bias": {"x": 1}}, "logit_bias"),
+    ("chat", {**CHAT, "logit_bias": {"100": 1}}, "logit_bias"),
+    ("chat", {**CHAT, "logit_bias": {"5": 101}}, "logit_bias"),
+    ("chat", {**CHAT, "logit_bias": [1]}, "logit_bias"),
+    ("chat", {**CHAT, "echo": True}, "echo"),
+    (
+        "chat",
+        {**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": 1}},
+        "stream_options",
+    ),
     ("chat", {**CHAT, "stop_token_ids": [-1]}, "stop_token_ids"),
     ("completion", {"model": "m"}, "prompt"),
     ("completion", {"model": "m", "prompt": ""}, "prompt"),
-    ("completion", {"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    ("completion", {"model": "m", "prompt": ["a", ""]}, "prompt"),
     ("completion", {"model": "m", "prompt": [1, "a"]}, "prompt"),
-    ("completion", {"model": "m", "prompt": "a", "echo": True}, "echo"),
+    ("completion", {"model": "m", "prompt": [[1], "a", []]}, "prompt"),
+    ("completion", {"model": "m", "prompt": [100]}, "prompt"),
+    ("completion", {"model": "m", "prompt": [[1], [-1]]}, "prompt"),
+    ("completion", {"model": "m", "prompt": ["a"] * 257}, "prompt"),
+    ("completion", {"model": "m", "prompt": "a", "echo": 1}, "echo"),
+    ("completion", {"model": "m", "prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ("completion", {"model": "m", "prompt": "a", "logprobs": 21}, "logprobs"),
+    ("completion", {"model": "m", "prompt": "a", "logprobs": True}, "logprobs"),
 ]
 
 

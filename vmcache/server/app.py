@@ -20,13 +20,16 @@ import uuid
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from vmcache.models import chat_ids
 from vmcache.server import protocol
-from vmcache.server.loop import Delta, Done, EngineLoop, Failed, with_max_tokens
+from vmcache.server.choices import Choices
+from vmcache.server.loop import Delta, Done, EngineLoop, Failed, Options, with_max_tokens
 from vmcache.server.metrics import Metrics
 from vmcache.server.protocol import APIError, Limits, check_model
 
@@ -34,7 +37,8 @@ PING_S = 1.0  # a stream's keep-alive: how soon a vanished client is noticed whi
 
 
 def _error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None  # RFC 6750
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 GONE = object()  # a subscription's event: the client disconnected (its request aborted)
@@ -103,11 +107,16 @@ class Server:
 
     def __init__(self, loop: EngineLoop, model_name: str, *, api_key: str | None = None,
                  max_body_bytes: int = 1 << 20, request_timeout_s: float = 600.0,
-                 metrics: Metrics | None = None) -> None:  # fmt: skip
+                 metrics: Metrics | None = None,
+                 cors_origins: tuple[str, ...] = ()) -> None:  # fmt: skip
+        """``cors_origins``: the browser origins allowed to call (CORS; none by default,
+        ``"*"`` only when named)."""
         self.loop, self.api_key = loop, api_key
+        self.cors_origins = tuple(cors_origins)
         self.max_body_bytes, self.request_timeout_s = max_body_bytes, request_timeout_s
         kv = loop.engine.kv
-        self.limits = Limits(model_name, kv.config.max_seq_len, kv.config.max_seqs)
+        self.limits = Limits(model_name, kv.config.max_seq_len, kv.config.max_seqs,
+                             loop.engine.vocab)  # fmt: skip
         self.metrics = metrics
         self.created = int(time.time())
 
@@ -118,7 +127,12 @@ class Server:
                   Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/metrics", self.render_metrics)]  # fmt: skip
         handlers = {HTTPException: self._http_error, Exception: self._internal_error}
-        return Starlette(routes=routes, exception_handlers=handlers)
+        middleware = []
+        if self.cors_origins:
+            cors = dict(allow_origins=list(self.cors_origins), allow_methods=["GET", "POST"],
+                        allow_headers=["Authorization", "Content-Type"], max_age=600)  # fmt: skip
+            middleware.append(Middleware(CORSMiddleware, **cors))
+        return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)
 
     # --- errors and guards ---------------------------------------------------------------
     async def _http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
@@ -134,6 +148,7 @@ class Server:
         given = request.headers.get("authorization", "")
         want = f"Bearer {self.api_key}"
         if not hmac.compare_digest(given.encode(), want.encode()):
+            # OpenAI's own 401 body (type invalid_request_error, code invalid_api_key)
             raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
 
     async def _body(self, request: Request):
@@ -190,94 +205,140 @@ class Server:
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, "chat")
 
-    def _tokenize(self, job: protocol.Job) -> list[int]:
+    def _tokenize(self, job: protocol.Job) -> list[tuple[list[int], str]]:
+        """Each prompt's token ids, and its text when the request echoes it."""
         tok = self.loop.tokenizer
         with self.loop.tokenizer_lock:
             if job.kind == "chat":
                 try:
-                    return chat_ids(tok, list(job.messages))
+                    return [(chat_ids(tok, list(job.messages)), "")]
                 except ValueError as e:  # no chat template
                     raise APIError(400, str(e), param="messages") from None
-            if job.prompt is not None:
-                return list(job.prompt)
-            return [int(t) for t in tok(job.text, add_special_tokens=False)["input_ids"]]
+            out = []
+            for p in job.prompts:
+                if isinstance(p, str):
+                    ids = [int(t) for t in tok(p, add_special_tokens=False)["input_ids"]]
+                    if not ids:
+                        raise APIError(400, "the prompt encodes to no tokens", param="prompt")
+                    out.append((ids, p))
+                else:
+                    out.append((list(p), tok.decode(list(p)) if job.echo else ""))
+            return out
+
+    def _submit(self, job: protocol.Job, prompts, sub: _Subscription) -> list[str]:
+        """Every prompt queued as an engine request (events tagged with the prompt's place);
+        all or none: a refusal aborts those queued before it."""
+        silent = job.echo and job.max_tokens == 0  # the prompt's log-probabilities only
+        options = Options(logprobs=job.params.logprobs is not None,
+                          echo_logprobs=job.echo and job.params.logprobs is not None,
+                          silent=silent)  # fmt: skip
+        rids: list[str] = []
+        try:
+            for k, (ids, _) in enumerate(prompts):
+                params = with_max_tokens(job.params, job.max_tokens or (1 if silent else None),
+                                         len(ids), self.limits.max_seq_len)  # fmt: skip
+                sink = lambda ev, k=k: sub.sink((k, ev))  # noqa: E731
+                rids.append(self.loop.submit(ids, params, job.stops, sink, options))
+        except APIError:
+            for rid in rids:
+                self.loop.abort(rid)
+            raise
+        return rids
 
     async def _generate(self, request: Request, kind: str) -> Response:
         sub = _Subscription()
         try:
             self._authorize(request)
+            self._check_content_type(request)
             job = protocol.parse(await self._body(request), kind, self.limits)
-            prompt = await asyncio.to_thread(self._tokenize, job)
-            params = with_max_tokens(job.params, job.max_tokens, len(prompt),
-                                     self.limits.max_seq_len)  # fmt: skip
-            rid = self.loop.submit(prompt, params, job.stops, sub.sink)
+            prompts = await asyncio.to_thread(self._tokenize, job)
+            rids = self._submit(job, prompts, sub)
         except APIError as e:
             return _error(e)
+        abort = lambda: [self.loop.abort(rid) for rid in rids]  # noqa: E731
+        choices = Choices(job, [len(ids) for ids, _ in prompts], [t for _, t in prompts])
         name = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         created = protocol.now_s()
         if job.stream:  # Starlette's stream watches the disconnect and cancels the body
-            return _Stream(self._events(job, sub, name, created, params.n),
-                           lambda: None if sub.finished else self.loop.abort(rid))  # fmt: skip
-        watch = asyncio.create_task(sub.watch(request, lambda: self.loop.abort(rid)))
+            return _Stream(self._events(job, sub, choices, name, created, abort),
+                           lambda: None if sub.finished else abort())  # fmt: skip
+        watch = asyncio.create_task(sub.watch(request, abort))
         try:
-            return await self._whole(job, sub, rid, name, created, params.n)
+            return await self._whole(job, sub, choices, name, created, abort)
         finally:
             watch.cancel()
 
-    async def _events(self, job, sub: _Subscription, name: str, created: int, n: int):
+    def _check_content_type(self, request: Request) -> None:
+        """A body sent as anything but JSON (a form, text) is refused, as OpenAI's API does;
+        a request without a content type is read as JSON."""
+        ctype = request.headers.get("content-type")
+        if ctype is not None and ctype.split(";")[0].strip().lower() != "application/json":
+            raise APIError(415, f"the request body must be application/json, got {ctype!r}",
+                           code="unsupported_media_type")  # fmt: skip
+
+    async def _events(self, job, sub, choices: Choices, name, created, abort):
         model, kind = self.limits.model, job.kind
-        if kind == "chat":  # the role first, as OpenAI streams it
-            first = [protocol.choice(kind, i, "", None, delta=True, first=True) for i in range(n)]
-            yield _sse(protocol.envelope(kind, name, model, created, first, chunk=True))
+        chunk = lambda chs, **kw: _sse(protocol.envelope(kind, name, model, created, chs,  # noqa: E731
+                                                         chunk=True, **kw))  # fmt: skip
+        if kind == "chat":  # the role first, as OpenAI streams it: one chunk per choice
+            for i in choices.indices:
+                yield chunk([protocol.choice(kind, i, "", None, delta=True, first=True)])
         deadline = time.monotonic() + self.request_timeout_s
         while True:
             try:
                 ev = await sub.next(deadline)
             except TimeoutError:
+                abort()
                 yield _sse(APIError(504, "the request timed out", type="server_error").body())
                 return
             if ev is None:
                 yield ": ping\n\n"  # noticed by a write if the client is gone
-            elif isinstance(ev, Delta):
-                ch = protocol.choice(kind, ev.index, ev.text, ev.finish_reason, delta=True)
-                yield _sse(protocol.envelope(kind, name, model, created, [ch], chunk=True))
+                continue
+            k, ev = ev
+            if isinstance(ev, Delta):
+                ch = choices.delta(k, ev)
+                extra = {"usage_": choices.usage(so_far=True)} if job.continuous_usage else {}
+                yield chunk([ch], **extra)
             elif isinstance(ev, Done):
+                if not choices.done(ev):
+                    continue
                 sub.finished = True
                 if job.include_usage:
-                    u = protocol.usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
-                    yield _sse(protocol.envelope(kind, name, model, created, [], chunk=True,
-                                                 usage_=u))  # fmt: skip
+                    yield chunk([], usage_=choices.usage())
                 yield "data: [DONE]\n\n"
                 return
-            else:  # Failed
+            else:  # Failed: the request's other prompts are dropped with it
                 sub.finished = True
+                abort()
                 yield _sse(ev.error.body())
                 return
 
-    async def _whole(self, job, sub, rid, name, created, n) -> Response:
-        texts, reasons = [""] * n, [None] * n
+    async def _whole(self, job, sub, choices: Choices, name, created, abort) -> Response:
         deadline = time.monotonic() + self.request_timeout_s
         while True:
             try:
                 ev = await sub.next(deadline)
             except TimeoutError:
-                self.loop.abort(rid)
+                abort()
                 return _error(APIError(504, "the request timed out", type="server_error"))
             if ev is GONE:  # nobody reads an answer: the request is aborted already
                 return _error(APIError(499, "the client closed the request"))
             if ev is None:
                 continue
+            k, ev = ev
             if isinstance(ev, Delta):
-                texts[ev.index] += ev.text
-                reasons[ev.index] = ev.finish_reason or reasons[ev.index]
+                choices.delta(k, ev)
             elif isinstance(ev, Failed):
+                abort()
                 return _error(ev.error)
-            else:
-                u = protocol.usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
-                choices = [protocol.choice(job.kind, i, texts[i], reasons[i], delta=False)
-                           for i in range(n)]  # fmt: skip
-                return JSONResponse(
-                    protocol.envelope(
-                        job.kind, name, self.limits.model, created, choices, chunk=False, usage_=u
-                    )
+            elif choices.done(ev):
+                body = protocol.envelope(
+                    job.kind,
+                    name,
+                    self.limits.model,
+                    created,
+                    choices.whole(),
+                    chunk=False,
+                    usage_=choices.usage(),
                 )
+                return JSONResponse(body)  # fmt: skip

@@ -97,6 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None,
                    help="the bearer token itself (visible in the process list: prefer "
                         "--api-key-file)")  # fmt: skip
+    p.add_argument("--allowed-origins", default="",
+                   help="comma-separated browser origins allowed to call the API (CORS); "
+                        "none by default, '*' only if named")  # fmt: skip
     p.add_argument("--request-timeout-s", type=_positive(float), default=600.0)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     args = p.parse_args(argv)
@@ -160,8 +163,9 @@ def build_server(args, model=None, tokenizer=None):
     loop = EngineLoop(engine, tokenizer, max_waiting=args.max_waiting, observer=metrics)
     metrics.attach(loop)
     name = args.served_model_name or Path(str(args.model)).name
+    origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     server = Server(loop, name, api_key=args.api_key, metrics=metrics,
-                    request_timeout_s=args.request_timeout_s)  # fmt: skip
+                    request_timeout_s=args.request_timeout_s, cors_origins=origins)  # fmt: skip
     loop.start()
     return server, loop
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vmcache.engine.request import Request
-from vmcache.server.protocol import APIError
+from vmcache.server.protocol import APIError, Logprob
 from vmcache.server.text import Detokenizer, StopMatcher
 
 
@@ -34,6 +34,20 @@ class Delta:
     index: int  # which of the request's n sequences
     text: str  # new text (may be empty on the chunk that carries finish_reason)
     finish_reason: str | None  # "stop" / "length" on its last delta, else None
+    tokens: int = 0  # generated tokens this delta covers (text held back included)
+    logprobs: tuple[Logprob, ...] | None = None  # of those tokens, if the request asked
+    # the prompt's reports (the first token's logprob None), on a sequence's first delta
+    # when the request echoes its prompt with log-probabilities
+    prompt_logprobs: tuple[Logprob, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a request wants reported beyond its text (``submit``'s ``options``)."""
+
+    logprobs: bool = False  # each delta carries its tokens' Logprob (params.logprobs: k)
+    echo_logprobs: bool = False  # a sequence's first delta carries the prompt's
+    silent: bool = False  # generate nothing visible (an echo with max_tokens 0)
 
 
 @dataclass(frozen=True)
@@ -77,6 +91,9 @@ class _Live:
     text: list[str]  # text so far, per sequence
     sent: list[int]  # characters of text already sent
     finish: list[str | None]
+    options: Options = Options()
+    reported: list[int] = field(default_factory=list)  # tokens whose Logprob was sent
+    echoed: list[bool] = field(default_factory=list)  # prompt reports sent, per sequence
     arrival_s: float = field(default_factory=time.perf_counter)
     first_s: float | None = None
 
@@ -114,7 +131,7 @@ class EngineLoop:
         return self._thread.is_alive() and not self._closing.is_set()
 
     def submit(self, prompt: list[int], params, stops: tuple[str, ...],
-               sink: Callable[[Event], None]) -> str:  # fmt: skip
+               sink: Callable[[Event], None], options: Options = Options()) -> str:  # fmt: skip
         """Queue a request; returns its id. :class:`APIError` (nothing queued) when the
         engine would refuse it (400) or the queue is full (429)."""
         if not self.alive:
@@ -122,7 +139,7 @@ class EngineLoop:
         req = Request(f"req-{uuid.uuid4().hex}", tuple(prompt), params)
         try:
             self.engine.check_request(req)  # reads configuration only
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError) as e:  # the protocol checked all but the length
             raise APIError(400, str(e), param="max_tokens",
                            code="context_length_exceeded") from None  # fmt: skip
         with self._lock:
@@ -132,7 +149,8 @@ class EngineLoop:
             self._outstanding += params.n
         n = params.n
         live = _Live(req, sink, [Detokenizer(self.tokenizer, prompt) for _ in range(n)],
-                     StopMatcher(stops), [0] * n, [""] * n, [0] * n, [None] * n)  # fmt: skip
+                     StopMatcher(stops), [0] * n, [""] * n, [0] * n, [None] * n, options,
+                     [0] * n, [False] * n)  # fmt: skip
         self._inbox.put(("add", live))
         return req.req_id
 
@@ -218,6 +236,11 @@ class EngineLoop:
         live.seen[i] += len(toks)
         if live.first_s is None and toks:
             live.first_s = time.perf_counter()
+        if live.options.silent:  # nothing generated is shown: only the end is reported
+            if reason is not None:
+                live.finish[i] = reason
+                live.sink(Delta(i, "", reason, 0, None, self._echo(live, i)))
+            return
         with self.tokenizer_lock:
             piece = live.detok[i].push(toks, final=reason is not None)
         start = len(live.text[i])
@@ -232,12 +255,40 @@ class EngineLoop:
         delta, live.sent[i] = text[live.sent[i] : upto], max(live.sent[i], upto)
         live.finish[i] = reason
         if delta or reason is not None:
-            live.sink(Delta(i, delta, reason))
+            covered, live.reported[i] = live.seen[i] - live.reported[i], live.seen[i]
+            live.sink(Delta(i, delta, reason, covered, self._reports(live, i, covered),
+                            self._echo(live, i)))  # fmt: skip
+
+    def _reports(self, live: _Live, i: int, count: int) -> tuple[Logprob, ...] | None:
+        """The Logprob of sequence ``i``'s last ``count`` generated tokens (if asked)."""
+        if not live.options.logprobs:
+            return None
+        seen, rid = live.seen[i], live.req.req_id
+        return self._wire(self.engine.records.logprobs(rid, i, seen - count, seen))
+
+    def _echo(self, live: _Live, i: int) -> tuple[Logprob, ...] | None:
+        """The prompt's reports, once per sequence (if the request echoes them)."""
+        if not live.options.echo_logprobs or live.echoed[i]:
+            return None
+        live.echoed[i] = True
+        reports = self.engine.records.prompt_logprobs(live.req.req_id)
+        with self.tokenizer_lock:
+            first = Logprob(self.tokenizer.decode([live.req.prompt[0]]), None, ())
+        return (first, *self._wire(reports[1:]))
+
+    def _wire(self, reports: list) -> tuple[Logprob, ...]:
+        """Engine reports (token ids) as text: every token decoded alone."""
+        with self.tokenizer_lock:
+            text = self.tokenizer.decode
+            return tuple(Logprob(text([r.token]), r.logprob,
+                                 tuple((text([t]), lp) for t, lp in r.top))
+                         for r in reports)  # fmt: skip
 
     def _end(self, live: _Live, reason: str | None) -> None:
         """A request is done (finished, aborted or failed): usage to its sink, released."""
         rid = live.req.req_id
-        done = Done(len(live.req.prompt), sum(live.seen), self.engine.records.prefix_hit(rid))
+        generated = 0 if live.options.silent else sum(live.seen)
+        done = Done(len(live.req.prompt), generated, self.engine.records.prefix_hit(rid))
         self._forget(live, rid)
         if reason != "abort":
             live.sink(done)

@@ -3,8 +3,13 @@ as OpenAI's error object, and the response and stream-chunk objects. Pure Python
 framework here, so every rule is testable on its own.
 
 A request is untrusted: every field is type- and range-checked before anything is queued,
-unknown fields are ignored (clients send extras), features we do not serve (log
-probabilities, penalties, echo, several prompts in one request) are refused by name.
+unknown fields are ignored (clients send extras), features we do not serve (a completion's
+``suffix``, tools, ``best_of`` above ``n``, chat ``echo``) are refused by name.
+
+Log-probabilities (completions' ``logprobs``: k; chat's ``logprobs`` and ``top_logprobs``)
+are the model's own distribution, before temperature, penalties and bias (vLLM's default);
+a completion's ``echo`` returns the prompt first, its tokens' log-probabilities computed by
+the same prefill (the first token's null, as OpenAI sends it).
 """
 
 from __future__ import annotations
@@ -13,10 +18,12 @@ import math
 import time
 from dataclasses import dataclass
 
-from vmcache.engine.request import SamplingParams
+from vmcache.engine.request import MAX_LOGPROBS, SamplingParams
 
 MAX_STOPS = 4  # OpenAI's bound on stop strings
 MAX_STOP_CHARS = 256
+MAX_PROMPTS = 256  # prompts one completions request may batch
+MAX_ROLE_CHARS = 64  # a chat message's role: any name the model's template knows
 
 
 class APIError(Exception):
@@ -34,12 +41,22 @@ class APIError(Exception):
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """One token's report on the wire: its text, log-probability, the alternatives."""
+
+    token: str  # the token decoded alone (special tokens kept)
+    logprob: float | None  # None: a prompt's first token (nothing before it)
+    top: tuple[tuple[str, float], ...]  # the k most likely tokens, most likely first
+
+
+@dataclass(frozen=True)
 class Limits:
     """What the served engine can take (checked before a request is queued)."""
 
     model: str  # the one name /v1/models lists and requests must use
     max_seq_len: int  # prompt + new tokens, one sequence
     max_n: int  # sequences one request may ask for (the cache's slots)
+    vocab_size: int | None = None  # token ids a prompt or logit_bias may use (None: unchecked)
 
 
 @dataclass(frozen=True)
@@ -47,14 +64,15 @@ class Job:
     """One checked request: what the engine loop needs and what the response echoes."""
 
     kind: str  # "chat" or "completion"
-    prompt: tuple[int, ...] | None  # token ids (a completion given ids), else None
-    text: str | None  # a completion's prompt text
+    prompts: tuple[tuple[int, ...] | str, ...]  # a completion's prompts (ids or text); chat: ()
     messages: tuple[dict, ...] | None  # a chat's messages, {"role", "content": str}
-    params: SamplingParams
-    max_tokens: int | None  # None: as many as the context leaves (chat's default)
+    params: SamplingParams  # logprobs set when reported, prompt_logprobs for an echo's
+    max_tokens: int | None  # None: as many as the context leaves (chat's default); 0: echo only
     stops: tuple[str, ...]
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # every stream chunk carries the usage so far
+    echo: bool = False  # a completion's text (and log-probabilities) start with its prompt
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -93,15 +111,49 @@ def _stops(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _refuse_unsupported(body: dict) -> None:
-    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions"):
-        if body.get(name) not in (None, False, 0, [], ""):
-            raise _bad(f"'{name}' is not supported by this server", name, "unsupported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
+def _refuse_unsupported(body: dict, kind: str) -> None:
+    names = ("suffix", "tools", "functions") + (("echo",) if kind == "chat" else ())
+    for name in names:
+        if body.get(name) not in (None, False, [], ""):
             raise _bad(f"'{name}' is not supported by this server", name, "unsupported")
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         raise _bad("'best_of' other than n is not supported", "best_of", "unsupported")
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """Alternatives per token to report (None: none): a completion's ``logprobs`` k, or a
+    chat's ``top_logprobs`` when its ``logprobs`` is true."""
+    if kind == "completion":
+        k = _opt(body, "logprobs", (int,), None)
+        name = "logprobs"
+    else:
+        on = _opt(body, "logprobs", (bool,), False)
+        k = _opt(body, "top_logprobs", (int,), None)
+        name = "top_logprobs"
+        if k is not None and not on:
+            raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        k = (k or 0) if on else None
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise _bad(f"'{name}' must be in [0, {MAX_LOGPROBS}], got {k}", name)
+    return k
+
+
+def _logit_bias(body: dict, limits: Limits) -> dict[int, float]:
+    bias = _opt(body, "logit_bias", (dict,), {})
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else None
+        if token is None or (limits.vocab_size is not None and token >= limits.vocab_size):
+            raise _bad(f"'logit_bias' keys must be token ids below {limits.vocab_size}, got "
+                       f"{key!r}", "logit_bias")  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                -100 <= value <= 100):  # fmt: skip
+            raise _bad(f"'logit_bias' values must be numbers in [-100, 100], got {value!r}",
+                       "logit_bias")  # fmt: skip
+        out[token] = float(value)
+    if len(out) > 300:
+        raise _bad("'logit_bias' takes at most 300 tokens", "logit_bias")
+    return out
 
 
 def _messages(body: dict) -> tuple[dict, ...]:
@@ -110,10 +162,11 @@ def _messages(body: dict) -> tuple[dict, ...]:
         raise _bad("'messages' must be a non-empty list", "messages")
     out = []
     for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user",
-                                                            "assistant"):  # fmt: skip
-            raise _bad(f"messages[{i}] needs a role of system, developer, user or assistant",
-                       "messages")  # fmt: skip
+        role = m.get("role") if isinstance(m, dict) else None
+        if not isinstance(role, str) or not 0 < len(role) <= MAX_ROLE_CHARS:
+            raise _bad(f"messages[{i}] needs a role: a string (system, developer, user, "
+                       f"assistant, or any role the model's template knows) of at most "
+                       f"{MAX_ROLE_CHARS} characters", "messages")  # fmt: skip
         content = m.get("content")
         if isinstance(content, list):  # parts: only text ones
             if not all(isinstance(p, dict) and p.get("type") == "text" and
@@ -122,26 +175,30 @@ def _messages(body: dict) -> tuple[dict, ...]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise _bad(f"messages[{i}].content must be a string or text parts", "messages")
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": content})
+        out.append({"role": "system" if role == "developer" else role, "content": content})
     return tuple(out)
 
 
-def _prompt(body: dict) -> tuple[tuple[int, ...] | None, str | None]:
+def _ids(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt)  # fmt: skip
+
+
+def _prompts(body: dict, limits: Limits) -> tuple[tuple[int, ...] | str, ...]:
+    """A completion's prompts: a string, token ids, or a list of either (a batch)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise _bad("'prompt' must not be empty", "prompt")
-        return None, prompt
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):  # fmt: skip
-        return tuple(prompt), None
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise _bad("one prompt per request is supported; send several requests", "prompt",
-                   "unsupported")  # fmt: skip
-    raise _bad("'prompt' must be a non-empty string or list of token ids", "prompt")
+    batch = [prompt] if isinstance(prompt, str) or _ids(prompt) else prompt
+    if not isinstance(batch, list) or not batch or not all(
+            (isinstance(p, str) and p) or _ids(p) for p in batch):  # fmt: skip
+        raise _bad("'prompt' must be a non-empty string, a list of token ids, or a list of "
+                   "either", "prompt")  # fmt: skip
+    if len(batch) > MAX_PROMPTS:
+        raise _bad(f"'prompt' batches at most {MAX_PROMPTS} prompts", "prompt")
+    vocab = limits.vocab_size
+    for p in batch:
+        if not isinstance(p, str) and vocab is not None and not all(0 <= t < vocab for t in p):
+            raise _bad(f"'prompt' token ids must be in [0, {vocab})", "prompt")
+    return tuple(p if isinstance(p, str) else tuple(p) for p in batch)
 
 
 def check_model(model: str, limits: Limits) -> None:
@@ -160,17 +217,20 @@ def parse(body, kind: str, limits: Limits) -> Job:
     if not isinstance(model, str):
         raise _bad("'model' is required (a string)", "model")
     check_model(model, limits)
-    _refuse_unsupported(body)
-    prompt = text = messages = None
+    _refuse_unsupported(body, kind)
+    prompts, messages = (), None
     if kind == "chat":
         messages = _messages(body)
     else:
-        prompt, text = _prompt(body)
+        prompts = _prompts(body, limits)
+    echo = kind == "completion" and _opt(body, "echo", (bool,), False)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else \
         "max_tokens"  # fmt: skip
     max_tokens = _opt(body, name, (int,), None if kind == "chat" else 16)
-    if max_tokens is not None and not 1 <= max_tokens <= limits.max_seq_len:
-        raise _bad(f"'{name}' must be in [1, {limits.max_seq_len}], got {max_tokens}", name)
+    least = 0 if echo else 1  # an echo may generate nothing (its prompt's logprobs only)
+    if max_tokens is not None and not least <= max_tokens <= limits.max_seq_len:
+        raise _bad(f"'{name}' must be in [{least}, {limits.max_seq_len}], got {max_tokens}",
+                   name)  # fmt: skip
     n = _opt(body, "n", (int,), 1)
     if not 1 <= n <= limits.max_n:
         raise _bad(f"'n' must be in [1, {limits.max_n}], got {n}", "n")
@@ -185,8 +245,11 @@ def parse(body, kind: str, limits: Limits) -> Job:
     if options and not stream:  # vLLM's answer too: the options only shape a stream
         raise _bad("'stream_options' is only allowed with 'stream': true", "stream_options")
     include_usage = options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise _bad("'stream_options.include_usage' must be a bool", "stream_options")
+    continuous = options.get("continuous_usage_stats", False)
+    if not isinstance(include_usage, bool) or not isinstance(continuous, bool):
+        raise _bad("'stream_options.include_usage' and '.continuous_usage_stats' must be "
+                   "bools", "stream_options")  # fmt: skip
+    logprobs = _logprobs(body, kind)
     stop_ids = _opt(body, "stop_token_ids", (list,), [])
     if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
         raise _bad("'stop_token_ids' must hold non-negative ints", "stop_token_ids")
@@ -195,9 +258,14 @@ def parse(body, kind: str, limits: Limits) -> Job:
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_lo=True),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0), stop_token_ids=tuple(stop_ids),
-        ignore_eos=_opt(body, "ignore_eos", (bool,), False))  # fmt: skip
-    return Job(kind, prompt, text, messages, params, max_tokens, _stops(body), stream,
-               include_usage)  # fmt: skip
+        ignore_eos=_opt(body, "ignore_eos", (bool,), False), logprobs=logprobs,
+        prompt_logprobs=logprobs if echo else None,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0, open_lo=True),
+        logit_bias=_logit_bias(body, limits))  # fmt: skip
+    return Job(kind, prompts, messages, params, max_tokens, _stops(body), stream,
+               include_usage, continuous, echo)  # fmt: skip
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
@@ -206,17 +274,44 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}  # fmt: skip
 
 
+def completion_logprobs(reports, offset: int) -> dict:
+    """A completion choice's ``logprobs`` (OpenAI's legacy object) for ``reports``
+    (:class:`Logprob`), the first at character ``offset`` of the choice's text. Each
+    ``top_logprobs`` entry holds the k alternatives and the token itself (as vLLM's)."""
+    tokens, values, tops, offsets = [], [], [], []
+    for r in reports:
+        tokens.append(r.token)
+        values.append(r.logprob)
+        tops.append(None if r.logprob is None else {**dict(r.top), r.token: r.logprob})
+        offsets.append(offset)
+        offset += len(r.token)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": offsets}  # fmt: skip
+
+
+def chat_logprobs(reports) -> dict:
+    """A chat choice's ``logprobs``: ``content``, one entry per token with its UTF-8 bytes
+    and its ``top_logprobs`` (the k most likely, most likely first)."""
+
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {"content": [{**entry(r.token, r.logprob), "top_logprobs": [entry(t, v) for t, v in
+                                                                       r.top]}
+                        for r in reports]}  # fmt: skip
+
+
 def choice(kind: str, index: int, text: str, finish: str | None, *, delta: bool,
-           first: bool = False) -> dict:  # fmt: skip
+           first: bool = False, logprobs: dict | None = None) -> dict:  # fmt: skip
     """One choice of a response (``delta``: of a stream chunk)."""
     if kind == "completion":
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     if delta:
         msg = {"role": "assistant", "content": text} if first else {"content": text}
-        return {"index": index, "delta": msg if text or first else {}, "logprobs": None,
+        return {"index": index, "delta": msg if text or first else {}, "logprobs": logprobs,
                 "finish_reason": finish}  # fmt: skip
     return {"index": index, "message": {"role": "assistant", "content": text},
-            "logprobs": None, "finish_reason": finish}  # fmt: skip
+            "logprobs": logprobs, "finish_reason": finish}  # fmt: skip
 
 
 def envelope(kind: str, rid: str, model: str, created: int, choices: list, *, chunk: bool,
