@@ -15,7 +15,7 @@ OLD_STAMP := $(OLD)/.vmcache-installed
 # Without an NVIDIA GPU take the CPU build first, so no multi-GB CUDA build is pulled.
 CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q torch==2.13.0; fi
 
-.PHONY: fetch-model bench bench-vllm bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed bench-server serve readme test test-newest test-oldest test-long coverage compile-sm90 lint \
+.PHONY: fetch-model bench bench-vllm bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed bench-server lm-eval serve readme test test-newest test-oldest test-long coverage compile-sm90 lint \
 	gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -164,3 +164,16 @@ $(VLLM_VENV)/.vmcache-installed:
 
 bench-vllm: $(STAMP) fetch-model $(VLLM_VENV)/.vmcache-installed
 	cd benchmarks && ../$(PY) bench_vllm.py --vllm-python ../$(VLLM_VENV)/bin/python
+
+# lm-evaluation-harness's local-completions model against the server (both caches) on a local
+# multiple-choice file; every log-likelihood checked against the model's teacher-forced one
+# (results/lm-eval-<date>.json). The harness in its own venv: no torch there, only the
+# tokenizer it splits requests with
+LMEVAL_VENV ?= .venv-lmeval
+$(LMEVAL_VENV)/.vmcache-installed:
+	test -x $(LMEVAL_VENV)/bin/python || python3 -m venv $(LMEVAL_VENV)
+	$(LMEVAL_VENV)/bin/pip install -q 'lm_eval[api]==0.4.13' 'transformers>=5.17'
+	touch $@
+
+lm-eval: $(STAMP) fetch-model $(LMEVAL_VENV)/.vmcache-installed
+	cd benchmarks && ../$(PY) lm_eval_check.py --lm-eval-python ../$(LMEVAL_VENV)/bin/python
