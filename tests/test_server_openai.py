@@ -8,11 +8,12 @@ n > 1, usage in every chunk on request, templates' own roles, CORS off unless or
 named, and OpenAI's errors for a wrong key or a form body."""
 
 import json
+import time
 import urllib.request
 
 import pytest
 import torch
-from real_model import QUESTIONS, generate, smol
+from real_model import QUESTIONS, SYSTEM, generate, smol
 from test_engine_logprobs import reference
 from test_server import MODEL, client, http, root, settled, start
 
@@ -192,3 +193,38 @@ def test_errors_for_a_wrong_key_and_a_form_body(srv, real):
         assert e.value.code == 401 and e.value.headers["WWW-Authenticate"] == "Bearer"
         assert (err["type"], err["code"]) == ("invalid_request_error", "invalid_api_key")
     assert http("GET", root(srv) + "/health")[0] == 200
+
+
+def scrape(running) -> dict[str, float]:
+    text = http("GET", root(running) + "/metrics")[1]
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}  # fmt: skip
+
+
+def test_metrics_have_vllms_families_and_idle_prefix_pages_are_not_usage(srv, real):
+    tok = real[1]
+    ids = tok(SYSTEM, add_special_tokens=False)["input_ids"]  # whole pages to index: 600 tokens
+    before = scrape(srv)
+    post(srv, "completions", {"model": MODEL, "prompt": ids, "max_tokens": 6, "temperature": 0,
+                              "ignore_eos": True, "n": 2})  # fmt: skip
+    after = scrape(srv)
+    grew = lambda name: after[f"vmcache:{name}"] - before.get(f"vmcache:{name}", 0)  # noqa: E731
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_inference_time_seconds", "request_prompt_tokens",
+                 "request_generation_tokens", "request_max_num_generation_tokens",
+                 "request_params_n", "request_params_max_tokens"):  # fmt: skip
+        assert grew(f"{name}_count") == 1, name
+    assert grew("request_prompt_tokens_sum") == len(ids)
+    assert grew("request_generation_tokens_sum") == 12 and grew("request_params_n_sum") == 2
+    assert grew("request_params_max_tokens_sum") == 6
+    assert grew("inter_token_latency_seconds_count") == 5  # six tokens, five gaps
+    assert grew("iteration_tokens_total_sum") >= len(ids) + 12 - 1
+    assert grew("iteration_tokens_total_count") >= 6
+    info = [k for k in after if k.startswith("vmcache:cache_config_info{")]
+    assert len(info) == 1 and 'prefix_caching="true"' in info[0] and "max_seqs=" in info[0]
+    assert settled(srv)[0] == 0
+    time.sleep(0.6)  # the loop's snapshot is at most state_every_s old when idle
+    idle = scrape(srv)
+    assert idle["vmcache:kv_pages_used"] > 0 and idle["vmcache:kv_pages_prefix_idle"] > 0
+    assert idle["vmcache:kv_cache_usage_perc"] == 0.0  # nothing runs: the pages are evictable

@@ -24,7 +24,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vmcache.engine.request import Request
+from vmcache.engine.request import Request, Status
+from vmcache.server.observe import Finished, Observer
 from vmcache.server.protocol import APIError, Logprob
 from vmcache.server.text import Detokenizer, StopMatcher
 
@@ -65,20 +66,6 @@ class Failed:
 Event = Delta | Done | Failed
 
 
-class Observer:
-    """What the loop reports as it goes (metrics); the default records nothing."""
-
-    def request_finished(self, usage: Done, ttft_s: float, tpot_s: float | None,
-                         reason: str) -> None:  # fmt: skip
-        """A request ended: its token counts, time to first token and time per output token
-        (None under two tokens), and why its first sequence finished ("stop", "length",
-        "abort", "error")."""
-
-    def engine_state(self, engine) -> None:
-        """Called on the loop thread between steps, at most every ``state_every_s`` (and
-        when idle): a scrape reads what this keeps instead of waiting for a long step."""
-
-
 @dataclass(eq=False)
 class _Live:
     """A request the loop is serving (loop thread only)."""
@@ -95,7 +82,8 @@ class _Live:
     reported: list[int] = field(default_factory=list)  # tokens whose Logprob was sent
     echoed: list[bool] = field(default_factory=list)  # prompt reports sent, per sequence
     arrival_s: float = field(default_factory=time.perf_counter)
-    first_s: float | None = None
+    scheduled_s: float | None = None  # the start of the first step it ran in
+    token_s: list[float] = field(default_factory=list)  # its first sequence's tokens' times
 
 
 class EngineLoop:
@@ -116,6 +104,7 @@ class EngineLoop:
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vmcache-engine", daemon=True)
         self.failures = 0  # steps that raised (loop thread writes)
+        self._counted = 0  # the engine's prompt + generated tokens already reported (loop)
 
     # --- any thread ----------------------------------------------------------------------
     def start(self) -> None:
@@ -176,8 +165,13 @@ class EngineLoop:
             if not engine.scheduler.has_work():
                 continue
             try:
+                started = time.perf_counter()
                 engine.step()
-                self._publish()
+                st = engine.stats
+                done = st.prefill_tokens + st.generated_tokens
+                self.observer.step_finished(done - self._counted)
+                self._counted = done
+                self._publish(started)
             except Exception as e:  # a failed step fails what is in flight, not the server
                 self.failures += 1
                 self._fail_all(APIError(500, f"the engine failed: {type(e).__name__}: {e}",
@@ -219,11 +213,15 @@ class EngineLoop:
             except Exception as e:
                 fut.set_exception(e)
 
-    def _publish(self) -> None:
-        """After a step: every live request's new text to its sink; stop strings applied;
-        finished requests released."""
+    def _publish(self, started_s: float) -> None:
+        """After a step (begun at ``started_s``): every live request's new text to its sink;
+        stop strings applied; finished requests released."""
         engine = self.engine
         for rid, live in list(self._live.items()):
+            if live.scheduled_s is None and any(
+                s.status is not Status.WAITING for s in engine.records.seqs[rid].values()
+            ):
+                live.scheduled_s = started_s  # fmt: skip
             new = engine.records.new_tokens(rid, live.seen)
             reasons = engine.finish_reasons[rid]
             for i, toks in enumerate(new):
@@ -234,8 +232,8 @@ class EngineLoop:
 
     def _advance(self, live: _Live, i: int, toks: list[int], reason: str | None) -> None:
         live.seen[i] += len(toks)
-        if live.first_s is None and toks:
-            live.first_s = time.perf_counter()
+        if i == 0 and toks:
+            live.token_s += [time.perf_counter()] * len(toks)
         if live.options.silent:  # nothing generated is shown: only the end is reported
             if reason is not None:
                 live.finish[i] = reason
@@ -290,13 +288,16 @@ class EngineLoop:
         generated = 0 if live.options.silent else sum(live.seen)
         done = Done(len(live.req.prompt), generated, self.engine.records.prefix_hit(rid))
         self._forget(live, rid)
+        # observed before the client hears: a scrape after the answer sees the request
+        self.observer.request_finished(self._record(live, done.completion_tokens, reason))
         if reason != "abort":
             live.sink(done)
-        now, first = time.perf_counter(), live.first_s
-        ttft = (first if first is not None else now) - live.arrival_s
-        tokens = live.seen[0]
-        tpot = (now - first) / (tokens - 1) if first is not None and tokens > 1 else None
-        self.observer.request_finished(done, ttft, tpot, reason or "error")
+
+    def _record(self, live: _Live, generated: int, reason: str | None) -> Finished:
+        p = live.req.params
+        return Finished(len(live.req.prompt), generated, reason or "error", p.n,
+                        p.max_new_tokens, live.arrival_s, live.scheduled_s,
+                        time.perf_counter(), tuple(live.token_s))  # fmt: skip
 
     def _forget(self, live: _Live, rid: str | None) -> None:
         if rid is not None:
@@ -319,9 +320,7 @@ class EngineLoop:
             with self._lock:
                 self._outstanding -= live.req.params.n
             live.sink(Failed(error))
-            done = Done(len(live.req.prompt), sum(live.seen), 0)
-            self.observer.request_finished(done, time.perf_counter() - live.arrival_s, None,
-                                           "error")  # fmt: skip
+            self.observer.request_finished(self._record(live, sum(live.seen), "error"))
 
 
 def with_max_tokens(params, max_tokens: int | None, prompt_len: int, max_seq_len: int):
