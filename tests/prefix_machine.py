@@ -122,7 +122,7 @@ class PrefixMachine(RuleBasedStateMachine):
         except CacheFull:
             return
         n = self.c.seq_len(s)
-        assert n % tpp(self.c) == 0 and n <= len(ids)
+        assert n % self.c.prefix.hit_unit == 0 and n <= len(ids)
         self.seen["lookups"] += 1
         if n:
             event("prefix hit")

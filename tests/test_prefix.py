@@ -23,7 +23,7 @@ def test_shared_system_prompt_is_held_once(kind):
     c.prefix.publish(a)
     alone = c.stats().physical_pages
     b = c.new_sequence(prefix_tokens=system + [9, 9])
-    hit = 2000 // tpp(c) * tpp(c)
+    hit = 2000 // c.prefix.hit_unit * c.prefix.hit_unit  # whole 16-token units
     assert c.seq_len(b) == hit
     append(c, b, (system + [9, 9])[hit:])
     added = c.stats().physical_pages - alone

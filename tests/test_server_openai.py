@@ -228,3 +228,11 @@ def test_metrics_have_vllms_families_and_idle_prefix_pages_are_not_usage(srv, re
     idle = scrape(srv)
     assert idle["vmcache:kv_pages_used"] > 0 and idle["vmcache:kv_pages_prefix_idle"] > 0
     assert idle["vmcache:kv_cache_usage_perc"] == 0.0  # nothing runs: the pages are evictable
+
+
+def test_a_repeated_217_token_prompt_hits_at_least_208(srv, real):
+    ids = real[1](SYSTEM, add_special_tokens=False)["input_ids"][:217]  # less than a VM block
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "temperature": 0}
+    first, again = post(srv, "completions", body), post(srv, "completions", body)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 208
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from vmcache.bench.latency import StepModel, percentile, summarize
 from vmcache.bench.traces import TraceRequest, token_id
 from vmcache.errors import CacheFull
-from vmcache.prefix.index import whole_pages_shared
+from vmcache.prefix.entry import whole_pages_shared
 
 
 class DoesNotFit(RuntimeError):

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 import torch
 
 from vmcache.engine.compiled import CompiledRunner
-from vmcache.engine.logits import processed, token_logprobs
+from vmcache.engine.logits import pick, record_prompt_logprobs
 from vmcache.engine.records import Records
-from vmcache.engine.request import Request, SamplingParams, Seq, Status, model_eos_ids
+from vmcache.engine.request import Request, Seq, Status, model_eos_ids
 from vmcache.engine.runner import ModelRunner
 from vmcache.engine.scheduler import Scheduler
 from vmcache.engine.speculation import Speculation
-from vmcache.engine.speculative import DraftModel, NgramDrafter, sample
+from vmcache.engine.speculative import DraftModel, NgramDrafter
 from vmcache.engine.stats import EngineStats
 from vmcache.errors import CacheFull
 
@@ -157,36 +157,6 @@ class Engine:
         self.records.register(seq)
         return seq
 
-    def _pick(self, seq: Seq, row: torch.Tensor, greedy: int | None = None) -> int:
-        """``seq``'s next token from its logits ``row`` ``[V]`` (``greedy``: the row's
-        argmax, taken as is when the request changes no logits), its log-probability recorded
-        when the request asks (:mod:`vmcache.engine.logits`)."""
-        p: SamplingParams = seq.req.params
-        if greedy is None or p.processes_logits:
-            row_p = processed(row, p, seq.req.prompt, seq.generated)
-            greedy = sample(row_p, p.temperature, p.top_k, seq.generator, p.top_p, p.min_p)
-        if p.logprobs is not None:
-            seq.logprobs += token_logprobs(row[None], [greedy], p.logprobs)
-        return greedy
-
-    def _prompt_logprobs(self, seq: Seq, rows: torch.Tensor) -> None:
-        """The prompt tokens a prefill chunk's ``rows`` ``[chunk, V]`` predict, reported.
-
-        tokens:  p0  p1  p2 | p3  p4  p5 | p6 ...      chunk [cached, cached + chunk)
-        rows:               | r3  r4  r5 |             row j predicts position cached+j+1
-        reported: p4, p5 and p6 (p0 has no context: None)
-        """
-        prompt, out = seq.req.prompt, seq.prompt_logprobs
-        if not out:
-            out.append(None)
-        lo, first = len(out), seq.cached + 1
-        hi = min(len(prompt), seq.cached + seq.chunk + 1)
-        if lo < first:  # a prefix hit skipped positions: admission must not allow it
-            raise RuntimeError(f"prompt log-probabilities from {lo} missing (prefill at {first})")
-        if lo < hi:
-            sel = rows[lo - first : hi - first]
-            out += token_logprobs(sel, list(prompt[lo:hi]), seq.req.params.prompt_logprobs)
-
     def _append(self, seq: Seq, token: int, in_tokens: bool = False) -> None:
         """``token`` generated for ``seq`` (``in_tokens``: an accepted draft, already at the
         end of its tokens); a finished sequence is freed."""
@@ -216,7 +186,7 @@ class Engine:
                 sib.status, sib.admitted_at = Status.RUNNING, seq.admitted_at
                 sched.running.append(sib)
                 forked.append(sib)
-                self._append(sib, self._pick(sib, logits))
+                self._append(sib, pick(sib, logits))
             else:  # no slot left: it waits and is prefilled on its own later
                 sched.waiting.append(sib)
         return forked
@@ -306,7 +276,7 @@ class Engine:
                 self.speculation.verify(seq, mine, branches, self._append)
                 continue
             if work.prompt_rows[i]:
-                self._prompt_logprobs(seq, logits[starts[i] : starts[i + 1]])
+                record_prompt_logprobs(seq, logits[starts[i] : starts[i + 1]])
             seq.cached += seq.chunk
             if not work.decodes[i]:
                 self.kv.prefix.publish(seq.slot)  # its prompt's full pages, for later requests
@@ -317,7 +287,7 @@ class Engine:
             times[1] = now if times[1] is None else times[1]
             kids = self._fork_siblings(seq, row)  # before the parent's token joins its context
             argmax = greedy[starts[i + 1] - 1] if seq.req.params.temperature == 0 else None
-            self._append(seq, self._pick(seq, row, argmax))
+            self._append(seq, pick(seq, row, argmax))
             if self.on_prefilled is not None and seq.status is Status.RUNNING:
                 self.on_prefilled(seq, [k for k in kids if k.status is Status.RUNNING])
         keep = self.keep_free_pages

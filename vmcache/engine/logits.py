@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vmcache.engine.speculative import sample
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -74,3 +76,36 @@ def processed(row: torch.Tensor, params, prompt: tuple[int, ...], generated: lis
         counts = counts[:vocab].to(out.dtype)
         out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
     return out
+
+
+def pick(seq, row: torch.Tensor, greedy: int | None = None) -> int:
+    """Sequence ``seq``'s next token from its logits ``row`` fp32 ``[V]`` (``greedy``: the
+    row's argmax, taken as is when the request changes no logits), its log-probability
+    recorded on ``seq`` when the request asks."""
+    p = seq.req.params
+    if greedy is None or p.processes_logits:
+        row_p = processed(row, p, seq.req.prompt, seq.generated)
+        greedy = sample(row_p, p.temperature, p.top_k, seq.generator, p.top_p, p.min_p)
+    if p.logprobs is not None:
+        seq.logprobs += token_logprobs(row[None], [greedy], p.logprobs)
+    return greedy
+
+
+def record_prompt_logprobs(seq, rows: torch.Tensor) -> None:
+    """The prompt tokens a prefill chunk's ``rows`` fp32 ``[chunk, V]`` predict, reported on
+    ``seq`` (before its ``cached`` moves past the chunk).
+
+        tokens:  p0  p1  p2 | p3  p4  p5 | p6 ...      chunk [cached, cached + chunk)
+        rows:               | r3  r4  r5 |             row j predicts position cached+j+1
+        reported: p4, p5 and p6 (p0 has no context: None)
+    """
+    prompt, out = seq.req.prompt, seq.prompt_logprobs
+    if not out:
+        out.append(None)
+    lo, first = len(out), seq.cached + 1
+    hi = min(len(prompt), seq.cached + seq.chunk + 1)
+    if lo < first:  # a prefix hit skipped positions: admission must not allow it
+        raise RuntimeError(f"prompt log-probabilities from {lo} missing (prefill at {first})")
+    if lo < hi:
+        sel = rows[lo - first : hi - first]
+        out += token_logprobs(sel, list(prompt[lo:hi]), seq.req.params.prompt_logprobs)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from vmcache.engine.request import Seq, Status
 from vmcache.errors import CacheFull
-from vmcache.prefix.index import whole_pages_shared
+from vmcache.prefix.entry import whole_pages_shared
 
 POLICIES = ("recompute", "swap")
 VICTIMS = ("last", "first")
@@ -121,7 +121,7 @@ class Scheduler:
         kv = self.kv
         if not kv.prefix.enabled or seq.needs_prompt_logprobs:
             return False
-        page = kv.prefix.tokens_per_block
+        page = kv.prefix.hit_unit
         hit = kv.prefix.cached_tokens(seq.tokens, seq.req.salt)
         for a in self.running:
             if a.req.salt != seq.req.salt or a.generated:
@@ -143,9 +143,7 @@ class Scheduler:
             kv.beams.truncate(slot, n - 1)
             hit = n - 1
         chunk = min(n - hit, budget)
-        if not self._room(
-            kv.elastic.pages_for_tokens(hit + chunk) - kv.elastic.pages_for_tokens(hit)
-        ):
+        if not self._room(kv.elastic.grow_pages(slot, chunk)):  # a partial hit: its copy too
             kv.free(slot)
             return 0
         seq.slot, seq.cached = slot, hit

@@ -5,8 +5,12 @@ A chain of entries, one per full block of ``tokens_per_block`` tokens; an entry'
 tokens *and* the same prefix before them, and never across salts:
 
     "You are a helpful ... | ... assistant. User: | hi"      (blocks of 4 tokens)
-     entry A -------------> entry B -------------> (tail: not a full block, not indexed)
+     entry A -------------> entry B -------------> (tail: a partial block)
      pages (a0, a1, ...)    pages (b0, b1, ...)    k pages per table (T tables)
+
+A block longer than 16 tokens is also found by its first 16-token units, and a sequence's
+partial last block is indexed (:mod:`vmcache.prefix.tails`: hits as fine as a 16-token paged
+cache's).
 
 A block is the least run of whole pages that ends on a whole token: one page (k = 1) when a
 page holds whole tokens, else k = lcm(page, token row) / page pages (768-byte rows on 64 KiB
@@ -33,56 +37,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from vmcache.errors import CacheFull
+from vmcache.prefix.entry import Entry, PrefixStats
+from vmcache.prefix.tails import UNIT_TOKENS, Tails
 from vmcache.prefix.tiers.digest import page_digest, salt_bytes
-
-
-def whole_pages_shared(a: Iterable[int], b: Iterable[int], page: int) -> int:
-    """Leading tokens ``a`` and ``b`` have in common, rounded down to whole pages of ``page``
-    tokens (what one could reuse from the other's cached pages)."""
-    common = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        common += 1
-    return common // page * page
-
-
-@dataclass(eq=False)
-class _Entry:
-    key: tuple
-    parent: _Entry | None
-    pages: tuple[int, ...]  # k physical pages per table, table by table
-    children: int = 0
-    last_used: int = 0
-    alone: int = 0  # of its pages, those only the index holds (refcount 1)
-    blocked: int = 0  # children whose subtrees are not wholly reclaimable
-    whole: bool = False  # its pages and every descendant's are only the index's
-    digest: bytes = b""  # its name in the tiers (with tiers only)
-
-    @property
-    def freeable(self) -> bool:
-        return self.alone == len(self.pages) and self.blocked == 0
-
-
-@dataclass
-class PrefixStats:
-    lookups: int = 0
-    lookup_tokens: int = 0
-    hit_tokens: int = 0  # tokens served from the index (their K/V not recomputed)
-    tier_hit_tokens: int = 0  # of those, tokens promoted from host RAM or disk
-    inserted_pages: int = 0
-    evicted_pages: int = 0
-    cached_pages: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
 
 
 @dataclass(eq=False)
@@ -91,13 +54,13 @@ class PrefixIndex:
     tokens_per_block: int  # tokens one entry covers (its k pages per table end on a token)
     pages_per_entry: int  # T·k: the pages of one block in every table
     pages_per_table: int = 1  # k
-    _entries: dict[tuple, _Entry] = field(default_factory=dict)
+    _entries: dict[tuple, Entry] = field(default_factory=dict)
     _tick: int = 0
     _stats: PrefixStats = field(default_factory=PrefixStats)
-    _of_page: dict[int, _Entry] = field(default_factory=dict)  # page -> the entry holding it
+    _of_page: dict[int, Entry] = field(default_factory=dict)  # page -> the entry holding it
     # leaves whose pages only the index holds; _lru orders them by last use, lazily (an
     # item is stale once its entry left _evictable or was used again): O(log n) an eviction
-    _evictable: dict[tuple, _Entry] = field(default_factory=dict)
+    _evictable: dict[tuple, Entry] = field(default_factory=dict)
     _lru: list[tuple[int, int, tuple]] = field(default_factory=list)
     _order: itertools.count = field(default_factory=itertools.count)
     _whole_pages: int = 0  # pages of entries whose whole subtree eviction can free
@@ -105,8 +68,18 @@ class PrefixIndex:
     read_pages: Callable[[list[int]], torch.Tensor] | None = None  # the cache's page bytes
     write_pages: Callable[[list[int], torch.Tensor], None] | None = None
     root: bytes = b""  # the tiers' digest of the empty prefix
+    tails: Tails | None = None  # partial blocks' keys (None: the block is one unit already)
 
-    def _key(self, parent: _Entry | None, tokens: Sequence[int], j: int, salt) -> tuple:
+    def __post_init__(self) -> None:
+        if self.tokens_per_block > UNIT_TOKENS:
+            self.tails = Tails(UNIT_TOKENS, self.tokens_per_block)
+
+    @property
+    def hit_unit(self) -> int:
+        """The granularity of a hit in tokens."""
+        return self.tokens_per_block if self.tails is None else self.tails.unit
+
+    def _key(self, parent: Entry | None, tokens: Sequence[int], j: int, salt) -> tuple:
         """Page ``j`` of ``tokens`` after ``parent``: exact, so no two prefixes collide."""
         P = self.tokens_per_block
         return (id(parent), tuple(tokens[j * P : (j + 1) * P]), salt)
@@ -121,14 +94,34 @@ class PrefixIndex:
                 break
             parent, j = e, j + 1
         if self.tiers is not None:
-            j += len(self._held(parent, tokens, salt, j, len(tokens) // self.tokens_per_block))
-        return j * self.tokens_per_block
+            held = len(self._held(parent, tokens, salt, j, len(tokens) // self.tokens_per_block))
+            if held:
+                return (j + held) * self.tokens_per_block
+        extra = 0 if self.tails is None else self.tails.find(parent, self._rest(tokens, j), salt)[1]
+        return j * self.tokens_per_block + extra
 
-    def match(self, tokens: Sequence[int], salt=None, max_pages: int | None = None) -> list[_Entry]:
+    def _rest(self, tokens: Sequence[int], j: int) -> Sequence[int]:
+        return tokens[j * self.tokens_per_block : (j + 1) * self.tokens_per_block]
+
+    def match_tail(self, parent: Entry | None, tokens: Sequence[int], j: int, salt=None,
+                   limit: int | None = None) -> tuple[Entry | None, int]:  # fmt: skip
+        """After the full blocks ``match`` found (the last ``parent``, ``j`` of them): the tail
+        sharing the most 16-token units with block ``j`` of ``tokens`` (at most ``limit``
+        tokens), touched as used; (entry, tokens shared) or (None, 0)."""
+        if self.tails is None:
+            return None, 0
+        rest = self._rest(tokens, j)
+        e, n = self.tails.find(parent, rest[:limit] if limit is not None else rest, salt)
+        if e is not None:
+            self._touch(e)
+            self._stats.hit_tokens += n
+        return e, n
+
+    def match(self, tokens: Sequence[int], salt=None, max_pages: int | None = None) -> list[Entry]:
         """The longest run of cached full pages (at most ``max_pages``) that starts
         ``tokens``, touched as used; with tiers, their next pages promoted if they hold them."""
         self._tick += 1
-        found: list[_Entry] = []
+        found: list[Entry] = []
         n = len(tokens) // self.tokens_per_block
         n = n if max_pages is None else min(n, max_pages)
         for j in range(n):
@@ -159,7 +152,7 @@ class PrefixIndex:
             out.append(d)
         return out
 
-    def _promote(self, found: list[_Entry], tokens, salt, n: int) -> None:
+    def _promote(self, found: list[Entry], tokens, salt, n: int) -> None:
         """Extend ``found`` by the pages the tiers hold next: fresh pages allocated (which may
         evict, i.e. demote, colder entries; ``found`` is pinned meanwhile), filled in one copy,
         indexed like inserted ones. No room or a corrupt tier file: fewer (or no) pages."""
@@ -194,10 +187,14 @@ class PrefixIndex:
         finally:
             self.pool.decref(pinned)
 
-    def _add(self, key: tuple, parent: _Entry | None, pages: tuple[int, ...], digest: bytes):
-        """A new entry over ``pages`` (the index's reference already counted)."""
-        e = _Entry(key, parent, pages, digest=digest)
+    def _add(self, key: tuple, parent: Entry | None, pages: tuple[int, ...], digest: bytes,
+             partial: bool = False) -> Entry:  # fmt: skip
+        """A new entry over ``pages`` (the index's reference already counted), found by its
+        key (``key[1]``: its tokens) and by its unit prefixes."""
+        e = Entry(key, parent, pages, digest=digest, partial=partial)
         self._entries[key] = e
+        if self.tails is not None:
+            e.unit_keys = self.tails.register(e, parent, key[1], key[2])
         for p in pages:
             self._of_page[p] = e
         if parent is not None:
@@ -222,6 +219,10 @@ class PrefixIndex:
             e = self._entries.get(key)
             if e is None:
                 pages = tuple(t[j * k + m] for t in tables for m in range(k))
+                for p in pages:  # the block a tail began, now whole: the tail gives way
+                    held = self._of_page.get(p)
+                    if held is not None and held.partial:
+                        self._drop(held)
                 self.pool.incref(pages)
                 digest = b""
                 if self.tiers is not None:
@@ -231,21 +232,68 @@ class PrefixIndex:
                 new += len(e.pages)
             self._touch(e)
             parent = e
+        if self.tails is not None and n == len(tokens) // P:
+            new += self._insert_tail(parent, tokens, tables, n, salt)
         self._stats.inserted_pages += new
         return new
 
-    def _touch(self, e: _Entry) -> None:
+    def _insert_tail(self, parent, tokens, tables, j: int, salt) -> int:
+        """Block ``j`` of ``tokens``, partial, indexed as a tail over the pages its whole
+        units lie in (skipped when it is indexed already or one of its pages is)."""
+        rest = self._rest(tokens, j)
+        units = self.tails.units(len(rest))
+        if units == 0:
+            return 0
+        found, n = self.tails.find(parent, rest, salt)
+        if n == units * self.tails.unit:  # as far as it goes, indexed already
+            self._touch(found)
+            return 0
+        k, P = self.pages_per_table, self.tokens_per_block
+        need = -(-units * self.tails.unit * k // P)  # pages per table over those units
+        if min(len(t) for t in tables) < j * k + need:
+            return 0
+        pages = tuple(t[j * k + m] for t in tables for m in range(need))
+        if any(p in self._of_page for p in pages):
+            return 0
+        self.pool.incref(pages)
+        e = self._add((id(parent), tuple(rest[: units * self.tails.unit]), salt), parent, pages,
+                      b"", partial=True)  # fmt: skip
+        self._touch(e)
+        return len(pages)
+
+    def _drop(self, e: Entry) -> None:
+        """Drop leaf ``e`` now, though sequences may map its pages (its references go)."""
+        self._unlink(e)
+        self.pool.set_indexed(e.pages, False)
+        self.pool.decref(e.pages)
+
+    def _unlink(self, e: Entry) -> None:
+        """Leaf ``e`` out of the index's tables (its pool references not dropped yet)."""
+        del self._entries[e.key]
+        self._evictable.pop(e.key, None)
+        if e.whole:
+            self._whole_pages -= len(e.pages)
+        for p in e.pages:
+            del self._of_page[p]
+        if self.tails is not None:
+            self.tails.unregister(e, e.unit_keys)
+        if e.parent is not None:
+            e.parent.children -= 1
+            e.parent.blocked -= 0 if e.whole else 1
+            self._refresh(e.parent)
+
+    def _touch(self, e: Entry) -> None:
         e.last_used = self._tick
         if e.key in self._evictable:  # used now: its old place in _lru goes stale
             self._push(e)
 
-    def _push(self, e: _Entry) -> None:
+    def _push(self, e: Entry) -> None:
         if len(self._lru) > 2 * len(self._evictable) + 64:  # mostly stale: rebuild
             self._lru = [(x.last_used, next(self._order), k) for k, x in self._evictable.items()]
             heapq.heapify(self._lru)
         heapq.heappush(self._lru, (e.last_used, next(self._order), e.key))
 
-    def _refresh(self, e: _Entry | None) -> None:
+    def _refresh(self, e: Entry | None) -> None:
         """After ``e``'s pages or children changed: its place among the evictable leaves,
         and whether its subtree is wholly reclaimable (which may change its parent's, and
         so on up the chain: O(depth))."""
@@ -276,7 +324,7 @@ class PrefixIndex:
         and every descendant's, only the index holds (kept as refcounts change, O(1) here)."""
         return self._whole_pages
 
-    def _pop_lru(self) -> _Entry:
+    def _pop_lru(self) -> Entry:
         while True:
             used, _, key = heapq.heappop(self._lru)
             e = self._evictable.get(key)
@@ -288,33 +336,28 @@ class PrefixIndex:
         its last child goes, and takes its own place by its last use), until ``pages`` pages
         went back to the pool or nothing evictable is left; returns pages freed.
         O(log entries) per entry evicted."""
-        gone: list[_Entry] = []
+        gone: list[Entry] = []
         freed = 0
         while freed < pages and self._evictable:
             e = self._pop_lru()
-            del self._evictable[e.key], self._entries[e.key]
-            self._whole_pages -= len(e.pages)  # a leaf alone in its pages: it was whole
-            for p in e.pages:
-                del self._of_page[p]
-            if e.parent is not None:
-                e.parent.children -= 1
-                self._refresh(e.parent)
+            self._unlink(e)  # a leaf alone in its pages: it was whole
             gone.append(e)
             freed += len(e.pages)
         self._demote_and_drop(gone)
         self._stats.evicted_pages += freed
         return freed
 
-    def _demote_and_drop(self, entries: list[_Entry]) -> list[int]:
+    def _demote_and_drop(self, entries: list[Entry]) -> list[int]:
         """Hand ``entries`` (least recently used first) to the tiers, if any, in one copy while
         their pages are still the index's, then drop the index's references (also when the
         demotion fails: its entries are then a later miss, never a lost page); returns their
         pages."""
         pages = [p for e in entries for p in e.pages]
         try:
-            if self.tiers is not None and entries:
-                data = self.read_pages(pages)
-                self.tiers.demote([e.digest for e in entries], data, self.pages_per_entry)
+            blocks = [e for e in entries if not e.partial]  # tails are not demoted
+            if self.tiers is not None and blocks:
+                data = self.read_pages([p for e in blocks for p in e.pages])
+                self.tiers.demote([e.digest for e in blocks], data, self.pages_per_entry)
         finally:
             self.pool.set_indexed(pages, False)
             self.pool.decref(pages)
@@ -331,6 +374,8 @@ class PrefixIndex:
         entries = sorted(self._entries.values(), key=lambda e: e.last_used)
         self._entries.clear()
         self._of_page.clear()
+        if self.tails is not None:
+            self.tails.clear()
         self._evictable.clear()
         self._lru.clear()
         self._whole_pages = 0

@@ -17,6 +17,8 @@ them, and the page arithmetic a scheduler admits by.
     can_allocate(n)           whether n pages could be allocated now
     pages_for_tokens(n)       pages a new sequence of n tokens maps (every table)
     mapped_pages(s)           pages sequence s maps now (shared ones per sequence)
+    grow_pages(s, n)          pages grow(s, n) would allocate now (shared ones it writes:
+                              copied first)
     free_slots                sequence slots free now
 
 A cache over a :class:`~vmcache.memory.ledger.SharedBudget` draws pages from a budget several
@@ -70,6 +72,14 @@ class Elastic:
     def pages_for_tokens(self, n: int) -> int:
         """Pages a new sequence of ``n`` tokens maps (every table), for admission planning."""
         return self._c._pages_for_tokens(n)
+
+    def grow_pages(self, s: int, n: int) -> int:
+        """Pages ``grow(s, n)`` would allocate now: new pages past those reserved, and the
+        shared pages it writes into, copied first (a fork's, or a prefix hit's partial last
+        page): what an admission must find room for."""
+        c = self._c
+        s = c._check_seq(s)
+        return reserve.grow_need(c, s, c._grow_plan(s, n))
 
     def mapped_pages(self, s: int) -> int:
         """Pages sequence ``s`` maps, every table: its tables' mapped pages (shared ones

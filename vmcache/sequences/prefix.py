@@ -5,6 +5,8 @@ new sequence's cached prefix, indexing a sequence's pages, and the questions a s
                           its entries, LRU eviction, stats, tiers
     enabled               whether prefix caching is on
     tokens_per_block      tokens one cached block holds (None when off)
+    hit_unit              the granularity of a hit in tokens: 16 (a partial block found in
+                          16-token units) or the block when it is shorter (None when off)
     publish(s)            index ``s``'s full pages of known tokens now (``free`` does it too)
     cached_tokens(ids)    leading tokens a new sequence would find cached now
     tier_stats()          the tiers' counters (None without tiers)
@@ -54,21 +56,32 @@ class Prefix:
     def tokens_per_block(self) -> int | None:
         return None if self.index is None else self.index.tokens_per_block
 
+    @property
+    def hit_unit(self) -> int | None:
+        return None if self.index is None else self.index.hit_unit
+
     def attach(self, s: int, tokens: list[int]) -> None:
-        """Map the cached blocks that begin ``tokens`` into new sequence ``s`` (nothing
-        copied); its length is then the tokens found."""
+        """Map the cached blocks that begin ``tokens`` into new sequence ``s``, and the pages
+        of a partial block's tail after them (nothing copied: the first write into a shared
+        page copies it); its length is then the tokens found."""
         c, ix = self._c, self.index
-        entries = ix.match(
-            tokens, c._seqs.salt(s), max_pages=c.config.max_seq_len // ix.tokens_per_block
-        )
-        if not entries:
+        P, salt = ix.tokens_per_block, c._seqs.salt(s)
+        entries = ix.match(tokens, salt, max_pages=c.config.max_seq_len // P)
+        full = len(entries) * P
+        tail, extra = ix.match_tail(entries[-1] if entries else None, tokens, len(entries), salt,
+                                    limit=c.config.max_seq_len - full)  # fmt: skip
+        if not entries and tail is None:
             return
         (g,) = c._groups
         k = ix.pages_per_table
         rows = [[p for e in entries for p in e.pages[i * k : (i + 1) * k]] for i in range(c._T)]
+        if tail is not None:  # the pages its matched units lie in, of each table's
+            per, need = len(tail.pages) // c._T, -(-extra * k // P)
+            for i, r in enumerate(rows):
+                r += tail.pages[i * per : i * per + need]
         c._tx.attach_row(s, g.ids, 0, rows)
         c._pool.incref([p for r in rows for p in r])
-        n = len(entries) * ix.tokens_per_block
+        n = full + extra
         g.open(s, rows)
         c._seqs.set_tokens(s, tokens[:n])
         c._set_len(s, n)
