@@ -45,6 +45,14 @@ def load(name, doc) -> str:
         if paged:
             verdict += (f" PagedKVCache / VMKVCache tok/s: "
                         f"{', '.join(f(x) for x in paged)}.")  # fmt: skip
+        ttft = [(c, by[("vm", c)]["ttft_p50_s"] / by[("paged", c)]["ttft_p50_s"]) for c in levels
+                if ("vm", c) in by and ("paged", c) in by]  # fmt: skip
+        if ttft:
+            top, ratio = ttft[-1]
+            verdict += (f" TTFT p50, VMKVCache / PagedKVCache: "
+                        f"{', '.join(f(x) + '×' for _, x in ttft)}; at {top} clients "
+                        f"{f(ratio)}× ({'HOLDS' if ratio <= 1.1 else 'MISSED'} the goal of "
+                        "at most 1.1×).")  # fmt: skip
         idle = max(r["idle_servers_cpu_s"] for r in rows)
         verdict += (f" The idle servers used at most {f(idle)} CPU s while another ran"
                     " (interference).\n\n")  # fmt: skip

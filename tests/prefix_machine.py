@@ -128,6 +128,9 @@ class PrefixMachine(RuleBasedStateMachine):
             event("prefix hit")
             self.seen["hits"] += 1
             self.seen["hit tokens"] += n
+            if n % tpp(self.c):
+                event("prefix hit in 16-token units (part of a block)")
+                self.seen["unit hits"] += 1
         self.tokens[s] = ids[:n]
 
     @precondition(lambda self: self.tokens)
