@@ -110,7 +110,7 @@ test: test-newest test-oldest
 # (fetch-model has just parsed the GGUF file under this transformers: its test runs in the
 # oldest tier only)
 test-newest: $(STAMP) fetch-model
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) \
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --durations=15 \
 		--deselect tests/test_models.py::test_the_gguf_file_itself_loads_as_its_converted_copy
 
 # the oldest supported transformers and triton: the drop-in, the engine, the sm_90 compile,
@@ -119,8 +119,8 @@ test-newest: $(STAMP) fetch-model
 # parity up to where it stops (skipped unless fetched: `make test` fetches it first)
 test-oldest: $(OLD_STAMP)
 	$(OLD)/bin/pytest -n $(TEST_WORKERS) tests/test_hf.py tests/test_hf_layers.py \
-		tests/test_hf_assisted.py tests/test_engine.py tests/test_compile_sm90.py \
-		tests/test_hf_adapter.py tests/test_models.py
+		tests/test_hf_assisted.py tests/test_engine.py tests/test_engine_logprobs.py \
+		tests/test_compile_sm90.py tests/test_hf_adapter.py tests/test_models.py
 	$(OLD)/bin/pytest tests/test_hf_sliding.py -k gemma3
 	$(OLD)/bin/pytest tests/test_real_model.py -k stops
 
