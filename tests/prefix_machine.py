@@ -103,14 +103,19 @@ class PrefixMachine(RuleBasedStateMachine):
 
     def _ids(self, data, max_chunks, seeded=False):
         """Whole pages drawn from three page patterns (so the same page recurs under
-        different prefixes), then a short random tail; with ``seeded``, often the start of
-        the cached prompt first."""
+        different prefixes), then a short tail: random, or the start of a pattern (so part of
+        a block recurs: 16-token unit hits); with ``seeded``, often the start of the cached
+        prompt first."""
         P = tpp(self.c)
         head = []
         if seeded and data.draw(st.integers(0, 2)) != 2:  # the simplest draw takes the head
             head = self.seeded[: P * data.draw(st.integers(1, len(self.seeded) // P))]
         chunks = data.draw(st.lists(st.integers(0, 2), max_size=max_chunks - len(head) // P))
-        tail = data.draw(st.lists(st.integers(0, 2), min_size=1 if head else 0, max_size=P))
+        if data.draw(st.booleans()):  # the start of a page pattern: part of a block recurs
+            n = data.draw(st.integers(1 if head else 0, P - 1))
+            tail = self._pages([data.draw(st.integers(0, 2))])[:n]
+        else:
+            tail = data.draw(st.lists(st.integers(0, 2), min_size=1 if head else 0, max_size=P))
         return head + self._pages(chunks) + tail
 
     @rule(data=st.data())
