@@ -64,6 +64,8 @@ class PrefixMachine(RuleBasedStateMachine):
     function of (token, position), so a wrongly shared page breaks the content check."""
 
     kind = "vm"
+    pattern_tails = False  # tails often the start of a page pattern (16-token unit hits)
+    coverage = None  # its PREFIX_COVERAGE key (None: its kind)
 
     def __init__(self):
         super().__init__()
@@ -74,7 +76,7 @@ class PrefixMachine(RuleBasedStateMachine):
         self.tokens: dict[int, list[int]] = {}
         self.swapped: list[tuple[object, list[int]]] = []
         self.seeded: list[int] = []  # the prompt every run starts from (cached)
-        self.seen = PREFIX_COVERAGE.setdefault(type(self).kind, Counter())
+        self.seen = PREFIX_COVERAGE.setdefault(type(self).coverage or type(self).kind, Counter())
 
     @initialize(data=st.data())
     def a_cached_prompt(self, data):
@@ -103,15 +105,15 @@ class PrefixMachine(RuleBasedStateMachine):
 
     def _ids(self, data, max_chunks, seeded=False):
         """Whole pages drawn from three page patterns (so the same page recurs under
-        different prefixes), then a short tail: random, or the start of a pattern (so part of
-        a block recurs: 16-token unit hits); with ``seeded``, often the start of the cached
-        prompt first."""
+        different prefixes), then a short tail: random, or with ``pattern_tails`` often the
+        start of a pattern (so part of a block recurs: 16-token unit hits); with ``seeded``,
+        often the start of the cached prompt first."""
         P = tpp(self.c)
         head = []
         if seeded and data.draw(st.integers(0, 2)) != 2:  # the simplest draw takes the head
             head = self.seeded[: P * data.draw(st.integers(1, len(self.seeded) // P))]
         chunks = data.draw(st.lists(st.integers(0, 2), max_size=max_chunks - len(head) // P))
-        if data.draw(st.booleans()):  # the start of a page pattern: part of a block recurs
+        if self.pattern_tails and data.draw(st.booleans()):  # part of a block recurs
             n = data.draw(st.integers(1 if head else 0, P - 1))
             tail = self._pages([data.draw(st.integers(0, 2))])[:n]
         else:

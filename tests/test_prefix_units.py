@@ -5,8 +5,10 @@ copied first, so neither sees the other's tokens; a tail gives way to the whole 
 owner later publishes; the paged cache's block is the unit already."""
 
 import torch
-from caches import strict_host
-from prefix_machine import append, kv_of, make, tpp
+from caches import examples, record_coverage, strict_host
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
+from prefix_machine import PREFIX_COVERAGE, PrefixMachine, append, kv_of, make, tpp
 
 from vmcache import KVSpec, VMKVCache
 from vmcache.sequences.invariants import check_invariants
@@ -107,3 +109,28 @@ def test_tails_are_evicted_like_blocks_and_never_while_mapped():
     index.reclaim(10**6)
     assert mapped <= set(index.references())  # the one it maps stays
     check_invariants(c)
+
+
+class UnitsMachine(PrefixMachine):
+    """The prefix state machine (K/V a function of token and position, every sequence's
+    contents checked after each step) with prompts whose tails are often the start of a page
+    pattern, so hits on part of a block (tails, a block's first units) happen."""
+
+    kind = "vm"
+    pattern_tails = True
+    coverage = "vm_units"
+
+
+def test_the_units_machine_really_hits_part_of_a_block():
+    PREFIX_COVERAGE.pop("vm_units", None)
+    run_state_machine_as_test(UnitsMachine, settings=settings(
+        max_examples=30, stateful_step_count=30, deadline=None, derandomize=True,
+        database=None))  # fmt: skip
+    seen = PREFIX_COVERAGE["vm_units"]
+    assert seen["unit hits"] >= 1 and seen["hits"] >= 10, seen
+    record_coverage("prefix machine vm (16-token units)", seen)
+
+
+TestUnitsMachine = UnitsMachine.TestCase
+TestUnitsMachine.settings = settings(max_examples=examples(30), stateful_step_count=30,
+                                     deadline=None)  # fmt: skip
