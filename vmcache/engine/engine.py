@@ -266,7 +266,6 @@ class Engine:
         # greedy sequences' tokens: one argmax over every row (not one call per sequence)
         greedy = (logits.argmax(-1).tolist()
                   if any(s.req.params.temperature == 0 for s in batch) else None)  # fmt: skip
-        greedy = greedy or [None] * len(logits)
         for i, seq in enumerate(batch):
             if work.verifies[i]:
                 mine, branches = logits[starts[i] : starts[i + 1]], None

@@ -88,7 +88,7 @@ class SamplingParams:
         if not 0 < self.repetition_penalty <= 10:
             raise ValueError(f"repetition_penalty must be in (0, 10], got "
                              f"{self.repetition_penalty}")  # fmt: skip
-        object.__setattr__(self, "logit_bias", _bias(self.logit_bias))
+        object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
 
     @property
     def processes_logits(self) -> bool:
@@ -101,7 +101,7 @@ MAX_LOGPROBS = 20  # alternatives one position may report (vLLM's default bound,
 MAX_LOGIT_BIAS = 300  # entries of one logit_bias (OpenAI's bound)
 
 
-def _bias(bias) -> tuple[tuple[int, float], ...]:
+def logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     """A logit bias ({id: bias} or (id, bias) pairs) as (id, bias) pairs, ids ascending."""
     pairs = bias.items() if isinstance(bias, dict) else bias
     if isinstance(pairs, (str, bytes)) or not hasattr(pairs, "__iter__"):

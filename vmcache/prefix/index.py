@@ -74,6 +74,10 @@ class PrefixIndex:
         if self.tokens_per_block > UNIT_TOKENS:
             self.tails = Tails(UNIT_TOKENS, self.tokens_per_block)
 
+    def pages_over(self, n_tokens: int) -> int:
+        """Pages of one table a block's first ``n_tokens`` lie in (a partial hit's pages)."""
+        return -(-n_tokens * self.pages_per_table // self.tokens_per_block)
+
     @property
     def hit_unit(self) -> int:
         """The granularity of a hit in tokens."""
@@ -248,8 +252,7 @@ class PrefixIndex:
         if n == units * self.tails.unit:  # as far as it goes, indexed already
             self._touch(found)
             return 0
-        k, P = self.pages_per_table, self.tokens_per_block
-        need = -(-units * self.tails.unit * k // P)  # pages per table over those units
+        k, need = self.pages_per_table, self.pages_over(units * self.tails.unit)
         if min(len(t) for t in tables) < j * k + need:
             return 0
         pages = tuple(t[j * k + m] for t in tables for m in range(need))

@@ -76,7 +76,7 @@ class Prefix:
         k = ix.pages_per_table
         rows = [[p for e in entries for p in e.pages[i * k : (i + 1) * k]] for i in range(c._T)]
         if tail is not None:  # the pages its matched units lie in, of each table's
-            per, need = len(tail.pages) // c._T, -(-extra * k // P)
+            per, need = len(tail.pages) // c._T, ix.pages_over(extra)
             for i, r in enumerate(rows):
                 r += tail.pages[i * per : i * per + need]
         c._tx.attach_row(s, g.ids, 0, rows)

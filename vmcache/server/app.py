@@ -29,7 +29,7 @@ from starlette.routing import Route
 from vmcache.models import chat_ids
 from vmcache.server import protocol
 from vmcache.server.choices import Choices
-from vmcache.server.loop import Delta, Done, EngineLoop, Failed, Options, with_max_tokens
+from vmcache.server.loop import Delta, Done, EngineLoop, Failed, with_max_tokens
 from vmcache.server.metrics import Metrics
 from vmcache.server.protocol import APIError, Limits, check_model
 
@@ -229,16 +229,13 @@ class Server:
         """Every prompt queued as an engine request (events tagged with the prompt's place);
         all or none: a refusal aborts those queued before it."""
         silent = job.echo and job.max_tokens == 0  # the prompt's log-probabilities only
-        options = Options(logprobs=job.params.logprobs is not None,
-                          echo_logprobs=job.echo and job.params.logprobs is not None,
-                          silent=silent)  # fmt: skip
         rids: list[str] = []
         try:
             for k, (ids, _) in enumerate(prompts):
                 params = with_max_tokens(job.params, job.max_tokens or (1 if silent else None),
                                          len(ids), self.limits.max_seq_len)  # fmt: skip
                 sink = lambda ev, k=k: sub.sink((k, ev))  # noqa: E731
-                rids.append(self.loop.submit(ids, params, job.stops, sink, options))
+                rids.append(self.loop.submit(ids, params, job.stops, sink, silent))
         except APIError:
             for rid in rids:
                 self.loop.abort(rid)

@@ -43,15 +43,6 @@ class Delta:
 
 
 @dataclass(frozen=True)
-class Options:
-    """What a request wants reported beyond its text (``submit``'s ``options``)."""
-
-    logprobs: bool = False  # each delta carries its tokens' Logprob (params.logprobs: k)
-    echo_logprobs: bool = False  # a sequence's first delta carries the prompt's
-    silent: bool = False  # generate nothing visible (an echo with max_tokens 0)
-
-
-@dataclass(frozen=True)
 class Done:
     prompt_tokens: int
     completion_tokens: int
@@ -78,7 +69,7 @@ class _Live:
     text: list[str]  # text so far, per sequence
     sent: list[int]  # characters of text already sent
     finish: list[str | None]
-    options: Options = Options()
+    silent: bool = False  # nothing generated is shown (an echo with max_tokens 0)
     reported: list[int] = field(default_factory=list)  # tokens whose Logprob was sent
     echoed: list[bool] = field(default_factory=list)  # prompt reports sent, per sequence
     arrival_s: float = field(default_factory=time.perf_counter)
@@ -120,9 +111,12 @@ class EngineLoop:
         return self._thread.is_alive() and not self._closing.is_set()
 
     def submit(self, prompt: list[int], params, stops: tuple[str, ...],
-               sink: Callable[[Event], None], options: Options = Options()) -> str:  # fmt: skip
+               sink: Callable[[Event], None], silent: bool = False) -> str:  # fmt: skip
         """Queue a request; returns its id. :class:`APIError` (nothing queued) when the
-        engine would refuse it (400) or the queue is full (429)."""
+        engine would refuse it (400) or the queue is full (429). Its deltas carry the
+        generated tokens' log-probabilities when ``params.logprobs`` is set, and a sequence's
+        first delta the prompt's when ``params.prompt_logprobs`` is; ``silent``: no generated
+        text at all, only each sequence's end (an echo with ``max_tokens`` 0)."""
         if not self.alive:
             raise APIError(503, "the engine is not running", type="server_error")
         req = Request(f"req-{uuid.uuid4().hex}", tuple(prompt), params)
@@ -138,7 +132,7 @@ class EngineLoop:
             self._outstanding += params.n
         n = params.n
         live = _Live(req, sink, [Detokenizer(self.tokenizer, prompt) for _ in range(n)],
-                     StopMatcher(stops), [0] * n, [""] * n, [0] * n, [None] * n, options,
+                     StopMatcher(stops), [0] * n, [""] * n, [0] * n, [None] * n, silent,
                      [0] * n, [False] * n)  # fmt: skip
         self._inbox.put(("add", live))
         return req.req_id
@@ -234,7 +228,7 @@ class EngineLoop:
         live.seen[i] += len(toks)
         if i == 0 and toks:
             live.token_s += [time.perf_counter()] * len(toks)
-        if live.options.silent:  # nothing generated is shown: only the end is reported
+        if live.silent:  # nothing generated is shown: only the end is reported
             if reason is not None:
                 live.finish[i] = reason
                 live.sink(Delta(i, "", reason, 0, None, self._echo(live, i)))
@@ -259,14 +253,14 @@ class EngineLoop:
 
     def _reports(self, live: _Live, i: int, count: int) -> tuple[Logprob, ...] | None:
         """The Logprob of sequence ``i``'s last ``count`` generated tokens (if asked)."""
-        if not live.options.logprobs:
+        if live.req.params.logprobs is None:
             return None
         seen, rid = live.seen[i], live.req.req_id
         return self._wire(self.engine.records.logprobs(rid, i, seen - count, seen))
 
     def _echo(self, live: _Live, i: int) -> tuple[Logprob, ...] | None:
         """The prompt's reports, once per sequence (if the request echoes them)."""
-        if not live.options.echo_logprobs or live.echoed[i]:
+        if live.req.params.prompt_logprobs is None or live.echoed[i]:
             return None
         live.echoed[i] = True
         reports = self.engine.records.prompt_logprobs(live.req.req_id)
@@ -285,7 +279,7 @@ class EngineLoop:
     def _end(self, live: _Live, reason: str | None) -> None:
         """A request is done (finished, aborted or failed): usage to its sink, released."""
         rid = live.req.req_id
-        generated = 0 if live.options.silent else sum(live.seen)
+        generated = 0 if live.silent else sum(live.seen)
         done = Done(len(live.req.prompt), generated, self.engine.records.prefix_hit(rid))
         self._forget(live, rid)
         # observed before the client hears: a scrape after the answer sees the request

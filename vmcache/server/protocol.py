@@ -18,7 +18,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from vmcache.engine.request import MAX_LOGPROBS, SamplingParams
+from vmcache.engine.request import MAX_LOGPROBS, SamplingParams, logit_bias_pairs
 
 MAX_STOPS = 4  # OpenAI's bound on stop strings
 MAX_STOP_CHARS = 256
@@ -138,22 +138,21 @@ def _logprobs(body: dict, kind: str) -> int | None:
     return k
 
 
-def _logit_bias(body: dict, limits: Limits) -> dict[int, float]:
+def _logit_bias(body: dict, limits: Limits) -> tuple[tuple[int, float], ...]:
+    """JSON's string keys as token ids below the vocabulary; the values and the count checked
+    by the engine's own rule (:func:`~vmcache.engine.request.logit_bias_pairs`)."""
     bias = _opt(body, "logit_bias", (dict,), {})
-    out = {}
+    ids = {}
     for key, value in bias.items():
         token = int(key) if isinstance(key, str) and key.isdigit() else None
         if token is None or (limits.vocab_size is not None and token >= limits.vocab_size):
             raise _bad(f"'logit_bias' keys must be token ids below {limits.vocab_size}, got "
                        f"{key!r}", "logit_bias")  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                -100 <= value <= 100):  # fmt: skip
-            raise _bad(f"'logit_bias' values must be numbers in [-100, 100], got {value!r}",
-                       "logit_bias")  # fmt: skip
-        out[token] = float(value)
-    if len(out) > 300:
-        raise _bad("'logit_bias' takes at most 300 tokens", "logit_bias")
-    return out
+        ids[token] = value
+    try:
+        return logit_bias_pairs(ids)
+    except (TypeError, ValueError) as e:
+        raise _bad(f"'logit_bias': {e}", "logit_bias") from None
 
 
 def _messages(body: dict) -> tuple[dict, ...]:
