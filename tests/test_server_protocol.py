@@ -10,6 +10,7 @@ from vmcache.server.text import Detokenizer, StopMatcher
 
 LIMITS = Limits("m", max_seq_len=512, max_n=4, vocab_size=100)
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+CHAT_MESSAGES = ({"role": "user", "content": "hi"},)
 
 
 def test_a_good_request_becomes_a_job_with_openais_defaults():
@@ -48,6 +49,15 @@ def test_what_clients_and_harnesses_send_is_served():
     assert parse({**CHAT, "logprobs": False}, "chat", LIMITS).params.logprobs is None
     tool = {**CHAT, "messages": [{"role": "tool", "content": "42"}]}  # a template's own role
     assert parse(tool, "chat", LIMITS).messages == ({"role": "tool", "content": "42"},)
+    no_ops = {
+        "response_format": {"type": "text"},
+        "tool_choice": "none",
+        "min_tokens": 0,
+        "skip_special_tokens": True,
+        "modalities": ["text"],
+        "guided_json": None,
+    }
+    assert parse({**CHAT, **no_ops}, "chat", LIMITS).messages == CHAT_MESSAGES  # change nothing
     opts = {"include_usage": True, "continuous_usage_stats": True}
     assert parse({**CHAT, "stream": True, "stream_options": opts}, "chat", LIMITS).continuous_usage
 
@@ -116,6 +126,17 @@ BAD = [
     ("completion", {"model": "m", "prompt": "a", "max_tokens": 0}, "max_tokens"),
     ("completion", {"model": "m", "prompt": "a", "logprobs": 21}, "logprobs"),
     ("completion", {"model": "m", "prompt": "a", "logprobs": True}, "logprobs"),
+    ("chat", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {**CHAT, "tool_choice": "required"}, "tool_choice"),
+    ("chat", {**CHAT, "min_tokens": 5}, "min_tokens"),
+    ("chat", {**CHAT, "guided_json": {"type": "object"}}, "guided_json"),
+    ("chat", {**CHAT, "skip_special_tokens": False}, "skip_special_tokens"),
+    (
+        "completion",
+        {"model": "m", "prompt": "a", "include_stop_str_in_output": True},
+        "include_stop_str_in_output",
+    ),
+    ("completion", {"model": "m", "prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs"),
 ]
 
 

@@ -4,7 +4,9 @@ framework here, so every rule is testable on its own.
 
 A request is untrusted: every field is type- and range-checked before anything is queued,
 unknown fields are ignored (clients send extras), features we do not serve (a completion's
-``suffix``, tools, ``best_of`` above ``n``, chat ``echo``) are refused by name.
+``suffix``, tools, ``best_of`` above ``n``, chat ``echo``, and any field of
+:data:`NO_OP_ONLY` at a value that would change the output: ``response_format``, guided
+decoding, ``min_tokens``, ...) are refused by name.
 
 Log-probabilities (completions' ``logprobs``: k; chat's ``logprobs`` and ``top_logprobs``)
 are the model's own distribution, before temperature, penalties and bias (vLLM's default);
@@ -111,11 +113,28 @@ def _stops(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
+# fields OpenAI and vLLM clients send that would change the output: served only at the value
+# that changes nothing (None is always fine), refused by name otherwise, never ignored
+NO_OP_ONLY = {
+    "response_format": [{"type": "text"}], "tool_choice": ["none", "auto"],
+    "function_call": ["none", "auto"], "modalities": [["text"]], "audio": [],
+    "min_tokens": [0], "include_stop_str_in_output": [False], "skip_special_tokens": [True],
+    "spaces_between_special_tokens": [True], "bad_words": [[]], "allowed_token_ids": [],
+    "truncate_prompt_tokens": [], "prompt_logprobs": [], "guided_json": [], "guided_regex": [],
+    "guided_choice": [], "guided_grammar": [], "structured_outputs": [],
+}  # fmt: skip
+
+
 def _refuse_unsupported(body: dict, kind: str) -> None:
     names = ("suffix", "tools", "functions") + (("echo",) if kind == "chat" else ())
     for name in names:
         if body.get(name) not in (None, False, [], ""):
             raise _bad(f"'{name}' is not supported by this server", name, "unsupported")
+    for name, no_op in NO_OP_ONLY.items():
+        if body.get(name) is not None and body[name] not in no_op:
+            allowed = ", ".join(map(repr, no_op)) or "null"
+            raise _bad(f"'{name}' is not supported by this server (only {allowed})", name,
+                       "unsupported")  # fmt: skip
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         raise _bad("'best_of' other than n is not supported", "best_of", "unsupported")
 
