@@ -126,9 +126,12 @@ class _Sim:
         self._refresh(g, i)
 
     def _drop(self, g: _Group) -> None:
-        """Free every sequence of ``g`` (known token ids first go to the prefix index)."""
+        """Free every sequence of ``g`` (its known token ids first go to the prefix index,
+        where that needs no other sequence preempted: a drop that preempted could recurse,
+        each victim's sync preempting the next)."""
         for i, h in enumerate(g.handles):
-            if self.alloc.uses_ids:
+            need = g.length - g.synced[i]
+            if self.alloc.uses_ids and (need <= 0 or self.alloc.can_grow(h, need)):
                 self._sync(g, i)
             self.alloc.free(h)
             self.mapped_bytes -= g.mapped[i]
