@@ -15,7 +15,7 @@ OLD_STAMP := $(OLD)/.vmcache-installed
 # Without an NVIDIA GPU take the CPU build first, so no multi-GB CUDA build is pulled.
 CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q torch==2.13.0; fi
 
-.PHONY: fetch-model bench bench-vllm bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed bench-server lm-eval serve readme test test-newest test-oldest test-long coverage compile-sm90 lint \
+.PHONY: fetch-model bench bench-vllm bench-long bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed bench-server lm-eval serve readme test test-newest test-oldest test-long coverage compile-sm90 lint \
 	gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -55,6 +55,11 @@ bench-window: $(STAMP)
 bench-speed: $(STAMP) fetch-model
 	$(PY) benchmarks/bench_speed.py
 	$(PY) benchmarks/bench_speed.py --profile
+
+# long-context decode (512 to 7k tokens, batch 4) against the roofline measured in the same run:
+# the engine (eager, compiled), the drop-in, DynamicCache and StaticCache (docs/results.md)
+bench-long: $(STAMP) fetch-model
+	cd benchmarks && ../$(PY) bench_long.py
 
 # messages, bytes and gloo wall time per sequence hand-off (docs/results.md's hand-off table)
 bench-handoff: $(STAMP)

@@ -29,6 +29,7 @@ from readme_memory import elastic, handoff, tiers, window  # noqa: E402
 from readme_prefix import prefix_shapes  # noqa: E402
 from readme_quant_spec import quant, spec  # noqa: E402
 from readme_real import compute_real, quant_headline, quant_ppl, spec_real  # noqa: E402
+from readme_long import BLOCKS as LONG_BLOCKS  # noqa: E402
 from readme_server import BLOCKS as SERVER_BLOCKS  # noqa: E402
 from readme_speed import BLOCKS as SPEED_BLOCKS  # noqa: E402
 
@@ -219,6 +220,7 @@ BLOCKS = {
     "compute-real": lambda: compute_real(*_ab()),
     **SPEED_BLOCKS,
     **SERVER_BLOCKS,
+    **LONG_BLOCKS,
 }
 
 

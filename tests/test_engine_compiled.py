@@ -15,7 +15,8 @@ from vmcache import KVSpec, VMKVCache, kernels
 from vmcache.engine import Engine, NgramDrafter, Request, SamplingParams
 from vmcache.engine.compiled import unsupported
 from vmcache.kernels.reference import dense_attention
-from vmcache.kernels.step_op import layout_of, step_attention, store_of
+from vmcache.kernels.step_op import step_attention
+from vmcache.sequences.batch import layout_of, store_of
 from vmcache.paged_fallback import PagedKVCache
 from vmcache.sequences.invariants import check_invariants
 

@@ -47,7 +47,8 @@ from transformers.modeling_utils import AttentionInterface
 
 from vmcache.engine.runner import ModelRunner
 from vmcache.hf.attention import no_mask
-from vmcache.kernels.step_op import default_scale, layout_of, step_attention, store_of
+from vmcache.kernels.step_op import default_scale, step_attention
+from vmcache.sequences.batch import layout_of, store_of
 
 COMPILED_ATTN_NAME = "vmcache_compiled_step"
 STEP_KWARG = "vmcache_step"  # the model-forward keyword the step's tensors travel under

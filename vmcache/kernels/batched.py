@@ -14,6 +14,9 @@ padded to the longest of their group and a boolean mask keeps each query to its 
         keep(i, j) = j < kv_len_b − lo_b  and  lo_b + j <= p  [and lo_b + j > p − W]
         padded query rows (i >= q_len_b) keep key 0 only; their output is dropped
 
+A step of float32 decodes on the CPU (no window, no soft-capping) skips all of this:
+:func:`~vmcache.kernels.cpu_decode.decode_rows` reads every history where it lies.
+
 The masks and row indices are built once per step and window (kept in ``batch.memo``),
 then every layer of that group reuses them: per layer, two gathers, one or two SDPA calls
 and one scatter of the outputs, whatever the number of sequences.
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from vmcache.kernels.common import _softcapped, layer_window
+from vmcache.kernels.cpu_decode import available, decode_rows
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,14 @@ def attend_batch(cache, layer: int, q: torch.Tensor, batch, scale: float | None 
     window applied; ``softcap``: Gemma 2's soft-capped logits (eager math, fp32 softmax)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     window = layer_window(cache, layer)
+    if (batch.max_q == 1 and window is None and softcap is None and q.dtype == torch.float32
+            and cache.spec.dtype == torch.float32 and not cache.spec.quantized
+            and q.device.type == "cpu" and available()[0]):  # fmt: skip
+        # decodes only: every history read where it lies, nothing gathered
+        lens = batch.memo.get("kv_lens")
+        if lens is None:
+            lens = batch.memo["kv_lens"] = torch.tensor(batch.kv_lens)
+        return decode_rows(q, *batch.stored(layer), batch.read_index(layer)[0], lens, scale)
     k, v = batch.kv(layer)  # [B, span, N_KV, d_h]
     _, lo, span = batch.read_index(layer)
     key = ("attend", batch.group(layer), window)

@@ -21,6 +21,9 @@ step on the host (:meth:`~vmcache.sequences.batch.StepBatch.write_index`, ``read
         queries grouped as the eager step does     (kernels.batched: decodes in one SDPA
         (plan_groups), causal per sequence          call, prefills padded or one each)
 
+    a step of decodes only, float32 on the CPU: no gather; kernels.cpu_decode reads each
+    sequence's rows in place, where ``read`` says (both caches; VMKVCache's are consecutive)
+
 Full-attention layers and unquantized K/V only (the compiled step checks this once).
 """
 
@@ -32,6 +35,7 @@ import weakref
 import torch
 
 from vmcache.kernels.batched import attend_groups, plan_groups
+from vmcache.kernels.cpu_decode import available, decode_rows
 
 # the last step's groups, planned by its first layer and read by the others: a memo of a pure
 # function, kept for the step's ``lens`` tensor (the same object for every layer of a step;
@@ -50,45 +54,37 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: tor
     k_rows.index_copy_(0, write, k.to(k_rows.dtype))
     v_rows.index_copy_(0, write, v.to(v_rows.dtype))
     b, span = read.shape
-    heads_kv = width // q.shape[2]
-    flat = read.reshape(-1)
-    keys = k_rows.index_select(0, flat).view(b, span, heads_kv, q.shape[2])
-    values = v_rows.index_select(0, flat).view(b, span, heads_kv, q.shape[2])
     last = _LAST_PLAN[0]
     if last is not None and last[0]() is lens and last[1] == span:
         groups = last[2]
     else:  # the step's first layer plans for all of them
         q_lens, kv_lens = lens.tolist()
-        lo = torch.zeros(b, dtype=torch.long)
-        groups = plan_groups(q_lens, kv_lens, lo, span, None, q.device)
+        if _reads_in_place(q, store) and all(n == 1 for n in q_lens):
+            groups = None  # decodes only: the CPU kernel reads the rows where they lie
+        else:
+            lo = torch.zeros(b, dtype=torch.long)
+            groups = plan_groups(q_lens, kv_lens, lo, span, None, q.device)
         _LAST_PLAN[0] = (weakref.ref(lens), span, groups)
+    if groups is None:
+        return decode_rows(q, store, (rows, width, k_at, v_at), read, lens[1], scale)
+    heads_kv = width // q.shape[2]
+    flat = read.reshape(-1)
+    keys = k_rows.index_select(0, flat).view(b, span, heads_kv, q.shape[2])
+    values = v_rows.index_select(0, flat).view(b, span, heads_kv, q.shape[2])
     out = attend_groups(q.to(k_rows.dtype), keys, values, groups, scale)
     return out.to(q.dtype)
+
+
+def _reads_in_place(q: torch.Tensor, store: torch.Tensor) -> bool:
+    """Whether decodes take :func:`~vmcache.kernels.cpu_decode.decode_rows` (float32 on the
+    CPU, the kernel built here) rather than a gather and SDPA."""
+    return (q.device.type == "cpu" and q.dtype == store.dtype == torch.float32
+            and available()[0])  # fmt: skip
 
 
 @step_attention.register_fake
 def _(q, k, v, store, layout, write, read, lens, scale):
     return torch.empty_like(q)
-
-
-def store_of(rows: torch.Tensor) -> torch.Tensor:
-    """The whole storage under ``rows`` as one flat tensor of its dtype (a view: nothing is
-    read or copied, unmapped pages included)."""
-    st = rows.untyped_storage()
-    n = st.nbytes() // rows.element_size()
-    return torch.empty(0, dtype=rows.dtype, device=rows.device).set_(st, 0, (n,), (1,))
-
-
-def layout_of(store: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor) -> torch.Tensor:
-    """int64 ``[4]`` (host): rows, row width, and K's and V's element offsets in ``store``
-    (both ``[rows, width]`` and row-contiguous, in the storage under ``store``)."""
-    at = store.untyped_storage().data_ptr()
-    if (k_rows.untyped_storage().data_ptr() != at or v_rows.untyped_storage().data_ptr() != at
-            or k_rows.shape != v_rows.shape or k_rows.stride() != (k_rows.shape[1], 1)
-            or v_rows.stride() != (v_rows.shape[1], 1)):  # fmt: skip
-        raise ValueError("step_attention needs K and V rows [rows, width], row-contiguous, "
-                         "in the store's storage")  # fmt: skip
-    return torch.tensor([*k_rows.shape, k_rows.storage_offset(), v_rows.storage_offset()])
 
 
 def default_scale(head_dim: int) -> float:

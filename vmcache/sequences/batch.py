@@ -127,6 +127,17 @@ class StepBatch:
                             f"{type(v).__name__}")  # fmt: skip
         c._store_flat(layer, self._write_index(layer), *c._encode(layer, k, v))
 
+    def stored(self, layer: int) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+        """(the storage under ``layer``'s K and V rows as one flat tensor of their dtype, a
+        view: unmapped pages included, never read through it; (rows, R, K's and V's element
+        offsets in it)): where :meth:`read_index`'s rows lie, for a kernel that reads them
+        in place."""
+        c = self._cache
+        self._check(c)
+        k, v = c._flat_rows(layer, 0), c._flat_rows(layer, 1)
+        store = store_of(k)
+        return store, tuple(layout_of(store, k, v).tolist())
+
     def write_index(self, layer: int) -> torch.Tensor:
         """int64 ``[num_tokens]`` (on the cache's device): the flat row of
         ``_flat_rows(layer, ·)`` each new token's K/V goes to, batch order; built once per
@@ -199,3 +210,23 @@ class StepBatch:
         k, v = c._decode(layer, k, v)
         b = len(self.seq_ids)
         return k.view(b, span, *k.shape[1:]), v.view(b, span, *v.shape[1:])
+
+
+def store_of(rows: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``rows`` as one flat tensor of its dtype (a view: nothing is
+    read or copied, unmapped pages included)."""
+    st = rows.untyped_storage()
+    n = st.nbytes() // rows.element_size()
+    return torch.empty(0, dtype=rows.dtype, device=rows.device).set_(st, 0, (n,), (1,))
+
+
+def layout_of(store: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor) -> torch.Tensor:
+    """int64 ``[4]`` (host): rows, row width, and K's and V's element offsets in ``store``
+    (both ``[rows, width]`` and row-contiguous, in the storage under ``store``)."""
+    at = store.untyped_storage().data_ptr()
+    if (k_rows.untyped_storage().data_ptr() != at or v_rows.untyped_storage().data_ptr() != at
+            or k_rows.shape != v_rows.shape or k_rows.stride() != (k_rows.shape[1], 1)
+            or v_rows.stride() != (v_rows.shape[1], 1)):  # fmt: skip
+        raise ValueError("step_attention needs K and V rows [rows, width], row-contiguous, "
+                         "in the store's storage")  # fmt: skip
+    return torch.tensor([*k_rows.shape, k_rows.storage_offset(), v_rows.storage_offset()])

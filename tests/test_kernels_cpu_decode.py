@@ -1,0 +1,85 @@
+"""The CPU decode kernel (vmcache.kernels.cpu_decode) against SDPA over gathered rows, over
+awkward sizes (one key, GQA groups of 1 to 4, head dims not a power of two, scattered and
+repeated rows), and its refusals: nothing is read out of bounds."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vmcache.kernels.cpu_decode import available, decode_rows
+
+pytestmark = pytest.mark.skipif(not available()[0], reason=f"no kernel: {available()[1]}")
+
+
+def _store(rows, width, pad=5):
+    store = torch.randn(pad + 2 * rows * width)
+    return store, (rows, width, pad, pad + rows * width)
+
+
+def _reference(q, store, layout, read, lens, scale):
+    rows, width, k_at, v_at = layout
+    k_rows = store[k_at : k_at + rows * width].view(rows, width)
+    v_rows = store[v_at : v_at + rows * width].view(rows, width)
+    heads, dim = q.shape[1], q.shape[2]
+    out = []
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        k = k_rows[read[b, :n]].view(n, -1, dim).transpose(0, 1)
+        v = v_rows[read[b, :n]].view(n, -1, dim).transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[b][:, None], k, v, scale=scale, enable_gqa=True)
+        out.append(o[:, 0])
+    assert heads % k.shape[0] == 0
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(
+    "batch,heads,heads_kv,dim,span",
+    [(1, 1, 1, 8, 1), (3, 9, 3, 64, 37), (2, 4, 4, 16, 5), (5, 8, 2, 80, 300),
+     (4, 12, 3, 24, 129)],
+)  # fmt: skip
+def test_matches_sdpa_over_gathered_rows(batch, heads, heads_kv, dim, span):
+    g = torch.Generator().manual_seed(batch * 1000 + span)
+    rows = 3 * span + 11
+    store, layout = _store(rows, heads_kv * dim)
+    read = torch.randint(0, rows, (batch, span), generator=g)
+    lens = torch.randint(1, span + 1, (batch,), generator=g)
+    lens[0] = span
+    q = torch.randn(batch, heads, dim, generator=g)
+    out = decode_rows(q, store, layout, read, lens, 0.37)
+    ref = _reference(q, store, layout, read, lens, 0.37)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_reads_only_each_sequences_length():
+    """Rows past a sequence's length are never read: poisoning them changes nothing."""
+    rows, span = 64, 16
+    store, layout = _store(rows, 2 * 8)
+    read = torch.arange(2 * span).view(2, span)
+    lens = torch.tensor([5, 16])
+    q = torch.randn(2, 4, 8)
+    out = decode_rows(q, store, layout, read, lens, 0.5)
+    poisoned = store.clone()
+    k_rows = poisoned[layout[2] : layout[2] + rows * 16].view(rows, 16)
+    k_rows[5:span] = float("nan")  # sequence 0's rows past its 5 tokens
+    torch.testing.assert_close(decode_rows(q, poisoned, layout, read, lens, 0.5), out)
+
+
+def test_refusals():
+    store, layout = _store(10, 16)
+    q = torch.randn(2, 4, 8)
+    read = torch.zeros(2, 3, dtype=torch.long)
+    lens = torch.tensor([1, 3])
+    with pytest.raises(ValueError, match="rows in"):
+        decode_rows(q, store, layout, read + 10, lens, 1.0)
+    with pytest.raises(ValueError, match="rows in"):
+        decode_rows(q, store, layout, read - 1, lens, 1.0)
+    with pytest.raises(ValueError, match="kv_lens"):
+        decode_rows(q, store, layout, read, torch.tensor([0, 3]), 1.0)
+    with pytest.raises(ValueError, match="kv_lens"):
+        decode_rows(q, store, layout, read, torch.tensor([1, 4]), 1.0)
+    with pytest.raises(ValueError, match="end of store"):
+        decode_rows(q, store[:-1], layout, read, lens, 1.0)
+    with pytest.raises(ValueError, match="do not agree"):
+        decode_rows(torch.randn(2, 3, 8), store, layout, read, lens, 1.0)
+    with pytest.raises(TypeError, match="float32"):
+        decode_rows(q.double(), store, layout, read, lens, 1.0)

@@ -1,0 +1,214 @@
+"""Decode attention on the CPU that reads each sequence's K/V rows where they lie: one pass
+over K, one over V, nothing gathered or copied (the torch paths gather the history into a
+padded ``[B, span, N_KV, d_h]`` copy, or run SDPA at a third of the read bandwidth on this
+shape). A small C function, compiled once a process with the system's C compiler into a
+private temporary directory and called through ``ctypes``; where no compiler works,
+:func:`available` says why and callers keep their torch path.
+
+    store  float32 [E]: K rows at ``k_at + r·R``, V rows at ``v_at + r·R`` (R = N_KV · d_h)
+    read   int64 [B, S]: the row of sequence b's position j; kv_len[b] of them are read
+
+    sequence b's positions split into C parts (as many as keep every thread busy, at least
+    MIN_PART_ROWS rows each); the tasks (b, c) run in parallel, each over whole rows in order:
+
+        pass 1   s[hq, j] = scale · q[b, hq] · K[read[b, j], hq / G]    j in part c
+        pass 2   m_c = max_j s,  p = exp(s − m_c),  l_c = Σ_j p            per query head
+        pass 3   o_c = Σ_j p[hq, j] · V[read[b, j], hq / G]
+        merge    out[b, hq] = Σ_c e^(m_c − M) o_c / Σ_c e^(m_c − M) l_c,  M = max_c m_c
+
+A row is read whole (all N_KV heads, 768 B on SmolLM2), once: the step's K/V bytes stream
+from memory once, as a decode's roofline counts them (a task per head reading a third of
+each row ran at a fifth of the bandwidth here).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = r"""
+#include <stdint.h>
+#include <math.h>
+#include <float.h>
+
+/* Sequence b's rows [lo, hi): unnormalized output o [HQ, D], and per query head its max
+   score and sum of exponentials (ml [HQ, 2]); s: scratch [HQ, hi - lo]. */
+static inline __attribute__((always_inline)) void part(
+        const float *qb, const float *store, int64_t k_at, int64_t v_at, const int64_t *rows,
+        int64_t lo, int64_t hi, float *s, float *o, float *ml, int64_t HQ, int64_t G,
+        int64_t D, int64_t R, float scale) {
+    const int64_t n = hi - lo;
+    for (int64_t j = 0; j < n; ++j) {
+        const float *k = store + k_at + rows[lo + j] * R;
+        for (int64_t hq = 0; hq < HQ; ++hq) {
+            const float *qh = qb + hq * D, *kh = k + (hq / G) * D;
+            float acc = 0.f;
+            #pragma omp simd reduction(+:acc)
+            for (int64_t d = 0; d < D; ++d) acc += qh[d] * kh[d];
+            s[hq * n + j] = acc * scale;
+        }
+    }
+    for (int64_t hq = 0; hq < HQ; ++hq) {
+        float *sh = s + hq * n, m = sh[0], sum = 0.f;
+        for (int64_t j = 1; j < n; ++j) m = sh[j] > m ? sh[j] : m;
+        for (int64_t j = 0; j < n; ++j) { sh[j] = expf(sh[j] - m); sum += sh[j]; }
+        ml[2 * hq] = m;
+        ml[2 * hq + 1] = sum;
+        for (int64_t d = 0; d < D; ++d) o[hq * D + d] = 0.f;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        const float *v = store + v_at + rows[lo + j] * R;
+        for (int64_t hq = 0; hq < HQ; ++hq) {
+            const float p = s[hq * n + j], *vh = v + (hq / G) * D;
+            float *oh = o + hq * D;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; ++d) oh[d] += p * vh[d];
+        }
+    }
+}
+
+/* Every sequence's rows split into C parts run in parallel, then merged per sequence. */
+void vmcache_decode(const float *q, const float *store, int64_t k_at, int64_t v_at,
+                    const int64_t *read, const int64_t *lens, float *out, float *scratch,
+                    float *partial, int64_t B, int64_t S, int64_t HQ, int64_t HKV, int64_t D,
+                    int64_t C, float scale, int threads) {
+    const int64_t G = HQ / HKV, R = HKV * D;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t task = 0; task < B * C; ++task) {
+        const int64_t b = task / C, c = task % C, n = lens[b];
+        const int64_t step = (n + C - 1) / C, lo = c * step, hi = lo + step < n ? lo + step : n;
+        float *o = partial + task * HQ * (D + 2), *ml = o + HQ * D;
+        if (lo >= hi) {  /* an empty part: weight 0 in the merge */
+            for (int64_t hq = 0; hq < HQ; ++hq) { ml[2 * hq] = -FLT_MAX; ml[2 * hq + 1] = 0.f; }
+            continue;
+        }
+        const float *qb = q + b * HQ * D;
+        float *s = scratch + (b * S + lo) * HQ;
+        const int64_t *rows = read + b * S;
+        if (D == 64)
+            part(qb, store, k_at, v_at, rows, lo, hi, s, o, ml, HQ, G, 64, R, scale);
+        else if (D == 128)
+            part(qb, store, k_at, v_at, rows, lo, hi, s, o, ml, HQ, G, 128, R, scale);
+        else
+            part(qb, store, k_at, v_at, rows, lo, hi, s, o, ml, HQ, G, D, R, scale);
+    }
+    for (int64_t b = 0; b < B; ++b) {
+        for (int64_t hq = 0; hq < HQ; ++hq) {
+            float m = -FLT_MAX, den = 0.f;
+            for (int64_t c = 0; c < C; ++c) {
+                const float mc = partial[((b * C + c) * HQ * (D + 2)) + HQ * D + 2 * hq];
+                m = mc > m ? mc : m;
+            }
+            float *oh = out + (b * HQ + hq) * D;
+            for (int64_t d = 0; d < D; ++d) oh[d] = 0.f;
+            for (int64_t c = 0; c < C; ++c) {
+                const float *o = partial + (b * C + c) * HQ * (D + 2), *ml = o + HQ * D;
+                if (ml[2 * hq + 1] == 0.f) continue;
+                const float w = expf(ml[2 * hq] - m);
+                den += w * ml[2 * hq + 1];
+                for (int64_t d = 0; d < D; ++d) oh[d] += w * o[hq * D + d];
+            }
+            const float inv = 1.f / den;
+            for (int64_t d = 0; d < D; ++d) oh[d] *= inv;
+        }
+    }
+}
+"""
+
+# -ffast-math: expf and the dot products vectorized (the scores are finite: no inf/NaN logic)
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+MIN_PART_ROWS = 256  # a sequence is split into parts of at least this many rows
+
+
+class _Kernel:
+    """The compiled function, or why there is none (built at the first :func:`kernel`)."""
+
+    def __init__(self) -> None:
+        self.fn = None
+        self.reason = ""
+        cc = shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            self.reason = "no C compiler (cc, gcc) on PATH"
+            return
+        self._dir = tempfile.TemporaryDirectory(prefix="vmcache-kernels-")  # 0700
+        tag = hashlib.sha256(SOURCE.encode()).hexdigest()[:12]
+        src, lib = Path(self._dir.name) / f"d{tag}.c", Path(self._dir.name) / f"d{tag}.so"
+        src.write_text(SOURCE)
+        try:
+            subprocess.run([cc, *FLAGS, str(src), "-o", str(lib), "-lm"], check=True,
+                           capture_output=True, timeout=120)  # fmt: skip
+            fn = ctypes.CDLL(str(lib)).vmcache_decode
+        except (OSError, subprocess.SubprocessError) as exc:
+            err = getattr(exc, "stderr", b"") or b""
+            self.reason = f"{cc} failed: {exc} {err.decode(errors='replace')[-400:]}".strip()
+            return
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
+                       i64, ctypes.c_float, ctypes.c_int]  # fmt: skip
+        fn.restype = None
+        self.fn = fn
+
+
+_KERNEL: list[_Kernel] = []  # built once a process, on first use (a memo, never changed after)
+
+
+def kernel() -> _Kernel:
+    if not _KERNEL:
+        _KERNEL.append(_Kernel())
+    return _KERNEL[0]
+
+
+def available() -> tuple[bool, str]:
+    """(whether the compiled kernel runs here, why not)."""
+    k = kernel()
+    return k.fn is not None, k.reason
+
+
+def decode_rows(q: torch.Tensor, store: torch.Tensor, layout: tuple[int, int, int, int],
+                read: torch.Tensor, kv_lens: torch.Tensor,
+                scale: float) -> torch.Tensor:  # fmt: skip
+    """Decode attention over stored rows (see the module docstring).
+
+    q        float32 ``[B, N_Q, d_h]``, one query a sequence
+    store    float32 ``[E]``, contiguous: the cache's storage (unmapped parts never read)
+    layout   (rows, R, K's offset, V's offset) in elements, R = N_KV · d_h
+    read     int64 ``[B, S]``: row of sequence b's position j (read only for j < kv_len)
+    kv_lens  int64 ``[B]``, each in [1, S]
+    → float32 ``[B, N_Q, d_h]``
+    """
+    k = kernel()
+    if k.fn is None:
+        raise RuntimeError(f"the CPU decode kernel is not available: {k.reason}")
+    rows, width, k_at, v_at = layout
+    b, heads, dim = q.shape
+    if (q.dtype, store.dtype) != (torch.float32, torch.float32) or q.device.type != "cpu":
+        raise TypeError("decode_rows takes float32 CPU tensors")
+    if width % dim or heads % (width // dim) or read.dim() != 2 or read.shape[0] != b:
+        raise ValueError(f"shapes do not agree: q {list(q.shape)}, R {width}, read "
+                         f"{list(read.shape)}")  # fmt: skip
+    span = read.shape[1]
+    lens = kv_lens.to(torch.int64).contiguous()
+    if lens.shape != (b,) or int(lens.min()) < 1 or int(lens.max()) > span:
+        raise ValueError(f"kv_lens must be {b} lengths in [1, {span}]")
+    read = read.to(torch.int64).contiguous()
+    if int(read.min()) < 0 or int(read.max()) >= rows:
+        raise ValueError(f"read indices must be rows in [0, {rows})")
+    if not store.is_contiguous() or max(k_at, v_at) + rows * width > store.numel():
+        raise ValueError("layout's rows pass the end of store")
+    q = q.contiguous()
+    threads = torch.get_num_threads()
+    # parts a sequence: enough tasks for every thread, none under MIN_PART_ROWS rows
+    parts = max(1, min(-(-2 * threads // b), span // MIN_PART_ROWS))
+    out = torch.empty_like(q)
+    scratch = torch.empty(b * span * heads, dtype=torch.float32)
+    partial = torch.empty(b * parts * heads * (dim + 2), dtype=torch.float32)
+    k.fn(q.data_ptr(), store.data_ptr(), k_at, v_at, read.data_ptr(), lens.data_ptr(),
+         out.data_ptr(), scratch.data_ptr(), partial.data_ptr(), b, span, heads, width // dim,
+         dim, parts, scale, threads)  # fmt: skip
+    return out
