@@ -51,7 +51,29 @@ def long_context(name, doc) -> str:
             f"K/V ({f(doc['bytes_per_token'])} B a token) read once a step at "
             f"{f(bw['median'])} GB/s ({doc['bandwidth_probe']}; probes {probes} GB/s); batch "
             f"{doc['rows'][0]['batch']}, {doc['threads']} threads, medians of {doc['steps']} "
-            f"steps (min–max). Verdict: {verdict}.\n\n" + source(name, doc))  # fmt: skip
+            f"steps (min–max). Verdict: {verdict}.\n\n" + source(name, doc)
+            + _before(doc))  # fmt: skip
+
+
+def _before(doc) -> str:
+    """Step times of the same benchmark before decode attention read the rows in place (a
+    gather and SDPA a layer), at the contexts both runs measured."""
+    try:
+        name, old = newest("long_before-20??-*.json")
+    except FileNotFoundError:
+        return ""
+    at = {r["context"]: r for r in old["rows"]}
+
+    def ms(r, k):
+        return f(r[k]["step_s"]["median"] * 1e3)
+
+    parts = [f"{r['context']:,}: engine VM {ms(at[r['context']], 'engine_vm')} → "
+             f"{ms(r, 'engine_vm')} ms, compiled {ms(at[r['context']], 'engine_vm_compiled')}"
+             f" → {ms(r, 'engine_vm_compiled')} ms"
+             for r in doc["rows"] if r["context"] in at]  # fmt: skip
+    text = ("\nBefore the in-place decode kernel (each layer gathered every history and ran "
+            "SDPA), the engine's step: " + "; ".join(parts) + ".\n\n")  # fmt: skip
+    return text + source(name, old)
 
 
 BLOCKS = {"long-context": lambda: long_context(*newest("long-20??-*.json"))}
