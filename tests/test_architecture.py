@@ -145,6 +145,55 @@ def test_sequence_state_is_written_by_its_owner_only():
     assert not found, found
 
 
+QUEUES = {"waiting", "running", "swapped"}
+SEQ_FIELDS = {"slot", "cached", "status", "admitted_at"}
+MUTATORS = {"append", "appendleft", "remove", "pop", "popleft", "insert", "clear", "extend"}
+
+
+def scheduling_writes(tree: ast.AST) -> list[str]:
+    """Where ``tree`` writes a scheduler's queue (a mutating call on ``.waiting`` /
+    ``.running`` / ``.swapped``) or a sequence's scheduling field (``x.slot = ...``)."""
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        for t in targets:
+            for el in t.elts if isinstance(t, ast.Tuple) else [t]:
+                own = (
+                    isinstance(el, ast.Attribute)
+                    and isinstance(el.value, ast.Name)
+                    and (el.value.id == "self")
+                )  # a class's own field (an HTTP error's status)
+                if isinstance(el, ast.Attribute) and el.attr in SEQ_FIELDS and not own:
+                    found.append(f"{node.lineno} .{el.attr} =")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in MUTATORS and isinstance(node.func.value, ast.Attribute)
+                and node.func.value.attr in QUEUES):  # fmt: skip
+            found.append(f"{node.lineno} .{node.func.value.attr}.{node.func.attr}()")
+    return found
+
+
+def test_the_scheduler_alone_writes_its_queues_and_sequence_fields():
+    """The engine's queues and each sequence's slot, cached, status and admitted_at are
+    written in vmcache/engine/scheduler.py only (the engine and the disaggregated receiver
+    call its add / join / advance / rewind / finish / hand_off / release)."""
+    found = []
+    for name, path in modules().items():
+        if name == "vmcache.engine.scheduler" or name.startswith("vmcache.bench"):
+            continue  # the harness's simulator has groups of its own with these names
+        found += [f"{name}:{w}" for w in scheduling_writes(ast.parse(open(path).read()))]
+    assert not found, found
+    # the check sees each kind of write
+    seen = scheduling_writes(ast.parse("s.running.append(q)\nq.slot, q.cached = 1, 2\n"
+                                       "q.cached += 3\nsched.waiting.popleft()\n"
+                                       "self.status = 4\n"))  # fmt: skip
+    assert sorted(seen) == ["1 .running.append()", "2 .cached =", "2 .slot =",
+                            "3 .cached =", "4 .waiting.popleft()"], seen  # fmt: skip
+
+
 def test_every_physical_call_is_a_declared_hook():
     """The coordinator's files call the cache's physical side only through hooks that
     vmcache/sequences/hooks.py declares: a ``c._name(...)`` / ``self._name(...)`` call there is

@@ -385,9 +385,13 @@ def test_the_machines_reach_the_states_they_claim(name):
     from hypothesis.stateful import run_state_machine_as_test
 
     COVERAGE.pop(name, None)
-    run_state_machine_as_test(_machine_class(name), settings=settings(
-        max_examples=100, stateful_step_count=30,
-        deadline=None, derandomize=True, database=None))  # fmt: skip
+    for examples_n in (100, 150, 200):  # fixed seeds; a longer run where the first fell short
+        run_state_machine_as_test(_machine_class(name), settings=settings(
+            max_examples=examples_n, stateful_step_count=30,
+            deadline=None, derandomize=True, database=None))  # fmt: skip
+        seen = COVERAGE[name]
+        if not name.endswith("_window") or (seen["window release"] and seen["truncate refused"]):
+            break
     seen = COVERAGE[name]
     assert seen["pool full"] >= 3, seen
     assert seen["cow split"] >= 5, seen
@@ -396,7 +400,8 @@ def test_the_machines_reach_the_states_they_claim(name):
     if "window" not in name:  # trees are not verified on sliding windows
         assert seen["compact"] >= 1, seen
     if name.endswith("_window"):  # pages really leave the window; rollbacks really refused
-        # (how often depends on Hypothesis's fixed-seed stream, which shifts with what pytest
-        # collects: vm_token_major_window releases once with tests/test_hf.py collected too)
+        # (how often depends on Hypothesis's fixed-seed stream, which shifts with what the
+        # worker process ran before: in a full run vm_token_major_window once refused no
+        # rollback in its first 100 examples, hence the longer runs above, counted together)
         assert seen["window release"] >= 1 and seen["truncate refused"] >= 1, seen
     record_coverage(f"cache machine {name}", seen)

@@ -142,12 +142,3 @@ def read_csv(path: str | Path, l_max: int = L_MAX, skip_long: bool = False):
         raise ValueError(f"{path}: no requests" + (f" ({skipped} skipped as too long)"
                                                    if skipped else ""))  # fmt: skip
     return sorted(out, key=lambda r: r.arrival_s), skipped  # ties keep file order
-
-
-def write_csv(path: str | Path, trace: list[TraceRequest]) -> None:
-    """The inverse of :func:`read_csv` (n and arrival_s included)."""
-    with Path(path).open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["prompt_len", "output_len", "n", "arrival_s"])
-        for r in trace:
-            w.writerow([r.prompt_len, r.output_len, r.n, f"{r.arrival_s:.6f}"])

@@ -1,6 +1,7 @@
 """vmcache beyond one process, over ``torch.distributed``: whole-sequence hand-off
-(:mod:`.transfer`), disaggregated prefill → decode serving (:mod:`.disagg`) and tensor
-parallelism with KV heads sharded across ranks (:mod:`.tp`)."""
+(:mod:`.handoff`, its binary metadata in :mod:`.wire`), disaggregated prefill → decode
+serving (:mod:`.disagg`), tensor parallelism with KV heads sharded across ranks (:mod:`.tp`)
+and the launcher of both (:mod:`.launch`)."""
 
 from vmcache.distributed.handoff import (
     CONTROL_MESSAGES,

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from vmcache.distributed.handoff import recv_sequence, send_sequence
-from vmcache.engine.request import Request, SamplingParams, Seq, Status
+from vmcache.engine.request import Request, SamplingParams, Seq
 from vmcache.errors import CacheFull
 
 
@@ -99,8 +99,7 @@ def _prefill(engine, requests, dst, group, packed):
 
     def hand_off(seq: Seq, kids: list[Seq]) -> None:
         for s in (seq, *kids):
-            sched.running.remove(s)
-            s.status = Status.FINISHED  # here; it goes on in the decode worker
+            sched.hand_off(s)  # finished here; it goes on in the decode worker
         outbox.append((seq, kids))
 
     engine.on_prefilled = hand_off
@@ -129,8 +128,7 @@ def _prefill(engine, requests, dst, group, packed):
                 break
             outbox.pop(0)
             for s in (seq, *kids):
-                engine.kv.free(s.slot)
-                s.slot = None
+                sched.release(s)
 
 
 def _describe(seq: Seq, kids: list[Seq]) -> dict:
@@ -212,11 +210,9 @@ def _admit(engine, arrival) -> None:
         seq.generator.set_state(state)
         seq.generated = list(generated)
         if i < len(slots):
-            seq.cached, seq.slot = cached, slots[i]
-            seq.status, seq.admitted_at = Status.RUNNING, engine.stats.steps
-            engine.scheduler.running.append(seq)
+            engine.scheduler.join(seq, slots[i], cached, engine.stats.steps)
         else:  # no slot to fork into: prefilled here later, as a recompute preemption is
-            engine.scheduler.waiting.append(seq)
+            engine.scheduler.add(seq)
 
 
 def _outputs(engine) -> dict:

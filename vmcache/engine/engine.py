@@ -143,7 +143,7 @@ class Engine:
         default); bad input raises here (:meth:`check_request`), before anything changes."""
         self.check_request(req)
         self.records.open(req, arrival_s)
-        self.scheduler.waiting.append(self._seq(req, 0, list(req.prompt)))
+        self.scheduler.add(self._seq(req, 0, list(req.prompt)))
 
     def _seq(self, req: Request, index: int, tokens: list[int]) -> Seq:
         p = req.params
@@ -182,13 +182,11 @@ class Engine:
         for i in range(1, want + 1):
             sib = self._seq(seq.req, i, seq.tokens)
             if i <= len(kids):  # shares the prompt's pages, samples from the same logits
-                sib.slot, sib.cached = kids[i - 1], seq.cached
-                sib.status, sib.admitted_at = Status.RUNNING, seq.admitted_at
-                sched.running.append(sib)
+                sched.join(sib, kids[i - 1], seq.cached, seq.admitted_at)
                 forked.append(sib)
                 self._append(sib, pick(sib, logits))
             else:  # no slot left: it waits and is prefilled on its own later
-                sched.waiting.append(sib)
+                sched.add(sib)
         return forked
 
     def step(self) -> None:
@@ -272,11 +270,12 @@ class Engine:
                 if i in work.forks:  # a token tree verified in forks: their rows too
                     kids, at, n = work.forks[i]
                     branches = (kids, [logits[starts[j] : starts[j] + r] for j, r in zip(at, n)])
-                self.speculation.verify(seq, mine, branches, self._append)
+                self.speculation.verify(seq, mine, branches, self._append,
+                                        self.scheduler.rewind)  # fmt: skip
                 continue
             if work.prompt_rows[i]:
                 record_prompt_logprobs(seq, logits[starts[i] : starts[i + 1]])
-            seq.cached += seq.chunk
+            self.scheduler.advance(seq)
             if not work.decodes[i]:
                 self.kv.prefix.publish(seq.slot)  # its prompt's full pages, for later requests
             if seq.cached < len(seq.tokens):
@@ -311,17 +310,8 @@ class Engine:
     def _drop(self, seq: Seq, reason: str) -> None:
         """Take ``seq`` out of whichever queue holds it (running: its pages freed; swapped: its
         host copy dropped) and record it finished with ``reason`` and what it generated."""
-        sched = self.scheduler
-        if seq in sched.running:
-            self.kv.free(seq.slot)
-            sched.running.remove(seq)
-        elif seq in sched.swapped:
-            self.kv.swap.discard(seq.swap)
-            sched.swapped.remove(seq)
-            seq.swap = None
-        else:
-            sched.waiting.remove(seq)
-        seq.slot, seq.status, seq.finish_reason = None, Status.FINISHED, reason
+        self.scheduler.finish(seq)
+        seq.finish_reason = reason
         self.records.finish(seq, reason)
 
     def abort(self, req_id: str) -> bool:

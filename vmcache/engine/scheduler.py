@@ -13,6 +13,11 @@ running sequences whose next token needs a new page (headroom in tokens, not pag
 sequence). With prefix caching, a waiting request whose prefix a running one is prefilling
 right now waits a step for it rather than computing it again (``prefix_waits``).
 Growing here, before the model runs, is the step's map phase (timed by the engine).
+
+Owned here: the three queues and each sequence's ``slot``, ``cached``, ``status`` and
+``admitted_at``. The engine and the disaggregated receiver change them only through
+:meth:`Scheduler.add`, ``join``, ``advance``, ``rewind``, ``finish``, ``hand_off`` and
+``release`` (tests/test_architecture.py parses the package for other writes).
 """
 
 from __future__ import annotations
@@ -59,6 +64,55 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.swapped or self.running)
+
+    # --- the queues and each sequence's scheduling fields (slot, cached, status, admitted_at)
+    # are written here only: the engine and the disaggregated receiver go through these
+
+    def add(self, seq: Seq) -> None:
+        """Queue a sequence that holds no slot (a new request, a fork with no slot left)."""
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def join(self, seq: Seq, slot: int, cached: int, admitted_at: int) -> None:
+        """``seq`` runs from now in ``slot``, which already holds its first ``cached`` tokens
+        (a fork of a prefilled sequence; a sequence handed over by a prefill worker)."""
+        seq.slot, seq.cached = slot, cached
+        seq.status, seq.admitted_at = Status.RUNNING, admitted_at
+        self.running.append(seq)
+
+    def advance(self, seq: Seq) -> None:
+        """The model ran ``seq``'s scheduled chunk: its K/V are in the cache."""
+        seq.cached += seq.chunk
+
+    def rewind(self, seq: Seq, cached: int) -> None:
+        """Drafts verified: the cache holds ``cached`` tokens of ``seq`` (the rest rolled
+        back)."""
+        seq.cached = cached
+
+    def finish(self, seq: Seq) -> None:
+        """Take ``seq`` out of whichever queue holds it, what it holds released (running:
+        its pages; swapped: its host copy)."""
+        if seq in self.running:
+            self.kv.free(seq.slot)
+            self.running.remove(seq)
+        elif seq in self.swapped:
+            self.kv.swap.discard(seq.swap)
+            self.swapped.remove(seq)
+            seq.swap = None
+        else:
+            self.waiting.remove(seq)
+        seq.slot, seq.status = None, Status.FINISHED
+
+    def hand_off(self, seq: Seq) -> None:
+        """``seq`` leaves this scheduler, its pages kept until :meth:`release` (a prefill
+        worker sends them to its decode worker first)."""
+        self.running.remove(seq)
+        seq.status = Status.FINISHED
+
+    def release(self, seq: Seq) -> None:
+        """The pages of a handed-off sequence back to the pool."""
+        self.kv.free(seq.slot)
+        seq.slot = None
 
     def _room(self, pages: int) -> bool:
         return self.kv.elastic.can_allocate(

@@ -110,11 +110,13 @@ class Speculation:
         self.drafter.forget(running)
 
     def verify(self, seq: Seq, rows: torch.Tensor, forks,
-               emit: Callable[[Seq, int, bool], None]) -> None:  # fmt: skip
+               emit: Callable[[Seq, int, bool], None],
+               rewind: Callable[[Seq, int], None]) -> None:  # fmt: skip
         """Walk ``seq``'s scheduled drafts (a chain or a tree; ``forks``: its branches' forks
         and rows) with the target's ``rows`` ``[drafts + 1, V]``, keep the accepted path
         (moved into place for a tree mask; a fork's tables taken), roll the rest back
-        (truncate: pages past it unmapped, nothing copied), and ``emit`` each accepted token
+        (truncate: pages past it unmapped, nothing copied; ``rewind(seq, cached)`` tells the
+        scheduler how many tokens the cache now holds), and ``emit`` each accepted token
         and the one sampled after them (``emit(seq, token, already_in_tokens)``)."""
         st, p, kv = self.stats, seq.req.params, self.kv
         base = seq.cached  # the position of the token before the drafts
@@ -149,7 +151,7 @@ class Speculation:
             kv.beams.truncate(seq.slot, keep)
         self.drafter.rolled_back(seq, keep)
         del seq.tokens[keep:]
-        seq.cached = keep
+        rewind(seq, keep)
         st.steps += 1
         st.mapped_pages += mapped - seq.mapped_at_draft
         st.proposed += len(nodes) - 1

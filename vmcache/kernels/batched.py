@@ -101,12 +101,13 @@ def attend_batch(cache, layer: int, q: torch.Tensor, batch, scale: float | None 
     window = layer_window(cache, layer)
     if (batch.max_q == 1 and window is None and softcap is None and q.dtype == torch.float32
             and cache.spec.dtype == torch.float32 and not cache.spec.quantized
-            and q.device.type == "cpu" and available()[0]):  # fmt: skip
+            and q.device.type == "cpu" and available()[0]
+            and (stored := batch.stored(layer)) is not None):  # fmt: skip
         # decodes only: every history read where it lies, nothing gathered
         lens = batch.memo.get("kv_lens")
         if lens is None:
             lens = batch.memo["kv_lens"] = torch.tensor(batch.kv_lens)
-        return decode_rows(q, *batch.stored(layer), batch.read_index(layer)[0], lens, scale)
+        return decode_rows(q, *stored, batch.read_index(layer)[0], lens, scale)
     k, v = batch.kv(layer)  # [B, span, N_KV, d_h]
     _, lo, span = batch.read_index(layer)
     key = ("attend", batch.group(layer), window)

@@ -98,11 +98,6 @@ class PagePool:
         return getattr(self.budget, "want", None) is not None
 
     @property
-    def num_free_created(self) -> int:
-        """Free pages that hold memory (what :meth:`trim` can give back)."""
-        return len(self._free)
-
-    @property
     def num_created(self) -> int:
         """Pages with physical memory behind them (in use or free)."""
         return self._created

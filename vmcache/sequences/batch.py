@@ -127,14 +127,17 @@ class StepBatch:
                             f"{type(v).__name__}")  # fmt: skip
         c._store_flat(layer, self._write_index(layer), *c._encode(layer, k, v))
 
-    def stored(self, layer: int) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+    def stored(self, layer: int) -> tuple[torch.Tensor, tuple[int, int, int, int]] | None:
         """(the storage under ``layer``'s K and V rows as one flat tensor of their dtype, a
         view: unmapped pages included, never read through it; (rows, R, K's and V's element
         offsets in it)): where :meth:`read_index`'s rows lie, for a kernel that reads them
-        in place."""
+        in place. None where a row does not follow the one before it (a token-major layout
+        interleaves K and V): such a kernel cannot address them."""
         c = self._cache
         self._check(c)
         k, v = c._flat_rows(layer, 0), c._flat_rows(layer, 1)
+        if k.stride() != (k.shape[1], 1) or v.stride() != (v.shape[1], 1):
+            return None
         store = store_of(k)
         return store, tuple(layout_of(store, k, v).tolist())
 

@@ -168,12 +168,6 @@ class KVSpec:
         return tuple(i for i, w in enumerate(self.layer_windows or ()) if w is not None)
 
     @property
-    def min_window(self) -> int | None:
-        """The smallest window of any layer; None when no layer slides."""
-        ws = [w for w in self.layer_windows or () if w is not None]
-        return min(ws) if ws else None
-
-    @property
     def attention_groups(self) -> tuple[tuple[int | None, tuple[int, ...]], ...]:
         """Layers by attention type, in order of their first layer: ``((window, layers),
         ...)``, window None for full attention (one group when no layer slides)."""
