@@ -81,5 +81,9 @@ def test_refusals():
         decode_rows(q, store[:-1], layout, read, lens, 1.0)
     with pytest.raises(ValueError, match="do not agree"):
         decode_rows(torch.randn(2, 3, 8), store, layout, read, lens, 1.0)
+    with pytest.raises(ValueError, match="do not agree"):  # a row narrower than one head
+        decode_rows(torch.randn(2, 4, 32), store, layout, read, lens, 1.0)
+    with pytest.raises(ValueError, match="do not agree"):
+        decode_rows(torch.randn(0, 4, 8), store, layout, read[:0], lens[:0], 1.0)
     with pytest.raises(TypeError, match="float32"):
         decode_rows(q.double(), store, layout, read, lens, 1.0)

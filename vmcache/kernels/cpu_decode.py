@@ -189,7 +189,8 @@ def decode_rows(q: torch.Tensor, store: torch.Tensor, layout: tuple[int, int, in
     b, heads, dim = q.shape
     if (q.dtype, store.dtype) != (torch.float32, torch.float32) or q.device.type != "cpu":
         raise TypeError("decode_rows takes float32 CPU tensors")
-    if width % dim or heads % (width // dim) or read.dim() != 2 or read.shape[0] != b:
+    if (b < 1 or dim < 1 or width < dim or width % dim or heads % (width // dim)
+            or read.dim() != 2 or read.shape[0] != b):  # fmt: skip
         raise ValueError(f"shapes do not agree: q {list(q.shape)}, R {width}, read "
                          f"{list(read.shape)}")  # fmt: skip
     span = read.shape[1]
