@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import statistics
 import time
 import warnings
 
 import torch
+from bench_speed import med
 from common import add_out_arg, save
 from transformers import DynamicCache, StaticCache
 
@@ -51,10 +51,6 @@ SOURCES = [("argparse", "inspect"), ("typing", "dataclasses"), ("pathlib", "logg
            ("subprocess", "enum")]  # fmt: skip
 HF_SYSTEMS = ("dynamic", "static", "dropin_vm")
 ENGINES = ("engine_vm", "engine_vm_compiled")
-
-
-def med(xs) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
 
 
 def read_bandwidth(threads: int, reps: int = 7) -> dict:

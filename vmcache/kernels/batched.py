@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from vmcache.kernels.common import _softcapped, layer_window
-from vmcache.kernels.cpu_decode import available, decode_rows
+from vmcache.kernels.cpu_decode import decode_rows, serves
 
 
 @dataclass(frozen=True)
@@ -99,9 +99,8 @@ def attend_batch(cache, layer: int, q: torch.Tensor, batch, scale: float | None 
     window applied; ``softcap``: Gemma 2's soft-capped logits (eager math, fp32 softmax)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     window = layer_window(cache, layer)
-    if (batch.max_q == 1 and window is None and softcap is None and q.dtype == torch.float32
-            and cache.spec.dtype == torch.float32 and not cache.spec.quantized
-            and q.device.type == "cpu" and available()[0]
+    if (batch.max_q == 1 and window is None and softcap is None and not cache.spec.quantized
+            and serves(q, cache.spec.dtype)
             and (stored := batch.stored(layer)) is not None):  # fmt: skip
         # decodes only: every history read where it lies, nothing gathered
         lens = batch.memo.get("kv_lens")

@@ -170,6 +170,13 @@ def available() -> tuple[bool, str]:
     return k.fn is not None, k.reason
 
 
+def serves(q: torch.Tensor, kv_dtype: torch.dtype) -> bool:
+    """Whether :func:`decode_rows` takes these decodes (float32 queries and K/V on the CPU,
+    the kernel built here) rather than a caller's gather and SDPA."""
+    return (q.device.type == "cpu" and q.dtype == kv_dtype == torch.float32
+            and available()[0])  # fmt: skip
+
+
 def decode_rows(q: torch.Tensor, store: torch.Tensor, layout: tuple[int, int, int, int],
                 read: torch.Tensor, kv_lens: torch.Tensor,
                 scale: float) -> torch.Tensor:  # fmt: skip

@@ -35,7 +35,7 @@ import weakref
 import torch
 
 from vmcache.kernels.batched import attend_groups, plan_groups
-from vmcache.kernels.cpu_decode import available, decode_rows
+from vmcache.kernels.cpu_decode import decode_rows, serves
 
 # the last step's groups, planned by its first layer and read by the others: a memo of a pure
 # function, kept for the step's ``lens`` tensor (the same object for every layer of a step;
@@ -59,7 +59,7 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: tor
         groups = last[2]
     else:  # the step's first layer plans for all of them
         q_lens, kv_lens = lens.tolist()
-        if _reads_in_place(q, store) and all(n == 1 for n in q_lens):
+        if serves(q, store.dtype) and all(n == 1 for n in q_lens):
             groups = None  # decodes only: the CPU kernel reads the rows where they lie
         else:
             lo = torch.zeros(b, dtype=torch.long)
@@ -73,13 +73,6 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: tor
     values = v_rows.index_select(0, flat).view(b, span, heads_kv, q.shape[2])
     out = attend_groups(q.to(k_rows.dtype), keys, values, groups, scale)
     return out.to(q.dtype)
-
-
-def _reads_in_place(q: torch.Tensor, store: torch.Tensor) -> bool:
-    """Whether decodes take :func:`~vmcache.kernels.cpu_decode.decode_rows` (float32 on the
-    CPU, the kernel built here) rather than a gather and SDPA."""
-    return (q.device.type == "cpu" and q.dtype == store.dtype == torch.float32
-            and available()[0])  # fmt: skip
 
 
 @step_attention.register_fake
