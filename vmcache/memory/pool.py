@@ -17,7 +17,7 @@ its memory and creating it again later changes no page table.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -128,6 +128,12 @@ class PagePool:
 
     def refcount(self, page: int) -> int:
         return self._refcount[page]
+
+    @property
+    def refcounts(self) -> Sequence[int]:
+        """Every page's refcount, indexed by page: the pool's own list, to read in a loop over
+        many pages (a grow checks each table's tail) and never to write."""
+        return self._refcount
 
     def used_pages(self) -> list[int]:
         return [p for p in range(self.num_pages) if self._refcount[p] > 0]

@@ -76,7 +76,7 @@ class StepBatch:
             for s, start, n in zip(seq_ids, self.starts, kv_lens):
                 j_lo, j_hi = start * g.u // g.P, g.pages_for(n)
                 splits += [(s, t, j) for t, j in g.splits(s, g.ids, j_lo, j_hi,
-                                                          cache._pool.refcount)]  # fmt: skip
+                                                          cache._pool.refcounts)]  # fmt: skip
         if splits:
             cache._tx.split_pages(splits)
         self._epoch = cache._epoch

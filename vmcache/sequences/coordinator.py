@@ -139,7 +139,7 @@ class SequenceCache(PhysicalHooks):
 
     def _grow_plan(self, s: int, n: int):
         """Per group: (group, shared tail pages to copy, pages now, pages after)."""
-        length, rc = self._seqs.length(s), self._pool.refcount
+        length, rc = self._seqs.length(s), self._pool.refcounts
         return [(g, g.tail_splits(s, length, n, rc), g.num_pages(s), g.pages_for(length + n))
                 for g in self._groups]  # fmt: skip
 
@@ -265,7 +265,7 @@ class SequenceCache(PhysicalHooks):
         tables = self._tables_of_layer(layer)
         g = self._group_of[tables[0]]
         j_lo, j_hi = start * g.u // g.P, g.pages_for(end)
-        return [(s, t, j) for t, j in g.splits(s, tables, j_lo, j_hi, self._pool.refcount)]
+        return [(s, t, j) for t, j in g.splits(s, tables, j_lo, j_hi, self._pool.refcounts)]
 
     def free(self, s: int) -> None:
         """Drop the sequence: unmap its pages, refcounts −1, pages at 0 return to the pool.

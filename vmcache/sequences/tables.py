@@ -124,22 +124,25 @@ class PageTables:
             return f, []
         return to, [p for r in self._rows[s] for p in r[f:to]]
 
-    def splits(self, s: int, tables: Sequence[int], j_lo: int, j_hi: int, refcount) -> list:
+    def splits(self, s: int, tables: Sequence[int], j_lo: int, j_hi: int,
+               refcounts: Sequence[int]) -> list:  # fmt: skip
         """(table, index) of the mapped pages in ``[j_lo, j_hi)`` of ``tables`` that another
-        holder shares (refcount > 1): a write there copies them first."""
+        holder shares (``refcounts[page]`` > 1, the pool's): a write there copies them first."""
         rows, lo = self._rows[s], max(j_lo, self._first[s])
+        mine = (zip(tables, rows) if tables is self.ids
+                else ((t, rows[self._pos[t]]) for t in tables))  # fmt: skip
         if j_hi - lo == 1:  # one page per table (a grow's tail): the common case
-            return [(t, lo) for t in tables if lo < len(r := rows[self._pos[t]])
-                    and refcount(r[lo]) > 1]  # fmt: skip
-        return [(t, j) for t in tables for j in range(lo, min(j_hi, len(rows[self._pos[t]])))
-                if refcount(rows[self._pos[t]][j]) > 1]  # fmt: skip
+            return [(t, lo) for t, r in mine if lo < len(r) and refcounts[r[lo]] > 1]
+        return [(t, j) for t, r in mine for j in range(lo, min(j_hi, len(r)))
+                if refcounts[r[j]] > 1]  # fmt: skip
 
-    def tail_splits(self, s: int, length: int, n: int, refcount) -> list[tuple[int, int]]:
+    def tail_splits(self, s: int, length: int, n: int,
+                    refcounts: Sequence[int]) -> list[tuple[int, int]]:  # fmt: skip
         """The shared tail pages a grow by ``n`` writes into (copied first)."""
         if n <= 0 or not (length * self.u) % self.P:
             return []
         p = self.pages_for(length)
-        return self.splits(s, self.ids, p - 1, p, refcount)
+        return self.splits(s, self.ids, p - 1, p, refcounts)
 
     def assign_plan(self, d: int, rows: list[list[int]], first: int) -> list[tuple]:
         """What changes when ``d``'s tables become ``rows`` (released up to ``first``):
@@ -148,12 +151,11 @@ class PageTables:
         plan = []
         f_old = self._first[d]
         for t, old, new in zip(self.ids, self._rows[d], rows):
-            j0 = 0
-            while j0 < min(len(old), len(new)) and old[j0] == new[j0]:
-                j0 += 1
-            if j0 < len(old) or j0 < len(new):
-                a, b = max(j0, f_old), max(j0, first)
-                plan.append((t, a, old[a:], b, new[b:]))
+            if old == new:
+                continue
+            j0 = _common_prefix(old, new)
+            a, b = max(j0, f_old), max(j0, first)
+            plan.append((t, a, old[a:], b, new[b:]))
         return plan
 
     # --- changes (after the coordinator mapped and refcounted) --------------------------
@@ -212,3 +214,20 @@ class PageTables:
         for a in self._ahead[s]:
             a.clear()
         return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``: a binary search over
+    prefix equality (monotone), each probe one comparison of slices (a beam's tables share all
+    but their last pages: a loop over every entry was most of a sizing run's time)."""
+    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; a[:hi + 1] != b[:hi + 1] past hi
+    if a[:hi] == b[:hi]:
+        return hi
+    hi -= 1  # the prefix of length hi differs
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
