@@ -141,11 +141,12 @@ def run_compute(args, dev: torch.device) -> list[dict]:
         return rows
     print(f"\n== compute mode on the trained model: {real.label(name)}, chat requests ==")
     n = min(args.compute_requests, len(compute_real.QUESTIONS))
+    new = 16 if args.quick else compute_real.NEW
     served = compute_real.run(_floats(args.compute_rates)[0], args.repeats, n, args.kv_dtype,
-                              name)  # fmt: skip
+                              name, new)  # fmt: skip
     print(table(served, ["cache", "prefill", "rate_rps", "tok_per_s", "ttft_p50_s",
                          "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "spread_note"]))  # fmt: skip
-    shared = compute_real.run_prefix(n, args.kv_dtype, name)
+    shared = compute_real.run_prefix(n, args.kv_dtype, name, new)
     print(table(shared, ["cache", "prefix_caching", "prompt_tokens", "prefill_tokens",
                          "prefix_hit_tokens", "tok_per_s"]))  # fmt: skip
     return rows + [{"real": True, **r} for r in served + shared]
@@ -188,7 +189,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
     g.add_argument("--jobs", type=int, help="worker processes (default: every core)")
     c = ap.add_argument_group("compute mode")
-    c.add_argument("--compute-requests", type=int, default=24)
+    c.add_argument("--compute-requests", type=int, default=12)
     c.add_argument("--compute-rates", default="2,8,32", help="arrival rates, req/s (2,8,32)")
     c.add_argument("--budgets", default="8", help="KV budgets, in longest requests held (8)")
     c.add_argument("--repeats", type=int, default=3)
@@ -197,7 +198,13 @@ def parser() -> argparse.ArgumentParser:
                    help="K/V storage: the model's dtype (auto), or FP8 / INT8 (fp8: e4m3 with "
                    "head scales; -token: per-token scales)")  # fmt: skip
     c.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true", help="small everything (CI, the GPU check)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="small everything: 50 requests a trace, one rate, 4 compute requests of "
+        "16 new tokens on the trained model, 1 repeat (a first look; CI, the GPU "
+        "check)",
+    )
     ap.add_argument("--real-model", default=DEFAULT_MODEL,
                     help="the trained chat model of the real-model rows (compute, spec, quant): "
                          "what vmcache.models.load takes, an embedded name, a checkpoint "
@@ -225,8 +232,11 @@ def main(argv=None) -> None:
         return
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.quick:
-        args.compute_requests, args.repeats, args.compute_rates, args.budgets = 8, 1, "4", "4,8"
+    if args.quick:  # a first look in well under a minute a mode on 2 cores
+        args.compute_requests, args.repeats, args.compute_rates, args.budgets = 4, 1, "4", "4,8"
+        args.sample = args.sample or 50
+        if args.rates == ap.get_default("rates"):
+            args.rates = "8"
     if args.trace:
         try:
             traces.read_csv(args.trace, args.l_max, args.skip_long)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import importlib.metadata as _md
 import json
@@ -200,3 +201,24 @@ def add_out_arg(ap: argparse.ArgumentParser) -> None:
     ``$VMCACHE_RESULTS`` (set by scripts/gpu_check.sh), else benchmarks/results."""
     ap.add_argument("--out", default=os.environ.get("VMCACHE_RESULTS") or str(RESULTS),
                     help="directory for results (JSON, PNG)")  # fmt: skip
+
+
+def add_threads_arg(ap: argparse.ArgumentParser, default: int = 2) -> None:
+    """``--threads N``: torch's intra-op threads for the run (the figures in docs/results.md
+    were measured at 2, this machine's cores), restored when the run ends."""
+    ap.add_argument("--threads", type=int, default=default,
+                    help=f"torch threads for the run ({default}; restored after)")  # fmt: skip
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op thread count set to ``n`` inside the block, the caller's after it (a
+    mode called in-process, as the tests do, leaves the process as it found it)."""
+    if n < 1:
+        raise ValueError(f"--threads must be at least 1, got {n}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -181,8 +181,8 @@ def run(device: torch.device, num_requests: int, rates: list[float], budgets_req
             )
             for r in (vm, pg):
                 r["vm_vs_paged_tok_per_s"] = ratio
-                r["spread_note"] = ("spread > effect" if noise > abs(ratio - 1) else
-                                    "effect > spread")  # fmt: skip
+                r["spread_note"] = ("one run: no spread" if repeats < 2 else "spread > effect"
+                                    if noise > abs(ratio - 1) else "effect > spread")  # fmt: skip
     return rows
 
 

@@ -2,11 +2,12 @@
 chat requests with SmolLM2-135M-Instruct (fp32, CPU), beside the random model's rows.
 
 REQUESTS: :data:`QUESTIONS` as chat prompts (its own template; 30-45 tokens each), up to
-:data:`NEW` new tokens, stopping at the model's end-of-sequence token as a served answer does
-(so the two caches generate the same tokens: greedy). Arrivals open-loop (Poisson) at
-``rate`` requests/s. Rows per cache: whole prefills (``max_batch_tokens`` 2048) and chunked
-(64 tokens a step, so a prompt takes several steps beside the running decodes). Tokens/s,
-TTFT and TPOT: median of ``repeats`` runs with min-max, the caches interleaved.
+:data:`NEW` new tokens (``new``: 16 under ``--quick``), stopping at the model's end-of-sequence
+token as a served answer does (so the two caches generate the same tokens: greedy). Arrivals
+open-loop (Poisson) at ``rate`` requests/s. Rows per cache: whole prefills
+(``max_batch_tokens`` 2048) and chunked (64 tokens a step, so a prompt takes several steps
+beside the running decodes). Tokens/s, TTFT and TPOT: median of ``repeats`` runs with
+min-max, the caches interleaved.
 
 PREFIX ROWS: the same questions behind one long shared system prompt (a store's assistant;
 the prompts share their first 514 tokens), with and without prefix caching, on both caches:
@@ -68,9 +69,9 @@ def _cache(kind: str, model, max_seqs: int, prefix: bool = False, kv: str = "aut
                         max_seqs=max_seqs, prefix_caching=prefix)  # fmt: skip
 
 
-def _requests(tok, system=None, n=None) -> list[Request]:
+def _requests(tok, system=None, n=None, new: int = NEW) -> list[Request]:
     qs = QUESTIONS[:n] if n else QUESTIONS
-    return [Request(f"q{i}", tuple(chat(tok, q, system)), SamplingParams(max_new_tokens=NEW))
+    return [Request(f"q{i}", tuple(chat(tok, q, system)), SamplingParams(max_new_tokens=new))
             for i, q in enumerate(qs)]  # fmt: skip
 
 
@@ -84,9 +85,9 @@ def _once(model, kind, reqs, rate, seed, max_batch_tokens, kv):
 
 
 def run(rate: float = 4.0, repeats: int = 3, n: int | None = None, kv: str = "auto",
-        model_name: str = DEFAULT_MODEL) -> list:  # fmt: skip
+        model_name: str = DEFAULT_MODEL, new: int = NEW) -> list:  # fmt: skip
     model, tok = smol(model_name)
-    reqs = _requests(tok, n=n)
+    reqs = _requests(tok, n=n, new=new)
     for kind in ("vmcache", "paged"):  # warm up once per cache
         Engine(model, _cache(kind, model, 2, kv=kv)).run(reqs[:2])
     rows = []
@@ -114,14 +115,15 @@ def run(rate: float = 4.0, repeats: int = 3, n: int | None = None, kv: str = "au
         noise = max((r["tok_per_s_max"] - r["tok_per_s_min"]) / r["tok_per_s"] for r in (vm, pg))
         for r in (vm, pg):
             r["vm_vs_paged_tok_per_s"] = ratio
-            r["spread_note"] = "spread > effect" if noise > abs(ratio - 1) else "effect > spread"
+            r["spread_note"] = ("one run: no spread" if repeats < 2 else "spread > effect"
+                                if noise > abs(ratio - 1) else "effect > spread")  # fmt: skip
     return rows
 
 
-def run_prefix(n: int | None = None, kv: str = "auto",
-               model_name: str = DEFAULT_MODEL) -> list[dict]:  # fmt: skip
+def run_prefix(n: int | None = None, kv: str = "auto", model_name: str = DEFAULT_MODEL,
+               new: int = NEW) -> list[dict]:  # fmt: skip
     model, tok = smol(model_name)
-    reqs = _requests(tok, SYSTEM, n)
+    reqs = _requests(tok, SYSTEM, n, new)
     rows = []
     for kind in ("vmcache", "paged"):
         outs = {}

@@ -36,7 +36,7 @@ import types
 
 import torch
 
-from vmcache.bench.common import add_out_arg, save_and_plot, table
+from vmcache.bench.common import add_out_arg, add_threads_arg, save_and_plot, table, torch_threads
 from vmcache.models import DEFAULT_MODEL
 
 PROMPT, NEW, BATCH, VOCAB = 32, 224, 4, 512
@@ -178,8 +178,13 @@ def main(argv=None):
         help="the trained model of the perplexity rows (vmcache.models.load)",
     )
     add_out_arg(ap)
+    add_threads_arg(ap)
     args = ap.parse_args(argv)
-    torch.set_num_threads(2)
+    with torch_threads(args.threads):
+        return _run(args)
+
+
+def _run(args):
     new, num = (48, 100) if args.quick else (NEW, 400)
     acc = accuracy_rows(model(), new)
     cap = capacity_rows(num)

@@ -40,7 +40,14 @@ import time
 
 import torch
 
-from vmcache.bench.common import add_out_arg, save, save_and_plot, table
+from vmcache.bench.common import (
+    add_out_arg,
+    add_threads_arg,
+    save,
+    save_and_plot,
+    table,
+    torch_threads,
+)
 from vmcache.engine import Engine, NgramDrafter, Request, SamplingParams
 from vmcache.memory.backends.host import HostBackend
 from vmcache.models import DEFAULT_MODEL
@@ -169,8 +176,13 @@ def main(argv=None):
         help="the trained chat model of the real-task rows (vmcache.models.load)",
     )
     add_out_arg(ap)
+    add_threads_arg(ap)
     args = ap.parse_args(argv)
-    torch.set_num_threads(2)
+    with torch_threads(args.threads):
+        return _run(args)
+
+
+def _run(args):
     m = model()
     n, reps = (4, 1) if args.quick else (args.requests, args.repeats)
     rows = [r for kind in ("vm", "vm_token_major", "paged") for w in ("quoting", "sampled")

@@ -4,9 +4,10 @@ where the answer quotes the prompt and where it does not.
 TASKS: "quoting": repeat a paragraph, extract log lines, rename a variable in code, fix the
 spelling of a text (the answer copies long runs of the prompt: where prompt lookup pays);
 "open": questions whose answers are new text. SPECULATION: none; NgramDrafter(k=4) as a
-chain and as a token tree of 3 chains (mask); a draft model, the target's first
-:data:`DRAFT_LAYERS` decoder layers with its own embeddings and head (a truncated copy: about
-a fifth of a target step; no training), k=3, on its own cache. ROWS: engine steps, generated
+chain and as a token tree of 3 chains (mask); a draft model, the target's first fifth of
+its decoder layers (:func:`draft_layers`: 6 of SmolLM2's 30, at least one) with its own
+embeddings and head (a truncated copy: about a fifth of a target step; no training), k=3, on
+its own cache. ROWS: engine steps, generated
 tokens per step (the batch's), drafts proposed and accepted (acceptance), tokens a
 verification emitted per sequence, whether every answer equals the run without speculation
 (greedy: it must), wall time (median of repeats, min-max) and its ratio to none. One
@@ -25,7 +26,6 @@ from vmcache.models import DEFAULT_MODEL
 from vmcache.sequences.cache import VMKVCache
 from vmcache.sequences.spec import KVSpec
 
-DRAFT_LAYERS = 6
 PARAGRAPH = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed "
              "the wick, polished the great lens and wrote the weather in a leather book. Ships "
              "passing in the night never saw him, but they steered by his light.")  # fmt: skip
@@ -53,7 +53,12 @@ TASKS = {
 }
 
 
-def truncated_draft(model, layers: int = DRAFT_LAYERS):
+def draft_layers(model) -> int:
+    """The draft's depth: a fifth of the target's decoder layers, at least one."""
+    return max(1, model.config.num_hidden_layers // 5)
+
+
+def truncated_draft(model, layers: int):
     """The target's first ``layers`` decoder layers, its embeddings, final norm and head: a
     draft that shares the vocabulary and costs about layers / N_L of a target step."""
     draft = copy.deepcopy(model)
@@ -74,8 +79,9 @@ def _variants(model, n: int, max_len: int):
     yield "none", lambda: None
     yield "ngram k=4", lambda: NgramDrafter(k=4)
     yield "ngram tree 3x4 (mask)", lambda: NgramDrafter(k=4, branches=3)
-    draft = truncated_draft(model)
-    yield (f"draft model ({DRAFT_LAYERS} of {model.config.num_hidden_layers} layers) k=3",
+    layers = draft_layers(model)
+    draft = truncated_draft(model, layers)
+    yield (f"draft model ({layers} of {model.config.num_hidden_layers} layers) k=3",
            lambda: DraftModel(draft, _cache(draft, n, max_len), k=3))  # fmt: skip
 
 

@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from vmcache.bench.common import add_out_arg, save_and_plot, table
+from vmcache.bench.common import add_out_arg, add_threads_arg, save_and_plot, table, torch_threads
 from vmcache.memory.backends.host import HostBackend
 from vmcache.paged_fallback import PagedKVCache
 from vmcache.prefix.tiers import PrefixTiers
@@ -166,8 +166,13 @@ def main(argv=None):
     ap.add_argument("--conversations", type=int, default=32)
     ap.add_argument("--turns", type=int, default=4)
     add_out_arg(ap)
+    add_threads_arg(ap)
     args = ap.parse_args(argv)
-    torch.set_num_threads(2)
+    with torch_threads(args.threads):
+        return _run(args)
+
+
+def _run(args):
     m = model()
     conv, turns = (16, 3) if args.quick else (args.conversations, args.turns)
     reps = 1 if args.quick else args.repeats
