@@ -37,6 +37,19 @@ def _tests(out):
     return ok, value
 
 
+def _graph(out):
+    """The CUDA-graph test's own verdict in the junit file (tests/test_cuda_graphs.py)."""
+    path = os.path.join(out, "gpu-tests.xml")
+    if not os.path.exists(path):
+        return None, "no junit file"
+    cases = [c for c in ET.parse(path).getroot().iter("testcase")
+             if c.get("classname", "").endswith("test_cuda_graphs")]  # fmt: skip
+    if not cases or any(c.find("skipped") is not None for c in cases):
+        return None, "the test did not run"
+    failed = sum(c.find("failure") is not None or c.find("error") is not None for c in cases)
+    return failed == 0, f"{len(cases)} run, {failed} failed"
+
+
 def _syncs(out):
     rows = _rows(out, "syncs")
     if not rows:
@@ -104,6 +117,8 @@ def _engine(out):
 CLAIMS = [
     ("gpu_tests", "every GPU test passes, none skipped (CUDA VMM, aten FA2 and compiled Triton "
      "at page-boundary lengths, fp32, bf16, FP8 and INT8 K/V)", _tests),
+    ("cuda_graph", "a CUDA graph captured once replays over pages mapped after the capture, "
+     "equal to eager (the ranges never move)", _graph),
     ("syncs", "a decode step uploads at most one plan and the cache never synchronises",
      _syncs),
     ("attention_vs_plain", "decode on vmcache memory within 1.10x of the same kernel on an "
