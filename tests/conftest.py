@@ -30,6 +30,10 @@ HAS_CUDA_VMM = cuda_vmm_available()  # raises where a GPU is visible but the dri
 
 
 def pytest_collection_modifyitems(config, items):
+    # the end-to-end runs first (a stable sort: each module's tests stay together): with a
+    # worker per core they start at once rather than leave one worker running the last of
+    # them alone (`make test`'s wall time)
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if HAS_CUDA_VMM:
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU with the CUDA driver")

@@ -2,6 +2,7 @@
 here over the host backend under the CUDA page rules, admits requests at every budget and
 its radix rows really hit the prefix cache."""
 
+import pytest
 import torch
 
 from vmcache.bench import compute
@@ -34,6 +35,7 @@ def test_every_budget_runs_both_caches_at_2_mib_pages():
     assert one["max_running"] >= 1 and four["max_running"] > one["max_running"]
 
 
+@pytest.mark.slow
 def test_radix_rows_hit_whole_2_mib_pages():
     rows = compute.run_prefix(CPU, 3, 4, setup=gpu_like())
     by = {(r["cache"], r["prefix_caching"]): r for r in rows}

@@ -2,19 +2,26 @@
 default path (sizing on all seven traces, the rate sweep, compute, the radix rows, the report,
 the save, the plots), and each other --mode through its save. Each run must exit cleanly,
 write JSON that loads back, and hold nothing but plain JSON values in its rows (a cache object
-in a row crashed `make bench` at its very end once: issue 32)."""
+in a row crashed `make bench` at its very end once: issue 32). The real-model rows run on a
+2-layer random model with the embedded model's tokenizer and chat template (the same code,
+prompts and vocabulary; the trained model's own answers are the real-model tier's, in
+tests/test_real_model.py)."""
 
 import json
 import os
 
 import pytest
 import torch
+from real_model import tiny_chat_checkpoint
 
 from vmcache.bench import real, traces
 from vmcache.bench.__main__ import main as bench_main
 from vmcache.bench.common import check_plain, save
 
 PLAIN = (str, int, float, bool, type(None))
+
+
+pytestmark = pytest.mark.slow  # end to end: scheduled first (tests/conftest.py)
 
 
 def _plain_everywhere(value, where="doc"):
@@ -38,15 +45,24 @@ def _load_one(out_dir, name):
     return doc, paths[0]
 
 
+@pytest.fixture(scope="module")
+def real_args(tmp_path_factory):
+    """``--real-model`` a tiny chat checkpoint, or nothing where the embedded model (whose
+    tokenizer it takes) is not cached: the harness then says it skipped those rows."""
+    if not real.available():
+        return []
+    return ["--real-model", tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny-chat"))]
+
+
 # the default path's sections at a tiny scale: no --mode (both), every trace, one rate
 TINY_DEFAULT = ["--sample", "6", "--budget-gb", "1", "--rates", "8", "--jobs", "1",
                 "--compute-requests", "2", "--repeats", "1", "--compute-rates", "8",
                 "--budgets", "4"]  # fmt: skip
 
 
-def test_the_default_harness_path_runs_to_its_save(tmp_path, capsys):
+def test_the_default_harness_path_runs_to_its_save(tmp_path, capsys, real_args):
     pytest.importorskip("matplotlib")
-    bench_main([*TINY_DEFAULT, "--out", str(tmp_path)])
+    bench_main([*TINY_DEFAULT, *real_args, "--out", str(tmp_path)])
     out = capsys.readouterr().out
     doc, path = _load_one(tmp_path, "ab")
     rows = doc["rows"]
@@ -54,9 +70,9 @@ def test_the_default_harness_path_runs_to_its_save(tmp_path, capsys):
     assert any(r.get("rate_rps") == 8.0 for r in rows if "trace" in r)  # the sweep
     compute = [r for r in rows if r.get("mode") == "compute"]
     served = [r for r in rows if r.get("mode") == "compute_real"]
-    if real.available():  # the trained model's rows: same answers on both caches
+    if real.available():  # the real-model rows: same answers on both caches
         assert {r["cache"] for r in served} == {"vmcache", "paged"}
-        assert {r["model"] for r in served} == {"smollm2-135m-instruct"}
+        assert {r["model"] for r in served} == {os.path.basename(real_args[1])}
         assert all(r.get("answers_equal_across_caches", True) for r in served)
         assert any(r.get("prefix_hit_tokens", 0) > 0 for r in served)
     radix = [r for r in compute if r.get("scenario") == "shared_prompt"]
@@ -90,9 +106,14 @@ def test_the_real_rows_run_on_the_model_real_model_names():
 
 
 @pytest.mark.parametrize(
-    "mode, extra", [("spec", []), ("quant", []), ("tiers", []), ("elastic", ["--loads", "1"])]
+    "mode, extra",
+    [("spec", []), ("quant", []), ("tiers", []), ("elastic", ["--loads", "1", "--period", "0.5"])],
 )
-def test_each_mode_runs_to_its_save(tmp_path, mode, extra):
+def test_each_mode_runs_to_its_save(tmp_path, mode, extra, request):
+    if mode in ("spec", "quant"):  # the modes with real-model rows
+        extra = [*extra, *request.getfixturevalue("real_args")]
+    if mode != "elastic":  # one thread beside the other worker (elastic's engines use one)
+        extra = [*extra, "--threads", "1"]
     bench_main(["--mode", mode, "--quick", "--out", str(tmp_path), *extra])
     doc, path = _load_one(tmp_path, mode)
     if mode == "elastic":

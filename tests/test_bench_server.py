@@ -7,12 +7,14 @@ import json
 import os
 import sys
 
+import pytest
 from real_model import smol
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_server  # noqa: E402
 
 
+@pytest.mark.slow
 def test_the_soak_gives_every_page_back_and_ends_every_request_once(tmp_path):
     smol()  # skips unless the embedded model is fetched
     assert bench_server.main(["--quick", "--servers", "", "--soak", "40", "--out",

@@ -16,9 +16,11 @@ from vmcache.engine import Engine, NgramDrafter, Request, SamplingParams
 from vmcache.engine.compiled import unsupported
 from vmcache.kernels.reference import dense_attention
 from vmcache.kernels.step_op import step_attention
-from vmcache.sequences.batch import layout_of, store_of
 from vmcache.paged_fallback import PagedKVCache
+from vmcache.sequences.batch import layout_of, store_of
 from vmcache.sequences.invariants import check_invariants
+
+pytestmark = pytest.mark.slow  # end to end: scheduled first (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

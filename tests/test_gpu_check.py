@@ -29,7 +29,7 @@ def _fakes(tmp_path, smi=True):
         f.write_text("#!/bin/sh\necho 'NVIDIA H200, 570.00, 143771 MiB, 9.0'\n")
         f.chmod(0o755)
     slow_py = bin_dir / "slowpy"
-    slow_py.write_text(f'#!/bin/sh\nsleep 3\nexec {sys.executable} "$@"\n')
+    slow_py.write_text(f'#!/bin/sh\nsleep 1\nexec {sys.executable} "$@"\n')
     slow_py.chmod(0o755)
     return bin_dir, slow_py
 
@@ -66,9 +66,10 @@ def test_a_failing_preflight_stops_within_seconds_and_says_why(tmp_path, why):
         assert "gpu: NVIDIA H200" in (work / "preflight.txt").read_text()
 
 
+@pytest.mark.slow
 def test_dry_run_keeps_its_deadline_and_records_every_step(tmp_path):
     bin_dir, slow_py = _fakes(tmp_path)
-    deadline = 60
+    deadline = 45
     res, wall, out = _run(tmp_path, bin_dir, slow_py, deadline, GPU_CHECK_SKIP_INSTALL="1",
                           GPU_CHECK_FORCE="1")  # fmt: skip
     assert res.returncode != 0  # no GPU: tests skipped, benchmarks fail

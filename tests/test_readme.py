@@ -33,6 +33,7 @@ def test_the_readme_starts_a_user_in_one_screen():
         assert os.path.exists(os.path.join(ROOT, link)), link
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(SNIPPETS)))
 def test_readme_snippet_runs_on_its_own(i, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -8,14 +8,17 @@ a draft model) and swap / recompute preemption leaving greedy outputs unchanged.
 import pytest
 import torch
 from real_model import QUESTIONS, SYSTEM, generate, prompt, smol
-from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import KVSpec, VMKVCache
 from vmcache.engine import DraftModel, Engine, NgramDrafter, Request, SamplingParams
 from vmcache.hf import PagedCache, VMCache, cache_keyword
+from vmcache.paged_fallback import PagedKVCache
 from vmcache.sequences.invariants import check_invariants
 
 NEW = 40  # most answers end (EOS) before this; one or two run to it
+
+
+pytestmark = pytest.mark.slow  # end to end: scheduled first (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -58,22 +61,20 @@ def _left_padded(prompts):
     return ids, mask
 
 
-@pytest.mark.parametrize("kind", ["vm", "paged"])
-def test_drop_in_greedy_and_beams_equal_dynamic_cache(real, kind):
+def test_drop_in_greedy_and_beams_equal_dynamic_cache(real):
+    """Both caches against one DynamicCache reference (greedy, then beams)."""
     model, _, prompts = real
     ids, mask = _left_padded(prompts[:4])
     kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=0)
-    ref = model.generate(ids, **kw)
-    make = VMCache if kind == "vm" else PagedCache
-    cache = make(config=model.config, max_cache_len=ids.shape[1] + 24)
-    got = model.generate(ids, **{cache_keyword(model): cache}, **kw)
-    assert torch.equal(got, ref)
-    beams = dict(kw, num_beams=3, max_new_tokens=12)
-    ref = model.generate(ids[:2], **dict(beams, attention_mask=mask[:2]))
-    cache = make(config=model.config, max_cache_len=ids.shape[1] + 12)
-    got = model.generate(ids[:2], **{cache_keyword(model): cache},
-                         **dict(beams, attention_mask=mask[:2]))  # fmt: skip
-    assert torch.equal(got, ref)
+    beams = dict(kw, num_beams=3, max_new_tokens=12, attention_mask=mask[:2])
+    ref, ref_beams = model.generate(ids, **kw), model.generate(ids[:2], **beams)
+    for make in (VMCache, PagedCache):
+        cache = make(config=model.config, max_cache_len=ids.shape[1] + 24)
+        got = model.generate(ids, **{cache_keyword(model): cache}, **kw)
+        assert torch.equal(got, ref), make.__name__
+        cache = make(config=model.config, max_cache_len=ids.shape[1] + 12)
+        got = model.generate(ids[:2], **{cache_keyword(model): cache}, **beams)
+        assert torch.equal(got, ref_beams), make.__name__
 
 
 def test_drop_in_with_vmcache_attention_equals_dynamic_cache(real):

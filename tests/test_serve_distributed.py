@@ -10,6 +10,9 @@ from serve_scenarios import CFG, DISAGG, disagg, model, tp
 GREEDY = [f"r{i}" for i in range(8)] + ["forks"]
 
 
+pytestmark = pytest.mark.slow  # end to end: scheduled first (tests/conftest.py)
+
+
 @pytest.fixture(scope="module")
 def disagg_results():
     return run_ranks(disagg, 2)

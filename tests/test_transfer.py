@@ -14,6 +14,9 @@ from vmcache.sequences.invariants import check_invariants
 CASE_KEYS = [(k, c, p) for k in KINDS for c in CASES for p in (False, True)]
 
 
+pytestmark = pytest.mark.slow  # end to end: scheduled first (tests/conftest.py)
+
+
 @pytest.fixture(scope="module")
 def pair_results():
     res = run_ranks(pair, 2)

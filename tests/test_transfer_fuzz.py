@@ -19,6 +19,9 @@ from vmcache.distributed import wire
 TRIALS = examples(90)  # `make test-long`: ten times as many, with a fresh seed
 
 
+pytestmark = pytest.mark.slow  # end to end: scheduled first (tests/conftest.py)
+
+
 @pytest.fixture(scope="module")
 def ranks():
     seed = int.from_bytes(os.urandom(2), "little") if TRIALS > 90 else 7

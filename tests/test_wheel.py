@@ -32,6 +32,7 @@ def test_every_package_folder_is_listed():
         assert (folder / "__init__.py").exists(), folder
 
 
+@pytest.mark.slow
 def test_built_wheel_imports_every_module(tmp_path):
     dist, src = tmp_path / "dist", tmp_path / "src"
     # from a copy of the sources: setuptools reuses a checkout's build/lib without cleaning it,
