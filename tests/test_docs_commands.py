@@ -1,0 +1,150 @@
+"""Every shell command README.md and docs/guide.md show runs as a user would type it: the
+ones no other test runs are run here, through bash, with the venv's executables first on the
+PATH and results sent to a temporary directory ($VMCACHE_RESULTS, which the harness reads);
+the others are named with the test or script that runs them, which must hold the command's
+words in order. A command added to the docs and run nowhere fails
+`test_every_shown_command_is_run_somewhere`."""
+
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vmcache.bench import real
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ("README.md", "docs/guide.md")
+BIN = str(Path(sys.executable).parent)
+STARTS = ("python", "make", "pip", "curl", "torchrun", "vmcache-server", "vmcache-bench")
+
+SERVER = "vmcache-server --cache vm --pool-mib 256"
+CURL = ("curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' -d "
+        "'{\"model\": \"smollm2-135m-instruct\", \"messages\": [{\"role\": \"user\", "
+        "\"content\": \"Hi!\"}]}'")  # fmt: skip
+HARNESS = ("python -m vmcache.bench --mode sizing --quick",
+           "python -m vmcache.bench --mode compute --quick")  # fmt: skip
+DISAGG = "python -m vmcache.distributed.launch --mode disagg --check"
+TORCHRUN = "torchrun --nproc_per_node 2 -m vmcache.distributed.launch --mode disagg --cache paged"
+# beside another `make test` worker: one thread, as tests/conftest.py gives each worker (two
+# processes of 2 OpenMP threads each on 2 cores ran the compute mode 4x slower)
+ONE_THREAD = {"OMP_NUM_THREADS": "1"} if os.environ.get("PYTEST_XDIST_WORKER") else {}
+RUN_HERE = {SERVER, CURL, *HARNESS, DISAGG, TORCHRUN}
+# command -> the file that runs it as typed
+RUN_ELSEWHERE = {
+    "python -m vmcache.distributed.launch --mode tp --nproc 2 --check":
+        "tests/test_serve_distributed.py",
+    "make test": ".ci/run",  # CI's command
+    "make bench": "scripts/time_fresh_clone.py",  # the committed fresh-clone measurement
+}  # fmt: skip
+
+
+def shown_commands() -> list[str]:
+    """The command lines of the docs' shell blocks (```bash, or unlabeled ones whose lines
+    start with a command), continuation lines joined, comments and prompts dropped."""
+    out = []
+    for doc in DOCS:
+        text = (ROOT / doc).read_text()
+        for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
+            if lang not in ("bash", "sh", "shell", ""):
+                continue
+            joined = re.sub(r"\\\n\s*", "", body)
+            for line in joined.splitlines():
+                try:
+                    words = shlex.split(line, comments=True)
+                except ValueError:  # prose or a diagram in an unlabeled block
+                    continue
+                if words and (lang or words[0] in STARTS):
+                    out.append(shlex.join(words))
+    return out
+
+
+def _norm(cmd: str) -> str:
+    return shlex.join(shlex.split(cmd, comments=True))
+
+
+def test_every_shown_command_is_run_somewhere():
+    shown = shown_commands()
+    assert len(shown) >= 9, shown  # the parser still finds the blocks
+    known = {_norm(c) for c in RUN_HERE} | {_norm(c) for c in RUN_ELSEWHERE}
+    assert not [c for c in shown if c not in known], "shown but run by no test"
+    assert not [c for c in known if c not in shown], "run here but no longer shown"
+    for cmd, where in RUN_ELSEWHERE.items():
+        text = (ROOT / where).read_text()
+        words = shlex.split(cmd)
+        # each word in order, as a string literal or on a command line
+        at = 0
+        for w in words[1:] if words[0] == "python" else words:
+            found = text.find(w, at)
+            assert found >= 0, f"{where} does not run `{cmd}` (no {w!r} after offset {at})"
+            at = found + len(w)
+
+
+def _bash(cmd: str, tmp_path, timeout: float, **kw):
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}",
+           "VMCACHE_RESULTS": str(tmp_path), **ONE_THREAD}  # fmt: skip
+    return subprocess.run(["bash", "-c", cmd], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=timeout, **kw)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cmd", HARNESS)
+def test_the_readme_harness_commands(cmd, tmp_path):
+    done = _bash(cmd, tmp_path, 240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (saved,) = tmp_path.glob("ab-*.json")
+    doc = json.loads(saved.read_text())
+    assert doc["args"]["quick"] and doc["rows"] and "wall time" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cmd", [DISAGG, TORCHRUN])
+def test_the_guides_launcher_commands(cmd, tmp_path):
+    done = _bash(cmd, tmp_path, 300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["world"] == 2
+    if "--check" in cmd:
+        assert report["ranks"][0]["equal_to_one_process"] is True
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.mark.slow
+def test_the_readme_server_and_curl(tmp_path):
+    if not real.available():
+        pytest.skip("the embedded model is not cached; `make test` fetches it")
+    if not _port_free(8000):
+        pytest.skip("port 8000 is taken on this machine")
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", **ONE_THREAD}
+    server = subprocess.Popen(
+        ["bash", "-c", f"exec {SERVER}"],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while _port_free(8000):
+            assert server.poll() is None, server.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, "the server did not listen within 120 s"
+            time.sleep(0.2)
+        done = _bash(CURL, tmp_path, 120)
+        assert done.returncode == 0, done.stderr
+        answer = json.loads(done.stdout)
+        assert answer["object"] == "chat.completion"
+        assert answer["choices"][0]["message"]["content"].strip()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
