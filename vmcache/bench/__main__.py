@@ -146,7 +146,8 @@ def run_compute(args, dev: torch.device) -> list[dict]:
                               name, new)  # fmt: skip
     print(table(served, ["cache", "prefill", "rate_rps", "tok_per_s", "ttft_p50_s",
                          "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "spread_note"]))  # fmt: skip
-    shared = compute_real.run_prefix(n, args.kv_dtype, name, new)
+    # --quick: two requests behind the shared prompt (the second one's hit is the row's point)
+    shared = compute_real.run_prefix(2 if args.quick else n, args.kv_dtype, name, new)
     print(table(shared, ["cache", "prefix_caching", "prompt_tokens", "prefill_tokens",
                          "prefix_hit_tokens", "tok_per_s"]))  # fmt: skip
     return rows + [{"real": True, **r} for r in served + shared]
@@ -202,8 +203,8 @@ def parser() -> argparse.ArgumentParser:
         "--quick",
         action="store_true",
         help="small everything: 50 requests a trace, one rate, 4 compute requests of "
-        "16 new tokens on the trained model, 1 repeat (a first look; CI, the GPU "
-        "check)",
+        "16 new tokens on the trained model (2 behind its shared prompt), 1 repeat (a "
+        "first look; CI, the GPU check)",
     )
     ap.add_argument("--real-model", default=DEFAULT_MODEL,
                     help="the trained chat model of the real-model rows (compute, spec, quant): "

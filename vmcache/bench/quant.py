@@ -169,7 +169,7 @@ ACC_COLUMNS = ["storage", "bytes_per_token", "logits_rel_err_median", "logits_re
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="48 new tokens, 100 sizing requests")
+    ap.add_argument("--quick", action="store_true", help="16 new tokens, 100 sizing requests")
     ap.add_argument("--repeats", type=int, default=1,
                     help="unused: errors, agreements and capacities are deterministic")  # fmt: skip
     ap.add_argument(
@@ -185,7 +185,7 @@ def main(argv=None):
 
 
 def _run(args):
-    new, num = (48, 100) if args.quick else (NEW, 400)
+    new, num = (16, 100) if args.quick else (NEW, 400)
     acc = accuracy_rows(model(), new)
     cap = capacity_rows(num)
     print(table(cap, CAP_COLUMNS))

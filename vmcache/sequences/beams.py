@@ -145,15 +145,16 @@ class Beams:
         after = Counter(p for *_, nw in plan for p in nw)
         after.subtract(p for _, _, _, old, _, _ in plan for p in old)
         picked: dict[tuple[int, int], tuple[int, int]] = {}  # (plan entry, j) -> (theirs, mine)
+        rc = c._pool.refcounts
         for i, (d, t, ja, old, jb, nw) in enumerate(plan):
             g = c._group_of[t]
             n = c._seqs.length(src_of[d])
             tail = n * g.u // g.P if n * g.u % g.P else -1  # the page the next write lands in
             for j in range(max(ja, jb), min(ja + len(old), jb + len(nw))):
                 mine, theirs = old[j - ja], nw[j - jb]
-                if c._pool.refcount(mine) != 1:
+                if rc[mine] != 1:
                     continue
-                holders = c._pool.refcount(theirs) + after[theirs]
+                holders = rc[theirs] + after[theirs]
                 if j == tail == jb + len(nw) - 1 and holders >= 2:
                     after[theirs] -= 1
                 elif not (c._copies_moves and holders == 1):

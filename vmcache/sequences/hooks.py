@@ -27,12 +27,14 @@ class PhysicalHooks(Protocol):
         raise NotImplementedError
 
     def _copy_page(self, src: int, dst: int, used_units: int) -> None:
-        self._page(dst, used_units).copy_(self._page(src, used_units))
+        self._copy_pages([(src, dst, used_units)])
 
     def _copy_pages(self, copies: list[tuple[int, int, int]]) -> None:
         """``(source, destination, units)`` copies as one simultaneous assignment: a source
         that is also a destination is read before anything is written (the pages of a beam
         swap form a cycle: a ← b, b ← a)."""
+        if not copies or self._page(copies[0][0], 1).is_meta:
+            return  # nothing, or pages without bytes (the sizing backend: bookkeeping only)
         dsts = {d for _, d, _ in copies}
         staged = {s: self._page(s, u).clone() for s, _, u in copies if s in dsts}
         for s, d, u in copies:
