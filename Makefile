@@ -122,12 +122,14 @@ test-newest: $(STAMP) fetch-model
 # the drop-in on the hybrid sliding-window family (Gemma 3: layer types, windows), and the
 # trained model: its GGUF file loaded by this transformers, its answers and the engine's
 # parity up to where it stops (skipped unless fetched: `make test` fetches it first)
+# (one run: the sliding-window file's Gemma 3 tests and the trained model's "stops" tests
+# picked by -k beside every test of the other files)
 test-oldest: $(OLD_STAMP)
 	$(OLD)/bin/pytest -n $(TEST_WORKERS) tests/test_hf.py tests/test_hf_layers.py \
 		tests/test_hf_assisted.py tests/test_engine.py tests/test_engine_logprobs.py \
-		tests/test_compile_sm90.py tests/test_hf_adapter.py tests/test_models.py
-	$(OLD)/bin/pytest tests/test_hf_sliding.py -k gemma3
-	$(OLD)/bin/pytest tests/test_real_model.py -k stops
+		tests/test_compile_sm90.py tests/test_hf_adapter.py tests/test_models.py \
+		tests/test_hf_sliding.py tests/test_real_model.py \
+		-k "not (test_hf_sliding or test_real_model) or gemma3 or stops"
 
 # the randomized tests with fresh seeds and ten times the examples (CI's are derandomized)
 test-long: $(STAMP)

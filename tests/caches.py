@@ -7,18 +7,21 @@ reservation freed with pages in it, misaligned addresses), at the 4 KiB pages th
 """
 
 import torch
-from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import KVSpec, VMKVCache
 from vmcache.memory.backends.host import HostBackend
 from vmcache.memory.backends.strict import StrictBackend
+from vmcache.paged_fallback import PagedKVCache
 
 
-def examples(n: int) -> int:
-    """``n`` examples for a randomized test; ten times that under ``make test-long``."""
+def examples(n: int, long: int | None = None) -> int:
+    """``n`` examples for a randomized test; under ``make test-long`` ``long``, by default ten
+    times ``n``."""
     import os
 
-    return n * (10 if os.environ.get("HYPOTHESIS_PROFILE") == "long" else 1)
+    if os.environ.get("HYPOTHESIS_PROFILE") == "long":
+        return 10 * n if long is None else long
+    return n
 
 
 def strict_host(granularity=4096, inner=None):

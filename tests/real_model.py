@@ -54,6 +54,43 @@ def smol():
     return real.smol()
 
 
+def tiny_chat():
+    """(model fp32 eval, tokenizer): a random 2-layer model of the embedded model's family (its
+    config, fewer layers, seed 0) with its tokenizer and chat template, built once per process:
+    the server's tests run on it (the same prompts and vocabulary, a fraction of the time); the
+    trained model's own answers are tests/test_real_model.py's. A skip as :func:`smol`'s."""
+    global _TINY
+    if _TINY is None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        src = _tiny_source()
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(_tiny_config(src)).eval()
+        _TINY = model, AutoTokenizer.from_pretrained(src)
+    return _TINY
+
+
+_TINY = None
+
+
+def _tiny_source():
+    from vmcache.bench import real
+    from vmcache.models import DEFAULT_MODEL, checkpoint_dir
+
+    if not real.available():
+        pytest.skip("the embedded model is not cached; `make test` fetches it")
+    return checkpoint_dir(DEFAULT_MODEL, download=False)
+
+
+def _tiny_config(src):
+    import json
+
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**{**json.loads((src / "config.json").read_text()),
+                                   "num_hidden_layers": 2})  # fmt: skip
+
+
 def prompt(tokenizer, question: str, system: str | None = None) -> list[int]:
     from vmcache.bench.real import chat
 
@@ -73,22 +110,14 @@ def tiny_chat_checkpoint(directory) -> str:
     random 2-layer model of its family (its config, fewer layers): the harness's real-model
     rows run on it as on the trained model (chat prompts, the same vocabulary) in a fraction
     of the time; a skip when the embedded model is not cached."""
-    import json
     import shutil
     from pathlib import Path
 
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from vmcache.bench import real
-    from vmcache.models import DEFAULT_MODEL, checkpoint_dir
-
-    if not real.available():
-        pytest.skip("the embedded model is not cached; `make test` fetches it")
-    src, dst = checkpoint_dir(DEFAULT_MODEL, download=False), Path(directory)
-    config = AutoConfig.for_model(**{**json.loads((src / "config.json").read_text()),
-                                     "num_hidden_layers": 2})  # fmt: skip
+    src, dst = _tiny_source(), Path(directory)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(dst)
+    AutoModelForCausalLM.from_config(_tiny_config(src)).save_pretrained(dst)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                  "generation_config.json"):  # fmt: skip
         if (src / name).exists():

@@ -1,15 +1,15 @@
 """The Triton prefill (under TRITON_INTERPRET=1 here) on every cache against the plain
 reference over what the test wrote: packed queries of awkward lengths (1, a block boundary of
 64 crossed, several query blocks, a whole fresh prompt) over cached prefixes, GQA ratios 1–8,
-head sizes 64 and 96, fp32 and bf16; and the dispatch's choices."""
+head sizes 64 and 96, fp32 and bf16 (see GRID); and the dispatch's choices."""
 
 import pytest
 import torch
 from test_kernels import KINDS, SHAPES, TOL, WRITTEN, fill, make
-from vmcache.kernels import contiguous, triton_prefill
-from vmcache.kernels.reference import dense_attention
 
 from vmcache import KVSpec, kernels
+from vmcache.kernels import contiguous, triton_prefill
+from vmcache.kernels.reference import dense_attention
 
 LENS = [1, 15, 16, 17, 130, 257]
 Q_LENS = [1, 15, 3, 17, 65, 130]  # 65: one row past a query block; 130: three blocks
@@ -23,8 +23,14 @@ def reference(cache, layer, q, seqs, q_lens):
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group,head_dim", SHAPES)
+# bf16 at GQA 1 and at GQA 4 with a padded head size (96): under the interpreter the dots run
+# in fp32 whatever the dtype (triton_tiles.prepare), so bf16 adds its loads and casts, which do
+# not depend on the group; GQA 8 (a tile of 8 query heads' rows) is covered in fp32
+GRID = [(g, d, t) for g, d in SHAPES for t in (torch.float32, torch.bfloat16)
+        if t == torch.float32 or g < 8]  # fmt: skip
+
+
+@pytest.mark.parametrize("group,head_dim,dtype", GRID)
 @pytest.mark.parametrize("kind", KINDS)
 def test_triton_prefill_matches_the_reference(kind, group, head_dim, dtype):
     spec = KVSpec(2, 2, head_dim, dtype, num_q_heads=2 * group)

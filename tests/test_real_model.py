@@ -3,7 +3,8 @@ head_dim 64: 768-byte fp32 K/V rows, which divide no page) on chat prompts built
 template. Greedy drop-in parity (both caches, left-padded batches, beams, attn "vmcache"),
 engine parity up to and including where the model stops (its EOS), prefix-cache hits across a
 multi-turn chat on a long system prompt, speculation (prompt lookup as a chain and as a tree,
-a draft model) and swap / recompute preemption leaving greedy outputs unchanged."""
+a draft model), swap / recompute preemption leaving greedy outputs unchanged, and the server's
+chat answers (the server's own tests run a random 2-layer model)."""
 
 import pytest
 import torch
@@ -52,6 +53,21 @@ def test_the_model_answers_and_stops(real, references):
     answer = tok.decode(references[0], skip_special_tokens=True)
     assert "Paris" in answer and references[0][-1] == 2  # "The capital of France is Paris."
     assert sum(r[-1] == 2 for r in references) >= len(references) - 2
+
+
+def test_the_server_answers_as_generate_and_stops_where_the_model_stops(real, references):
+    """The trained model behind the OpenAI-compatible server (its other tests run a random
+    2-layer model): each chat answer is greedy generate's, "stop" where the model ended it."""
+    from test_server import chat, client, start
+
+    model, tok, _ = real
+    with start((model, tok), "--cache", "vm") as running:
+        c = client(running)
+        for q, want in zip(QUESTIONS[:3], references):
+            r = chat(c, q, max_tokens=NEW)
+            assert r.choices[0].message.content == tok.decode(want, skip_special_tokens=True)
+            assert r.choices[0].finish_reason == ("stop" if want[-1] == 2 else "length")
+    assert any(w[-1] == 2 for w in references[:3])  # the "stop" path was taken
 
 
 def _left_padded(prompts):

@@ -1,9 +1,11 @@
-"""The OpenAI-compatible server on the embedded SmolLM2-135M-Instruct, driven by the official
-``openai`` client over loopback: chat and completions equal to greedy ``generate``, streaming
-equal to whole answers, n > 1, stop strings, concurrent streams each equal to its sequential
-answer, a client that disconnects mid-stream (its pages back), every bad input a 4xx in
-OpenAI's error format with the server still answering, prefix-cache hits reported as
-``cached_tokens``, the API key, the queue bound, and the metrics."""
+"""The OpenAI-compatible server, driven by the official ``openai`` client over loopback, on a
+random 2-layer model with the embedded SmolLM2-135M-Instruct's tokenizer and chat template
+(``real_model.tiny_chat``; the trained model behind the server: tests/test_real_model.py):
+chat and completions equal to greedy ``generate``, streaming equal to whole answers, n > 1,
+stop strings, concurrent streams each equal to its sequential answer, a client that
+disconnects mid-stream (its pages back), every bad input a 4xx in OpenAI's error format with
+the server still answering, prefix-cache hits reported as ``cached_tokens``, the API key, the
+queue bound, and the metrics."""
 
 import concurrent.futures
 import json
@@ -15,7 +17,7 @@ import urllib.request
 
 import openai
 import pytest
-from real_model import QUESTIONS, SYSTEM, generate, prompt, smol
+from real_model import QUESTIONS, SYSTEM, generate, prompt, tiny_chat
 
 from vmcache.sequences.invariants import check_invariants
 from vmcache.server.cli import Running, build_server, parse_args
@@ -26,7 +28,7 @@ BASE = ["--max-seqs", "8", "--max-seq-len", "1024", "--pool-mib", "64", "--max-w
 
 @pytest.fixture(scope="module")
 def real():
-    return smol()
+    return tiny_chat()
 
 
 def start(real, *extra) -> Running:

@@ -9,7 +9,7 @@ import socket
 import time
 
 import pytest
-from real_model import QUESTIONS, smol
+from real_model import QUESTIONS, tiny_chat
 from test_server import MODEL, settled, start
 
 MOMENTS = ["queued", "prefill", "decode"]
@@ -17,7 +17,7 @@ MOMENTS = ["queued", "prefill", "decode"]
 
 @pytest.fixture(scope="module")
 def real():
-    return smol()
+    return tiny_chat()
 
 
 @pytest.fixture(scope="module", params=["vm", "paged"])

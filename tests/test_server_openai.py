@@ -1,7 +1,8 @@
 """What OpenAI clients and evaluation harnesses rely on beyond text, through the official
-``openai`` client (raw HTTP where it hides the wire), on both caches with the embedded
-SmolLM2-135M-Instruct: log-probabilities equal to the model's teacher-forced ones (chat and
-completions, streamed and whole), echo with the prompt's log-probabilities (the payload
+``openai`` client (raw HTTP where it hides the wire), on both caches with a random 2-layer
+model of the embedded model's family, tokenizer and chat template (``real_model.tiny_chat``):
+log-probabilities equal to the model's teacher-forced ones (chat and completions, streamed and
+whole), echo with the prompt's log-probabilities (the payload
 lm-evaluation-harness's ``local-completions`` sends), several prompts in one request,
 penalties and logit bias equal to a plain reference, a role chunk per choice when streaming
 n > 1, usage in every chunk on request, templates' own roles, CORS off unless origins are
@@ -13,7 +14,7 @@ import urllib.request
 
 import pytest
 import torch
-from real_model import QUESTIONS, SYSTEM, generate, smol
+from real_model import QUESTIONS, SYSTEM, generate, tiny_chat
 from test_engine_logprobs import reference
 from test_server import MODEL, client, http, root, settled, start
 
@@ -22,7 +23,7 @@ PROMPT = "The three primary colors are"
 
 @pytest.fixture(scope="module")
 def real():
-    return smol()
+    return tiny_chat()
 
 
 @pytest.fixture(scope="module", params=["vm", "paged"])
