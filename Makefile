@@ -15,7 +15,7 @@ OLD_STAMP := $(OLD)/.vmcache-installed
 # Without an NVIDIA GPU take the CPU build first, so no multi-GB CUDA build is pulled.
 CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q torch==2.13.0; fi
 
-.PHONY: fetch-model bench bench-vllm bench-long bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed bench-server lm-eval serve readme test test-newest test-oldest test-long coverage compile-sm90 lint \
+.PHONY: fetch-model bench bench-compute bench-vllm bench-long bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed bench-server lm-eval serve readme test test-newest test-oldest test-long coverage compile-sm90 lint \
 	gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -41,6 +41,13 @@ $(BENCH_STAMP): pyproject.toml
 bench: $(BENCH_STAMP)
 	$(BENCH_BIN)/python -m vmcache.models fetch
 	$(BENCH_BIN)/vmcache-bench
+
+# compute mode's larger grid (make bench's is sized for ~6 minutes on 2 cores): 24 requests at
+# three rates on the random model, 12 chat requests on the trained model
+bench-compute: $(BENCH_STAMP)
+	$(BENCH_BIN)/python -m vmcache.models fetch
+	$(BENCH_BIN)/vmcache-bench --mode compute --compute-requests 24 --compute-rates 2,8,32 \
+		--real-requests 12 --tag compute-grid
 
 # a 30,000-request heavy-tailed trace through every default allocator (sizing mode)
 bench-30k: $(BENCH_STAMP)

@@ -56,8 +56,8 @@ def real_args(tmp_path_factory):
 
 # the default path's sections at a tiny scale: no --mode (both), every trace, one rate
 TINY_DEFAULT = ["--sample", "6", "--budget-gb", "1", "--rates", "8", "--jobs", "1",
-                "--compute-requests", "2", "--repeats", "1", "--compute-rates", "8",
-                "--budgets", "4"]  # fmt: skip
+                "--compute-requests", "2", "--real-requests", "2", "--repeats", "1",
+                "--compute-rates", "8", "--budgets", "4"]  # fmt: skip
 
 
 def test_the_default_harness_path_runs_to_its_save(tmp_path, capsys, real_args):

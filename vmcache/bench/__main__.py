@@ -140,7 +140,7 @@ def run_compute(args, dev: torch.device) -> list[dict]:
               "`python -m vmcache.models fetch`)")  # fmt: skip
         return rows
     print(f"\n== compute mode on the trained model: {real.label(name)}, chat requests ==")
-    n = min(args.compute_requests, len(compute_real.QUESTIONS))
+    n = min(args.real_requests, len(compute_real.QUESTIONS))
     new = 16 if args.quick else compute_real.NEW
     served = compute_real.run(_floats(args.compute_rates)[0], args.repeats, n, args.kv_dtype,
                               name, new)  # fmt: skip
@@ -191,7 +191,17 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--jobs", type=int, help="worker processes (default: every core)")
     c = ap.add_argument_group("compute mode")
     c.add_argument("--compute-requests", type=int, default=12)
-    c.add_argument("--compute-rates", default="2,8,32", help="arrival rates, req/s (2,8,32)")
+    c.add_argument(
+        "--compute-rates",
+        default="4,32",
+        help="arrival rates, req/s (4,32: a light and a saturating load)",
+    )
+    c.add_argument(
+        "--real-requests",
+        type=int,
+        default=6,
+        help="chat requests of the trained model's rows, at the first rate (6)",
+    )
     c.add_argument("--budgets", default="8", help="KV budgets, in longest requests held (8)")
     c.add_argument("--repeats", type=int, default=3)
     c.add_argument("--kv-dtype", default="auto",
@@ -235,6 +245,7 @@ def main(argv=None) -> None:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.quick:  # a first look in well under a minute a mode on 2 cores
         args.compute_requests, args.repeats, args.compute_rates, args.budgets = 4, 1, "4", "4,8"
+        args.real_requests = 4
         args.sample = args.sample or 50
         if args.rates == ap.get_default("rates"):
             args.rates = "8"
