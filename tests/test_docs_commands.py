@@ -25,9 +25,11 @@ BIN = str(Path(sys.executable).parent)
 STARTS = ("python", "make", "pip", "curl", "torchrun", "vmcache-server", "vmcache-bench")
 
 SERVER = "vmcache-server --cache vm --pool-mib 256"
+# (max_tokens: a chat's default is what the context leaves, and it samples at temperature 1
+# unless told: an unbounded answer ran past two minutes once on a busy machine)
 CURL = ("curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' -d "
         "'{\"model\": \"smollm2-135m-instruct\", \"messages\": [{\"role\": \"user\", "
-        "\"content\": \"Hi!\"}]}'")  # fmt: skip
+        "\"content\": \"Hi!\"}], \"max_tokens\": 64}'")  # fmt: skip
 HARNESS = ("python -m vmcache.bench --mode sizing --quick",
            "python -m vmcache.bench --mode compute --quick")  # fmt: skip
 DISAGG = "python -m vmcache.distributed.launch --mode disagg --check"
@@ -126,22 +128,19 @@ def test_the_readme_server_and_curl(tmp_path):
     if not _port_free(8000):
         pytest.skip("port 8000 is taken on this machine")
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", **ONE_THREAD}
-    server = subprocess.Popen(
-        ["bash", "-c", f"exec {SERVER}"],
-        env=env,
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    log = tmp_path / "server.log"  # a file, not a pipe nobody reads while the server runs
+    with log.open("w") as err:
+        server = subprocess.Popen(["bash", "-c", f"exec {SERVER}"], env=env, cwd=tmp_path,
+                                  stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         while _port_free(8000):
-            assert server.poll() is None, server.stderr.read()[-2000:]
+            assert server.poll() is None, log.read_text()[-2000:]
             assert time.monotonic() < deadline, "the server did not listen within 120 s"
             time.sleep(0.2)
+        assert server.poll() is None, log.read_text()[-2000:]  # ours listens, not another
         done = _bash(CURL, tmp_path, 120)
-        assert done.returncode == 0, done.stderr
+        assert done.returncode == 0, done.stderr + log.read_text()[-2000:]
         answer = json.loads(done.stdout)
         assert answer["object"] == "chat.completion"
         assert answer["choices"][0]["message"]["content"].strip()
