@@ -183,14 +183,6 @@ def hf(name, doc) -> str:
                for m, p, n in pts]) + "\n" + source(name, doc)  # fmt: skip
 
 
-def bench_time(name, doc) -> str:
-    return (
-        f"`make bench` ran for **{doc['wall_s'] / 60:.1f} min** on {doc['device']} "
-        f"({doc.get('cpu', '?')}), after creating `.venv-bench` (a few minutes of "
-        f"downloads the first time).\n"
-    )
-
-
 GOAL_MIN = {"make test": 12, "make bench": 6}  # a newcomer's pace on 2 cores (issue 50)
 
 
@@ -219,7 +211,7 @@ def _ab():
 
 
 BLOCKS = {
-    "bench-time": lambda: bench_time(*_ab()),
+    "fresh-clone": lambda: fresh_clone(*newest("fresh_clone-20??-??-??-*.json")),
     "ab-claims": lambda: ab_claims(*_ab()),
     "ab-enterprise": lambda: ab_capacity(*_ab()),
     "ab-forks": lambda: ab_forks(*_ab()),
