@@ -25,11 +25,16 @@ def _rows(out: str, prefix: str) -> list[dict]:
     return json.load(open(paths[-1]))["rows"] if paths else []
 
 
-def _tests(out):
+def _junit(out):
+    """The GPU tests' junit root, or None where the step wrote none."""
     path = os.path.join(out, "gpu-tests.xml")
-    if not os.path.exists(path):
+    return ET.parse(path).getroot() if os.path.exists(path) else None
+
+
+def _tests(out):
+    root = _junit(out)
+    if root is None:
         return None, "no junit file"
-    root = ET.parse(path).getroot()
     suite = root if root.tag == "testsuite" else root.find("testsuite")
     n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
     value = f"{n['tests']} run, {n['failures'] + n['errors']} failed, {n['skipped']} skipped"
@@ -39,10 +44,10 @@ def _tests(out):
 
 def _graph(out):
     """The CUDA-graph test's own verdict in the junit file (tests/test_cuda_graphs.py)."""
-    path = os.path.join(out, "gpu-tests.xml")
-    if not os.path.exists(path):
+    root = _junit(out)
+    if root is None:
         return None, "no junit file"
-    cases = [c for c in ET.parse(path).getroot().iter("testcase")
+    cases = [c for c in root.iter("testcase")
              if c.get("classname", "").endswith("test_cuda_graphs")]  # fmt: skip
     if not cases or any(c.find("skipped") is not None for c in cases):
         return None, "the test did not run"

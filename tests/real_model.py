@@ -4,6 +4,8 @@ prompts built with its own template."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -54,23 +56,18 @@ def smol():
     return real.smol()
 
 
+@functools.cache
 def tiny_chat():
     """(model fp32 eval, tokenizer): a random 2-layer model of the embedded model's family (its
     config, fewer layers, seed 0) with its tokenizer and chat template, built once per process:
     the server's tests run on it (the same prompts and vocabulary, a fraction of the time); the
     trained model's own answers are tests/test_real_model.py's. A skip as :func:`smol`'s."""
-    global _TINY
-    if _TINY is None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        src = _tiny_source()
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(_tiny_config(src)).eval()
-        _TINY = model, AutoTokenizer.from_pretrained(src)
-    return _TINY
-
-
-_TINY = None
+    src = _tiny_source()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_tiny_config(src)).eval()
+    return model, AutoTokenizer.from_pretrained(src)
 
 
 def _tiny_source():
@@ -113,11 +110,8 @@ def tiny_chat_checkpoint(directory) -> str:
     import shutil
     from pathlib import Path
 
-    from transformers import AutoModelForCausalLM
-
     src, dst = _tiny_source(), Path(directory)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(_tiny_config(src)).save_pretrained(dst)
+    tiny_chat()[0].save_pretrained(dst)  # the same random model the server's tests run
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                  "generation_config.json"):  # fmt: skip
         if (src / name).exists():

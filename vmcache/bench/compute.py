@@ -18,7 +18,7 @@ import statistics
 
 import torch
 
-from vmcache.bench.latency import poisson_arrivals, spread, summarize
+from vmcache.bench.latency import compare_tok_per_s, poisson_arrivals, spread, summarize
 from vmcache.engine import Engine, Request, SamplingParams
 from vmcache.memory.backends import Backend, make_backend
 from vmcache.paged_fallback import PagedKVCache
@@ -174,15 +174,7 @@ def run(device: torch.device, num_requests: int, rates: list[float], budgets_req
                           "map_ms_per_step", "premap_ms_per_step", "step_ms"):  # fmt: skip
                     row[k] = statistics.median(r[k] for r in rs)
                 rows.append(row)
-            vm, pg = rows[-2], rows[-1]
-            ratio = vm["tok_per_s"] / pg["tok_per_s"]
-            noise = max(
-                (r["tok_per_s_max"] - r["tok_per_s_min"]) / r["tok_per_s"] for r in (vm, pg)
-            )
-            for r in (vm, pg):
-                r["vm_vs_paged_tok_per_s"] = ratio
-                r["spread_note"] = ("one run: no spread" if repeats < 2 else "spread > effect"
-                                    if noise > abs(ratio - 1) else "effect > spread")  # fmt: skip
+            compare_tok_per_s(rows[-2], rows[-1], repeats)
     return rows
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from vmcache.bench.latency import poisson_arrivals, spread, summarize
+from vmcache.bench.latency import compare_tok_per_s, poisson_arrivals, spread, summarize
 from vmcache.bench.real import chat, row_name, smol
 from vmcache.bench.sizing import KV_STORAGES
 from vmcache.engine import Engine, Request, SamplingParams
@@ -110,13 +110,7 @@ def run(rate: float = 4.0, repeats: int = 3, n: int | None = None, kv: str = "au
                 sp = spread([r[m] for r in rs])
                 row.update({m: sp["median"], f"{m}_min": sp["min"], f"{m}_max": sp["max"]})
             rows.append(row)
-        vm, pg = rows[-2], rows[-1]
-        ratio = vm["tok_per_s"] / pg["tok_per_s"]
-        noise = max((r["tok_per_s_max"] - r["tok_per_s_min"]) / r["tok_per_s"] for r in (vm, pg))
-        for r in (vm, pg):
-            r["vm_vs_paged_tok_per_s"] = ratio
-            r["spread_note"] = ("one run: no spread" if repeats < 2 else "spread > effect"
-                                if noise > abs(ratio - 1) else "effect > spread")  # fmt: skip
+        compare_tok_per_s(rows[-2], rows[-1], repeats)
     return rows
 
 

@@ -89,3 +89,14 @@ def spread(values: list[float]) -> dict:
     """Median, min and max of repeats (the harness's one way to report a repeated figure)."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
             "n": len(values)}  # fmt: skip
+
+
+def compare_tok_per_s(vm: dict, paged: dict, repeats: int) -> None:
+    """Set both rows' ``vm_vs_paged_tok_per_s`` (medians' ratio) and ``spread_note``: whether
+    the repeats' own spread (the wider of the two, relative) could explain that ratio."""
+    ratio = vm["tok_per_s"] / paged["tok_per_s"]
+    noise = max((r["tok_per_s_max"] - r["tok_per_s_min"]) / r["tok_per_s"] for r in (vm, paged))
+    note = ("one run: no spread" if repeats < 2 else "spread > effect"
+            if noise > abs(ratio - 1) else "effect > spread")  # fmt: skip
+    for r in (vm, paged):
+        r["vm_vs_paged_tok_per_s"], r["spread_note"] = ratio, note
