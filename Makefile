@@ -13,27 +13,34 @@ STAMP := $(VENV)/.vmcache-installed
 BENCH_STAMP := $(BENCH_VENV)/.vmcache-installed
 OLD_STAMP := $(OLD)/.vmcache-installed
 # Without an NVIDIA GPU take the CPU build first, so no multi-GB CUDA build is pulled.
-CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q torch==2.13.0; fi
+CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q --no-compile torch==2.13.0; fi
+# pip byte-compiles on one core; installs here skip it (--no-compile) and compile the venv's
+# site-packages on every core afterwards (a file that fails to compile is skipped, as pip does)
+COMPILE = $(1)/bin/python -m compileall -q -j0 \
+	$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') >/dev/null || true
 
-.PHONY: fetch-model bench bench-compute bench-vllm bench-long bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed bench-server lm-eval serve readme test test-newest test-oldest test-long coverage compile-sm90 lint \
+.PHONY: fetch-model test-setup bench bench-compute bench-vllm bench-long bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed bench-server lm-eval serve readme test test-newest test-oldest test-long coverage compile-sm90 lint \
 	gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(call CPU_TORCH,$(VENV))
-	$(PIP) install -q -e '.[test,bench,hf,server]'
+	$(PIP) install -q --no-compile -e '.[test,bench,hf,server]'
+	$(call COMPILE,$(VENV))
 	touch $(STAMP)
 
 $(OLD_STAMP): pyproject.toml
 	test -x $(OLD)/bin/python || python3 -m venv $(OLD)
 	$(call CPU_TORCH,$(OLD))
-	$(OLD)/bin/pip install -q 'transformers==5.17.0' 'triton==3.6.0' -e '.[test]'
+	$(OLD)/bin/pip install -q --no-compile 'transformers==5.17.0' 'triton==3.6.0' -e '.[test]'
+	$(call COMPILE,$(OLD))
 	touch $(OLD_STAMP)
 
 $(BENCH_STAMP): pyproject.toml
 	test -x $(BENCH_BIN)/python || python3 -m venv $(BENCH_VENV)
 	$(call CPU_TORCH,$(BENCH_VENV))
-	$(BENCH_BIN)/pip install -q -e '.[bench]'
+	$(BENCH_BIN)/pip install -q --no-compile -e '.[bench]'
+	$(call COMPILE,$(BENCH_VENV))
 	touch $(BENCH_STAMP)
 
 # the A/B harness on its default workload: sizing mode (7 traces, a rate sweep) + compute mode,
@@ -117,7 +124,15 @@ fetch-model: $(STAMP)
 # pytest processes (pytest-xdist) share the tests, one torch thread each; with one, a single
 # process (0), since tests that read the device's free memory must not share it
 TEST_WORKERS ?= $(if $(shell command -v nvidia-smi),0,2)
-test: test-newest test-oldest
+test: test-setup
+	$(MAKE) test-newest
+	$(MAKE) test-oldest
+
+# the two test venvs built side by side (a pip install keeps one core busy, most of it
+# unpacking and byte-compiling torch and transformers), then the embedded model
+test-setup:
+	$(MAKE) -j2 $(STAMP) $(OLD_STAMP)
+	$(MAKE) fetch-model
 
 # (fetch-model has just parsed the GGUF file under this transformers: its test runs in the
 # oldest tier only)

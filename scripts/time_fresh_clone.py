@@ -4,8 +4,8 @@ venvs, installed from pip's cache as any second install is; the embedded model, 
 converted into ~/.cache/vmcache once a machine) and its work (the tests; the harness). Each
 phase is a make target run alone in the clone, timed wall-clock, its exit status kept:
 
-    make test   = make .venv/.vmcache-installed .venv-oldest/.vmcache-installed fetch-model
-                  (set-up), then make test (the tests: both tiers)
+    make test   = make test-setup (set-up: both venvs side by side, the model), then
+                  make test (the tests: both tiers)
     make bench  = make .venv-bench/.vmcache-installed (set-up), then make bench
 
 Writes benchmarks/results/fresh_clone-<date>-<machine>.json (README.md's "fresh-clone"
@@ -34,8 +34,7 @@ sys.path.insert(0, str(ROOT))
 from vmcache.bench.common import add_out_arg, save  # noqa: E402
 
 PHASES = {
-    "test": [("set-up", ["make", ".venv/.vmcache-installed", ".venv-oldest/.vmcache-installed",
-                         "fetch-model"]),
+    "test": [("set-up", ["make", "test-setup"]),
              ("tests", ["make", "test"])],
     "bench": [("set-up", ["make", ".venv-bench/.vmcache-installed"]),
               ("harness", ["make", "bench"])],
