@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
+from itertools import chain
 
 import torch
 
@@ -142,28 +143,32 @@ class Beams:
         c = self._c
         # references each page would hold after a pure remap: a tail left with one holder
         # is moved, not copied (its new owner's write splits nothing)
-        after = Counter(p for *_, nw in plan for p in nw)
-        after.subtract(p for _, _, _, old, _, _ in plan for p in old)
+        maps = Counter(chain.from_iterable(e[5] for e in plan))  # pages the plan maps
+        after = maps.copy()
+        after.subtract(chain.from_iterable(e[3] for e in plan))
         picked: dict[tuple[int, int], tuple[int, int]] = {}  # (plan entry, j) -> (theirs, mine)
-        rc = c._pool.refcounts
+        rc, group_of, moves = c._pool.refcounts, c._group_of, c._copies_moves
+        length = {d: c._seqs.length(s) for d, s in src_of.items()}
         for i, (d, t, ja, old, jb, nw) in enumerate(plan):
-            g = c._group_of[t]
-            n = c._seqs.length(src_of[d])
+            lo, hi = max(ja, jb), min(ja + len(old), jb + len(nw))
+            if lo >= hi:  # only detaches or only attaches: no page to copy into
+                continue
+            g, n = group_of[t], length[d]
             tail = n * g.u // g.P if n * g.u % g.P else -1  # the page the next write lands in
-            for j in range(max(ja, jb), min(ja + len(old), jb + len(nw))):
+            for j in range(lo, hi):
                 mine, theirs = old[j - ja], nw[j - jb]
                 if rc[mine] != 1:
                     continue
                 holders = rc[theirs] + after[theirs]
                 if j == tail == jb + len(nw) - 1 and holders >= 2:
                     after[theirs] -= 1
-                elif not (c._copies_moves and holders == 1):
+                elif not (moves and holders == 1):
                     continue
                 picked[(i, j)] = (theirs, mine)
-        while True:  # a page a remaining remap maps must keep its bytes: no copy into it
-            mapped = {p for i, (_, _, _, _, jb, nw) in enumerate(plan)
-                      for j, p in enumerate(nw, jb) if (i, j) not in picked}  # fmt: skip
-            clash = [key for key, (_, mine) in picked.items() if mine in mapped]
+        while picked:  # a page a remaining remap maps must keep its bytes: no copy into it
+            mapped = maps.copy()  # what the remaps left in the plan map: all less the copied
+            mapped.subtract(theirs for theirs, _ in picked.values())
+            clash = [key for key, (_, mine) in picked.items() if mapped[mine] > 0]
             if not clash:
                 break
             for key in clash:
@@ -305,10 +310,13 @@ class Beams:
 
 
 def _gaps(lo: int, hi: int, cut: list[int]) -> list[tuple[int, int]]:
-    """The runs of ``range(lo, hi)`` between the sorted positions ``cut``."""
+    """The runs of ``range(lo, hi)`` between the positions ``cut`` (ascending, distinct, each
+    in ``[lo, hi)``)."""
     runs, start = [], lo
-    for j in [*cut, hi]:
-        if start < min(j, hi):
-            runs.append((start, min(j, hi)))
-        start = max(start, j + 1)
+    for j in cut:
+        if start < j:
+            runs.append((start, j))
+        start = j + 1
+    if start < hi:
+        runs.append((start, hi))
     return runs

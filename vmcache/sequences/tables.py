@@ -31,6 +31,7 @@ and the pool) and then commits here, in that order.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from operator import itemgetter
 
 RELEASED = -1  # a page-list entry whose page went back to the pool (sliding window)
 FA_TILE_TOKENS = 256  # a multiple of every FlashAttention K tile (kBlockN 64 / 128 on sm_90)
@@ -132,6 +133,11 @@ class PageTables:
         mine = (zip(tables, rows) if tables is self.ids
                 else ((t, rows[self._pos[t]]) for t in tables))  # fmt: skip
         if j_hi - lo == 1:  # one page per table (a grow's tail): the common case
+            if tables is self.ids:  # every table as long as the others: one pass in C first
+                if not rows or lo >= len(rows[0]):
+                    return []
+                if max(map(refcounts.__getitem__, map(itemgetter(lo), rows))) <= 1:
+                    return []  # nothing shared at the tail
             return [(t, lo) for t, r in mine if lo < len(r) and refcounts[r[lo]] > 1]
         return [(t, j) for t, r in mine for j in range(lo, min(j_hi, len(r)))
                 if refcounts[r[j]] > 1]  # fmt: skip
@@ -148,19 +154,21 @@ class PageTables:
         """What changes when ``d``'s tables become ``rows`` (released up to ``first``):
         (table, j_detach, old pages there, j_attach, new pages there) per table that differs;
         entries equal in both (shared history) stay mapped."""
-        plan = []
+        plan, j0 = [], 0
         f_old = self._first[d]
         for t, old, new in zip(self.ids, self._rows[d], rows):
             if old == new:
                 continue
-            j0 = _common_prefix(old, new)
+            j0 = _common_prefix(old, new, j0)  # tables mostly part where the last one did
             a, b = max(j0, f_old), max(j0, first)
             plan.append((t, a, old[a:], b, new[b:]))
         return plan
 
     # --- changes (after the coordinator mapped and refcounted) --------------------------
     def open(self, s: int, rows: list[list[int]] | None = None, first: int = 0) -> None:
-        self._rows[s] = [[] for _ in self.ids] if rows is None else [list(r) for r in rows]
+        """``s``'s tables from now on: empty, or ``rows``, whose lists the group takes over
+        (a caller hands in lists nothing else holds, e.g. what :meth:`rows` returned)."""
+        self._rows[s] = [[] for _ in self.ids] if rows is None else rows
         self._first[s] = first
 
     def close(self, s: int) -> None:
@@ -171,6 +179,9 @@ class PageTables:
         self._rows[s][self._pos[t]][j] = page
 
     def extend(self, s: int, pages: list[list[int]]) -> None:
+        """Append ``pages[i]`` (as many for every table) to table ``i`` of ``s``."""
+        if not pages or not pages[0]:
+            return
         for r, new in zip(self._rows[s], pages):
             r.extend(new)
 
@@ -195,6 +206,8 @@ class PageTables:
         the right indices already); returns how many per table."""
         have = self._ahead[s]
         take = min(len(have[0]), pages)
+        if take <= 0:  # nothing reserved, or nothing asked (a grow within its pages)
+            return 0
         for r, a in zip(self._rows[s], have):
             r.extend(a[:take])
             del a[:take]
@@ -216,11 +229,14 @@ class PageTables:
         return out
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """The length of the longest common prefix of ``a`` and ``b``: a binary search over
-    prefix equality (monotone), each probe one comparison of slices (a beam's tables share all
-    but their last pages: a loop over every entry was most of a sizing run's time)."""
+def _common_prefix(a: list[int], b: list[int], guess: int = 0) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``: ``guess`` when it is (one
+    comparison of slices), else a binary search over prefix equality (monotone), each probe
+    one comparison of slices (a beam's tables share all but their last pages: a loop over
+    every entry was most of a sizing run's time)."""
     lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; a[:hi + 1] != b[:hi + 1] past hi
+    if 0 < guess < hi and a[guess] != b[guess] and a[:guess] == b[:guess]:
+        return guess
     if a[:hi] == b[:hi]:
         return hi
     hi -= 1  # the prefix of length hi differs

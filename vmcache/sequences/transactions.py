@@ -63,11 +63,12 @@ class Transactions:
                 replaced.append((s, t, j, old, new))
             for g, j_from, j_to in ext:
                 n = j_to - j_from
+                if not n:  # a grow within the pages it has
+                    continue
                 rows = [list(islice(it, n)) for _ in g.ids]
-                if n:
-                    self.attach_row(s_ext, g.ids, j_from, rows)  # all tables or none
-                    undo.append(lambda g=g, j=j_from, n=n: [c._detach(s_ext, t, j, n)
-                                                            for t in g.ids])  # fmt: skip
+                self.attach_row(s_ext, g.ids, j_from, rows)  # all tables or none
+                undo.append(lambda g=g, j=j_from, n=n: [c._detach(s_ext, t, j, n)
+                                                        for t in g.ids])  # fmt: skip
                 extension.append((g, rows))
         except BaseException:
             for f in reversed(undo):
