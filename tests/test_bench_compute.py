@@ -37,7 +37,8 @@ def test_every_budget_runs_both_caches_at_2_mib_pages():
 
 @pytest.mark.slow
 def test_radix_rows_hit_whole_2_mib_pages():
-    rows = compute.run_prefix(CPU, 3, 4, setup=gpu_like())
+    # two requests behind a system prompt of two 2 MiB pages: the second one's hit is the point
+    rows = compute.run_prefix(CPU, 2, 4, setup=gpu_like())
     by = {(r["cache"], r["prefix_caching"]): r for r in rows}
     for cache in ("vmcache", "paged"):
         assert by[cache, False]["prefix_hit_tokens"] == 0

@@ -1,6 +1,8 @@
 """The harness end to end, as `make bench` runs it, at a tiny scale: every section of the
-default path (sizing on all seven traces, the rate sweep, compute, the radix rows, the report,
-the save, the plots), and each other --mode through its save. Each run must exit cleanly,
+default path (sizing with its rate sweep, compute, the radix rows, the real-model rows, the
+report, the save, the plots; every trace and the trained model's rows are the README's two
+--quick commands', run as typed in tests/test_docs_commands.py), and each other --mode
+through its save. Each run must exit cleanly,
 write JSON that loads back, and hold nothing but plain JSON values in its rows (a cache object
 in a row crashed `make bench` at its very end once: issue 32). The real-model rows run on a
 2-layer random model with the embedded model's tokenizer and chat template (the same code,
@@ -14,7 +16,7 @@ import pytest
 import torch
 from real_model import tiny_chat_checkpoint
 
-from vmcache.bench import real, traces
+from vmcache.bench import real
 from vmcache.bench.__main__ import main as bench_main
 from vmcache.bench.common import check_plain, save
 
@@ -54,8 +56,10 @@ def real_args(tmp_path_factory):
     return ["--real-model", tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny-chat"))]
 
 
-# the default path's sections at a tiny scale: no --mode (both), every trace, one rate
-TINY_DEFAULT = ["--sample", "6", "--budget-gb", "1", "--rates", "8", "--jobs", "1",
+# the default path's sections at a tiny scale: no --mode (both), a capacity trace (queued at
+# t = 0, the verdicts) and the heavy one at one rate
+TINY_DEFAULT = ["--traces", "enterprise,heavy", "--sample", "6", "--budget-gb", "1", "--rates", "8",
+                "--jobs", "1",
                 "--compute-requests", "2", "--real-requests", "2", "--repeats", "1",
                 "--compute-rates", "8", "--budgets", "4"]  # fmt: skip
 
@@ -66,7 +70,7 @@ def test_the_default_harness_path_runs_to_its_save(tmp_path, capsys, real_args):
     out = capsys.readouterr().out
     doc, path = _load_one(tmp_path, "ab")
     rows = doc["rows"]
-    assert {r["trace"] for r in rows if "trace" in r} == set(traces.TRACES)
+    assert {r["trace"] for r in rows if "trace" in r} == {"enterprise", "heavy"}
     assert any(r.get("rate_rps") == 8.0 for r in rows if "trace" in r)  # the sweep
     compute = [r for r in rows if r.get("mode") == "compute"]
     served = [r for r in rows if r.get("mode") == "compute_real"]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from vmcache.bench import real
+from vmcache.bench import real, traces
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "docs/guide.md")
@@ -102,7 +102,25 @@ def test_the_readme_harness_commands(cmd, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     (saved,) = tmp_path.glob("ab-*.json")
     doc = json.loads(saved.read_text())
-    assert doc["args"]["quick"] and doc["rows"] and "wall time" in done.stdout
+    rows = doc["rows"]
+    assert doc["args"]["quick"] and rows and "wall time" in done.stdout
+    if "sizing" in cmd:  # every trace, the heavy-tailed one also at --quick's one rate
+        assert {r["trace"] for r in rows if "trace" in r} == set(traces.TRACES)
+        assert any(r.get("rate_rps") == 8.0 for r in rows if "trace" in r)
+        plots = ("waste", "latency")
+    else:  # both caches; the radix rows hit only where prefix caching is on
+        compute = [r for r in rows if r["mode"] == "compute"]
+        radix = [r for r in compute if r.get("scenario") == "shared_prompt"]
+        assert {r["cache"] for r in compute} == {"vmcache", "paged"} and len(radix) == 4
+        assert all((r["prefix_hit_tokens"] > 0) == r["prefix_caching"] for r in radix)
+        if real.available():  # the trained model's rows: same answers on both caches, hits
+            served = [r for r in rows if r["mode"] == "compute_real"]
+            assert {r["cache"] for r in served} == {"vmcache", "paged"}
+            assert all(r.get("answers_equal_across_caches", True) for r in served)
+            assert any(r.get("prefix_hit_tokens", 0) > 0 for r in served)
+        plots = ("compute",)
+    for suffix in plots:  # the report's plots beside the JSON
+        assert saved.with_name(f"{saved.stem}-{suffix}.png").stat().st_size > 0
 
 
 @pytest.mark.slow

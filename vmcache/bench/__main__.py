@@ -146,8 +146,8 @@ def run_compute(args, dev: torch.device) -> list[dict]:
                               name, new)  # fmt: skip
     print(table(served, ["cache", "prefill", "rate_rps", "tok_per_s", "ttft_p50_s",
                          "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "spread_note"]))  # fmt: skip
-    # --quick: two requests behind the shared prompt (the second one's hit is the row's point)
-    shared = compute_real.run_prefix(2 if args.quick else n, args.kv_dtype, name, new)
+    # (at least two behind the shared prompt: the second one's hit is the row's point)
+    shared = compute_real.run_prefix(max(2, n), args.kv_dtype, name, new)
     print(table(shared, ["cache", "prefix_caching", "prompt_tokens", "prefill_tokens",
                          "prefix_hit_tokens", "tok_per_s"]))  # fmt: skip
     return rows + [{"real": True, **r} for r in served + shared]
@@ -199,8 +199,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--real-requests",
         type=int,
-        default=6,
-        help="chat requests of the trained model's rows, at the first rate (6)",
+        default=4,
+        help="chat requests of the trained model's rows, at the first rate, and behind its "
+        "shared system prompt (4)",
     )
     c.add_argument("--budgets", default="8", help="KV budgets, in longest requests held (8)")
     c.add_argument("--repeats", type=int, default=3)
@@ -212,9 +213,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--quick",
         action="store_true",
-        help="small everything: 50 requests a trace, one rate, 4 compute requests of "
-        "16 new tokens on the trained model (2 behind its shared prompt), 1 repeat (a "
-        "first look; CI, the GPU check)",
+        help="small everything: 50 requests a trace, one rate, 4 compute requests, 2 chat "
+        "requests of 16 new tokens on the trained model (both also behind its shared "
+        "prompt), 1 repeat (a first look; CI, the GPU check)",
     )
     ap.add_argument("--real-model", default=DEFAULT_MODEL,
                     help="the trained chat model of the real-model rows (compute, spec, quant): "
@@ -245,7 +246,7 @@ def main(argv=None) -> None:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.quick:  # a first look in well under a minute a mode on 2 cores
         args.compute_requests, args.repeats, args.compute_rates, args.budgets = 4, 1, "4", "4,8"
-        args.real_requests = 4
+        args.real_requests = 2
         args.sample = args.sample or 50
         if args.rates == ap.get_default("rates"):
             args.rates = "8"
