@@ -14,12 +14,17 @@ from vmcache.memory.backends.strict import StrictBackend
 from vmcache.paged_fallback import PagedKVCache
 
 
+def long_run() -> bool:
+    """Under ``make test-long`` (fresh seeds, more examples)."""
+    import os
+
+    return os.environ.get("HYPOTHESIS_PROFILE") == "long"
+
+
 def examples(n: int, long: int | None = None) -> int:
     """``n`` examples for a randomized test; under ``make test-long`` ``long``, by default ten
     times ``n``."""
-    import os
-
-    if os.environ.get("HYPOTHESIS_PROFILE") == "long":
+    if long_run():
         return 10 * n if long is None else long
     return n
 

@@ -2,12 +2,13 @@
 model (docs/DESIGN.md invariants 1-4 after every step), for full-attention and hybrid
 sliding-window specs (tests/test_errors.py: the bad-input sweep)."""
 
+import unittest
 from collections import Counter
 
 import caches
 import pytest
 import torch
-from caches import examples, record_coverage
+from caches import long_run, record_coverage
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -360,15 +361,15 @@ def _machine_class(name):
 
 def _machine(name, long=250):
     case = _machine_class(name).TestCase
-    case.settings = settings(max_examples=examples(25, long), stateful_step_count=30,
-                             deadline=None)  # fmt: skip
-    return case
+    case.settings = settings(max_examples=long, stateful_step_count=30, deadline=None)
+    return unittest.skipUnless(long_run(), "make test-long's run; in CI the fixed-seed "
+                               "coverage run is this machine's")(case)  # fmt: skip
 
 
-# 25 examples each here (CI's derandomized profile), more with fresh seeds under `make
-# test-long` (1,000 for the three plain machines): each machine's fixed-seed coverage run below
-# adds 100 examples of the same rules and invariants, and checks that they reach a full pool,
-# copy-on-write splits, swaps, speculation and (windowed) releases
+# Fresh seeds under `make test-long` (1,000 examples for the three plain machines, 250 for the
+# others). In CI (make test) each machine runs once, as its fixed-seed coverage run below: 100
+# examples of the same rules and invariants, checked to reach a full pool, copy-on-write
+# splits, swaps, speculation and (windowed) releases
 TestVMMachine = _machine("vm", 1000)
 TestVMTokenMajorMachine = _machine("vm_token_major", 1000)
 TestPagedMachine = _machine("paged", 1000)
