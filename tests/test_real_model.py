@@ -81,14 +81,14 @@ def test_drop_in_greedy_and_beams_equal_dynamic_cache(real):
     """Both caches against one DynamicCache reference (greedy, then beams)."""
     model, _, prompts = real
     ids, mask = _left_padded(prompts[:4])
-    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=0)
-    beams = dict(kw, num_beams=3, max_new_tokens=12, attention_mask=mask[:2])
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0)
+    beams = dict(kw, num_beams=3, max_new_tokens=8, attention_mask=mask[:2])
     ref, ref_beams = model.generate(ids, **kw), model.generate(ids[:2], **beams)
     for make in (VMCache, PagedCache):
-        cache = make(config=model.config, max_cache_len=ids.shape[1] + 24)
+        cache = make(config=model.config, max_cache_len=ids.shape[1] + 16)
         got = model.generate(ids, **{cache_keyword(model): cache}, **kw)
         assert torch.equal(got, ref), make.__name__
-        cache = make(config=model.config, max_cache_len=ids.shape[1] + 12)
+        cache = make(config=model.config, max_cache_len=ids.shape[1] + 8)
         got = model.generate(ids[:2], **{cache_keyword(model): cache}, **beams)
         assert torch.equal(got, ref_beams), make.__name__
 

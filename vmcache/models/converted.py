@@ -4,14 +4,17 @@ SmolLM2-135M on 2 cores); its ``save_pretrained`` output (safetensors, no pickle
 few seconds.
 
     ~/.cache/vmcache/models/
-        SmolLM2-135M-Instruct.Q4_1.gguf            the verified download
-        SmolLM2-135M-Instruct.Q4_1.float32/        this copy (0700; files 0600)
+        SmolLM2-135M-Instruct.Q4_1.gguf                             the verified download
+        SmolLM2-135M-Instruct.Q4_1.float32.transformers-5.25.0/     this copy (0700; files 0600)
             config.json  model.safetensors  tokenizer.json  ...  vmcache-manifest.json
 
-The manifest records the GGUF file's SHA-256, the dtype, the transformers version that
-converted it, and each file's size and SHA-256. The copy is used only when all of them match
-(each file re-hashed: ~1 s for 540 MB); otherwise it is rebuilt from the GGUF file, into a
-temporary folder renamed into place, so a reader never sees half a copy.
+One copy per dtype and transformers release: two environments on one machine (make test's
+newest and oldest tiers, make bench's) each keep theirs instead of converting over the
+other's on every run. The manifest records the GGUF file's SHA-256, the dtype, the
+transformers version that converted it, and each file's size and SHA-256. The copy is used
+only when all of them match (each file re-hashed: ~1 s for 540 MB); otherwise it is rebuilt
+from the GGUF file, into a temporary folder renamed into place, so a reader never sees half a
+copy.
 """
 
 from __future__ import annotations
@@ -35,7 +38,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def path_for(gguf: Path, dtype: torch.dtype) -> Path:
-    return gguf.with_name(f"{gguf.stem}.{_dtype_name(dtype)}")
+    """Where the copy of ``gguf`` in ``dtype`` made by this transformers lives."""
+    import transformers
+
+    return gguf.with_name(f"{gguf.stem}.{_dtype_name(dtype)}.transformers-"
+                          f"{transformers.__version__}")  # fmt: skip
 
 
 def _expected(entry: Embedded, dtype: torch.dtype) -> dict:
