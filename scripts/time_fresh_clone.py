@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="vmcache-fresh-clone-") as d:
         clone = Path(d) / "vmcache"
         subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
-        before = set((clone / "benchmarks" / "results").iterdir())
+        results = clone / "benchmarks" / "results"
+        before = {p: p.stat().st_mtime_ns for p in results.iterdir()}  # a run may rewrite one
         for command in commands:
             total, failed = 0.0, False
             for phase, cmd in PHASES[command]:
@@ -78,7 +79,8 @@ def main(argv=None) -> int:
             rows.append({"command": f"make {command}", "phase": "total", "wall_s": total,
                          "rc": int(failed)})  # fmt: skip
         out = Path(args.out)
-        for made in sorted(set((clone / "benchmarks" / "results").iterdir()) - before):
+        for made in sorted(p for p in results.iterdir()
+                           if before.get(p) != p.stat().st_mtime_ns):  # fmt: skip
             shutil.copy2(made, out / made.name)
             print(f"kept {out / made.name}")
     extra = {"clone_of": head, "cores": os.cpu_count(), "logs": "not kept (machine paths)",
