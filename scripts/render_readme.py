@@ -201,7 +201,7 @@ def fresh_clone(name, doc) -> str:
                      f"{by.get((cmd, work), {}).get('wall_s', 0) / 60:.1f})")  # fmt: skip
     return (
         f"On a fresh clone, {doc['device']} ({doc.get('cpu', '?')}), venvs from pip's cache "
-        f"and the model converted once a machine: {'; '.join(parts)} "
+        f"and the model converted once a transformers release: {'; '.join(parts)} "
         f"(`benchmarks/results/{name}`, {doc['date']}, commit {doc['clone_of'][:10]}).\n"
     )
 

@@ -85,7 +85,8 @@ def main(argv=None) -> int:
             print(f"kept {out / made.name}")
     extra = {"clone_of": head, "cores": os.cpu_count(), "logs": "not kept (machine paths)",
              "note": "venvs installed from pip's cache; the embedded model already in "
-                     "~/.cache/vmcache (fetched and converted once a machine)"}  # fmt: skip
+                     "~/.cache/vmcache (fetched once a machine, converted once a "
+                     "transformers release)"}  # fmt: skip
     print(save("fresh_clone", torch.device("cpu"), rows, extra, out_dir=args.out))
     print(f"logs: {logs}")
     return int(any(r["rc"] for r in rows))
