@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+from harness_rows import check_compute_rows
 from real_model import tiny_chat_checkpoint
 
 from vmcache.bench import real
@@ -72,18 +73,10 @@ def test_the_default_harness_path_runs_to_its_save(tmp_path, capsys, real_args):
     rows = doc["rows"]
     assert {r["trace"] for r in rows if "trace" in r} == {"enterprise", "heavy"}
     assert any(r.get("rate_rps") == 8.0 for r in rows if "trace" in r)  # the sweep
-    compute = [r for r in rows if r.get("mode") == "compute"]
-    served = [r for r in rows if r.get("mode") == "compute_real"]
-    if real.available():  # the real-model rows: same answers on both caches
-        assert {r["cache"] for r in served} == {"vmcache", "paged"}
+    compute, served = check_compute_rows(rows)
+    if real.available():  # the real-model rows name the checkpoint they ran on
         assert {r["model"] for r in served} == {os.path.basename(real_args[1])}
-        assert all(r.get("answers_equal_across_caches", True) for r in served)
-        assert any(r.get("prefix_hit_tokens", 0) > 0 for r in served)
-    radix = [r for r in compute if r.get("scenario") == "shared_prompt"]
-    assert {r["cache"] for r in compute} == {"vmcache", "paged"}
-    assert len(radix) == 4 and all(r["kv_dtype"] == "auto" for r in compute)
-    # the radix rows say what prefix caching saved: hits only where it is on
-    assert all((r["prefix_hit_tokens"] > 0) == r["prefix_caching"] for r in radix)
+    assert all(r["kv_dtype"] == "auto" for r in compute)
     assert doc["args"]["mode"] == "both" and doc["wall_s"] > 0
     assert "saved" in out and "verdict" in out
     for suffix in ("waste", "latency", "compute"):  # the report's plots

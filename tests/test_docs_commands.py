@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from harness_rows import check_compute_rows
 
 from vmcache.bench import real, traces
 
@@ -108,16 +109,8 @@ def test_the_readme_harness_commands(cmd, tmp_path):
         assert {r["trace"] for r in rows if "trace" in r} == set(traces.TRACES)
         assert any(r.get("rate_rps") == 8.0 for r in rows if "trace" in r)
         plots = ("waste", "latency")
-    else:  # both caches; the radix rows hit only where prefix caching is on
-        compute = [r for r in rows if r["mode"] == "compute"]
-        radix = [r for r in compute if r.get("scenario") == "shared_prompt"]
-        assert {r["cache"] for r in compute} == {"vmcache", "paged"} and len(radix) == 4
-        assert all((r["prefix_hit_tokens"] > 0) == r["prefix_caching"] for r in radix)
-        if real.available():  # the trained model's rows: same answers on both caches, hits
-            served = [r for r in rows if r["mode"] == "compute_real"]
-            assert {r["cache"] for r in served} == {"vmcache", "paged"}
-            assert all(r.get("answers_equal_across_caches", True) for r in served)
-            assert any(r.get("prefix_hit_tokens", 0) > 0 for r in served)
+    else:  # both caches, the radix rows, the trained model's rows
+        check_compute_rows(rows)
         plots = ("compute",)
     for suffix in plots:  # the report's plots beside the JSON
         assert saved.with_name(f"{saved.stem}-{suffix}.png").stat().st_size > 0

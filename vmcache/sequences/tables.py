@@ -180,8 +180,6 @@ class PageTables:
 
     def extend(self, s: int, pages: list[list[int]]) -> None:
         """Append ``pages[i]`` (as many for every table) to table ``i`` of ``s``."""
-        if not pages or not pages[0]:
-            return
         for r, new in zip(self._rows[s], pages):
             r.extend(new)
 
