@@ -56,10 +56,15 @@ def smol():
     return real.smol()
 
 
+TINY_SHAPE = dict(num_hidden_layers=2, hidden_size=192, num_attention_heads=3,
+                  num_key_value_heads=3, head_dim=64, intermediate_size=512)  # fmt: skip
+
+
 @functools.cache
 def tiny_chat():
     """(model fp32 eval, tokenizer): a random 2-layer model of the embedded model's family (its
-    config, fewer layers, seed 0) with its tokenizer and chat template, built once per process:
+    config, fewer and narrower layers: :data:`TINY_SHAPE`, seed 0) with its tokenizer and chat
+    template, built once per process:
     the server's tests run on it (the same prompts and vocabulary, a fraction of the time); the
     trained model's own answers are tests/test_real_model.py's. A skip as :func:`smol`'s."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -84,8 +89,11 @@ def _tiny_config(src):
 
     from transformers import AutoConfig
 
+    # the same K/V geometry (3 KV heads of 64: 768-byte rows, 256-token prefix blocks on
+    # 64 KiB pages) and vocabulary; narrower layers and 2 of them, so that the lm_head over the
+    # 49,152-token vocabulary (most of a step's time here) is a third of the trained model's
     return AutoConfig.for_model(**{**json.loads((src / "config.json").read_text()),
-                                   "num_hidden_layers": 2})  # fmt: skip
+                                   **TINY_SHAPE})  # fmt: skip
 
 
 def prompt(tokenizer, question: str, system: str | None = None) -> list[int]:
@@ -104,7 +112,7 @@ def generate(model, ids: list[int], new: int, **kw) -> list[int]:
 
 def tiny_chat_checkpoint(directory) -> str:
     """A checkpoint directory with the embedded model's tokenizer and chat template around a
-    random 2-layer model of its family (its config, fewer layers): the harness's real-model
+    random 2-layer model of its family (:data:`TINY_SHAPE`): the harness's real-model
     rows run on it as on the trained model (chat prompts, the same vocabulary) in a fraction
     of the time; a skip when the embedded model is not cached."""
     import shutil

@@ -123,8 +123,11 @@ def test_the_guides_launcher_commands(cmd, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["world"] == 2
-    if "--check" in cmd:
-        assert report["ranks"][0]["equal_to_one_process"] is True
+    if "--check" in cmd:  # (the launcher's defaults: 16 requests, a 4-layer random Llama)
+        r0, r1 = report["ranks"]
+        assert r0["equal_to_one_process"] is True and r0["digest"] == r1["digest"]
+        assert r0["handoff"]["handoffs"] == r1["handoff"]["handoffs"] == r0["requests"] == 16
+        assert r0["handoff"]["data_messages"] == 16 * 8  # 4 layers x K/V, one message each
 
 
 def _port_free(port: int) -> bool:

@@ -73,6 +73,14 @@ class StaticAlloc:
     def grow(self, h: int, n: int, ids=None) -> None:
         self.lens[h] += n
 
+    def try_grow(self, h: int, n: int, ids=None) -> bool:
+        """``grow`` where it fits, else False and nothing changed (one call: a scheduler's
+        check and its allocation, as vLLM's ``allocate_slots``)."""
+        if not self.can_grow(h, n):
+            return False
+        self.grow(h, n, ids)
+        return True
+
     def fork(self, h: int, k: int) -> list[int]:
         kids = [self.admit(self.lens[h]) for _ in range(k)]
         self.copied_bytes += k * self.lens[h] * self.bpt
@@ -269,6 +277,15 @@ class CacheAlloc:
 
     def grow(self, h: int, n: int, ids=None) -> None:
         self.kv.grow(h, n, token_ids=ids)
+
+    def try_grow(self, h: int, n: int, ids=None) -> bool:
+        """The cache's grow, False where it raised CacheFull (which changes nothing): its
+        plans built once, where ``can_grow`` and then ``grow`` would build them twice."""
+        try:
+            self.kv.grow(h, n, token_ids=ids)
+        except CacheFull:
+            return False
+        return True
 
     def fork(self, h: int, k: int) -> list[int]:
         if self.share:

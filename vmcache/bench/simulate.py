@@ -97,8 +97,9 @@ class _Sim:
     # --- one sequence's allocation ---------------------------------------------------------
     def _refresh(self, g: _Group, i: int) -> None:
         a, h = self.alloc, g.handles[i]
-        self.mapped_bytes += a.mapped_bytes(h) - g.mapped[i]
-        g.mapped[i] = a.mapped_bytes(h)
+        mapped = a.mapped_bytes(h)
+        self.mapped_bytes += mapped - g.mapped[i]
+        g.mapped[i] = mapped
         g.synced[i] = g.length
         g.cap[i] = g.length + a.headroom(h)
         if not a.reserves:
@@ -119,10 +120,9 @@ class _Sim:
         if need <= 0:
             return
         h = g.handles[i]
-        while not self.alloc.can_grow(h, need):
-            self._preempt(exclude=g)
         ids = g.ids(g.synced[i], g.length) if self.alloc.uses_ids else None
-        self.alloc.grow(h, need, ids)
+        while not self.alloc.try_grow(h, need, ids):
+            self._preempt(exclude=g)
         self._refresh(g, i)
 
     def _drop(self, g: _Group) -> None:
