@@ -12,10 +12,13 @@ import traceback
 import torch.multiprocessing as mp
 
 
-def _main(rank, world, init, fn, args, out):
+def _main(rank, world, init, fn, args, out, env):
+    import torch
     import torch.distributed as dist
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.clear()  # the caller's environment now, not the fork server's when it started
+    os.environ.update(env)
+    torch.set_num_threads(1)  # a thread a rank (OMP_NUM_THREADS, read at torch's import, was not)
     # what torchrun sets (transformers' tensor-parallel load reads them)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
@@ -28,14 +31,24 @@ def _main(rank, world, init, fn, args, out):
         dist.destroy_process_group()
 
 
+def _context():
+    """Fresh processes forked from one server per test process that imported torch,
+    transformers and the engine once (each spawned interpreter imported them again: seconds
+    of CPU a rank); a fork of a process that has run nothing, so no thread or lock is copied."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers",
+                                "transformers.modeling_utils", "vmcache.engine"])  # fmt: skip
+    return ctx
+
+
 def run_ranks(fn, world=2, *args, timeout=240):
     """``fn(rank, *args)`` on ``world`` processes; returns ``{rank: result}`` of those that
     returned. ``fn`` must be importable (a module-level function)."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
         init = os.path.join(d, "init")
-        procs = [ctx.Process(target=_main, args=(r, world, init, fn, args, out))
+        procs = [ctx.Process(target=_main, args=(r, world, init, fn, args, out, dict(os.environ)))
                  for r in range(world)]  # fmt: skip
         for p in procs:
             p.start()

@@ -2,6 +2,7 @@
 byte-identical, the sender is untouched, and a refused or broken hand-off changes nothing on
 either side (tests/handoff_scenarios.py runs the ranks)."""
 
+import os
 import pickle
 
 import pytest
@@ -133,6 +134,14 @@ def test_ranks_without_a_gpu_each_use_gloo_on_the_cpu():
     if torch.cuda.device_count():
         pytest.skip("a GPU is visible: test_each_rank_takes_its_own_gpu covers it")
     assert rank_device(0, 2) == ("gloo", None) and rank_device(1, 2) == ("gloo", None)
+
+
+def test_ranks_on_the_cpu_share_its_cores_out():
+    from vmcache.distributed.launch import cpu_threads
+
+    cores = len(os.sched_getaffinity(0))
+    assert cpu_threads(1) == cores and cpu_threads(2) == max(1, cores // 2)
+    assert cpu_threads(cores + 1) == 1  # never none
 
 
 @pytest.mark.gpu

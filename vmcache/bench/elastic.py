@@ -112,7 +112,12 @@ def _serve(rank, init, ledger, mode, per_burst, period, bursts, queue):
 
 
 def run_pair(mode: str, per_burst: int, period: float, bursts: int) -> dict:
-    ctx = mp.get_context("spawn")
+    # the engines' processes fork from one server that imported torch, transformers and the
+    # engine once for every pair (a spawned process imported them again: seconds of CPU)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers.modeling_utils",
+                                "transformers.models.llama.modeling_llama",
+                                "vmcache.engine"])  # fmt: skip
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
         init, ledger = f"file://{os.path.join(d, 'rv')}", os.path.join(d, "ledger.db")

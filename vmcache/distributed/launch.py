@@ -4,14 +4,15 @@
     python -m vmcache.distributed.launch --mode tp --nproc 2 [options]
     torchrun --nproc_per_node 2 -m vmcache.distributed.launch --mode disagg [options]
 
-Without torchrun's environment (RANK, WORLD_SIZE, ...) it spawns ``--nproc`` processes itself
-and joins them in a process group: NCCL when there is a CUDA GPU per process, else gloo on
-the CPU. ``--model PATH`` is a local transformers checkpoint of a Llama-family model; without
-it, a small random Llama is built (seeded; the same on every rank) and, for tensor
-parallelism, saved to a temporary directory first (transformers' sharded load reads a
-checkpoint). Rank 0 prints one JSON line with every rank's report: the outputs' digest,
-hand-off messages and bytes, engine statistics; ``--check`` also runs one process's
-engine on rank 0 and reports whether every greedy output is the same.
+Without torchrun's environment (RANK, WORLD_SIZE, ...) it starts ``--nproc`` processes itself
+(forked from a server that imported :data:`RANK_IMPORTS` once) and joins them in a process
+group: NCCL when there is a CUDA GPU per process, else gloo on the CPU. ``--model PATH`` is
+a local transformers checkpoint of a Llama-family model; without it, a small random Llama is
+built (seeded; the same on every rank) and, for tensor parallelism, saved to a temporary
+directory first (transformers' sharded load reads a checkpoint). Rank 0 prints one JSON line
+with every rank's report: the outputs' digest, hand-off messages and bytes, engine
+statistics; ``--check`` also runs one process's engine on rank 0 and reports whether every
+greedy output is the same.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ import tempfile
 
 import torch
 import torch.distributed as dist
+
+# what every rank imports, loaded once by the fork server the ranks start from
+RANK_IMPORTS = ["torch", "torch.distributed", "transformers.modeling_utils",
+                "transformers.models.llama.modeling_llama", "vmcache.engine"]  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -150,10 +155,19 @@ def rank_device(local_rank: int, world: int) -> tuple[str, torch.device | None]:
     return "gloo", None
 
 
+def cpu_threads(world: int) -> int:
+    """Torch threads of each of ``world`` ranks on this machine's CPU: its cores shared out
+    (each rank's default, every core, oversubscribed them ``world`` times over)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // world)
+
+
 def _rank_main(rank: int, world: int, init: str, args, spawned: bool = False) -> None:
     local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun's; our own spawn sets it below
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world))
     backend, device_id = rank_device(local, world)
+    if spawned and device_id is None:  # ranks on the CPU: its cores shared out, as torchrun does
+        torch.set_num_threads(cpu_threads(world))
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                             device_id=device_id)  # fmt: skip
     try:
@@ -194,8 +208,12 @@ def main(argv=None) -> int:
         import torch.multiprocessing as mp
 
         init = f"file://{os.path.join(tmp, 'rendezvous')}"
+        # forked from one server process that imported torch, transformers and the engine
+        # once (each spawned rank imported them again: seconds of CPU a rank); a server that
+        # has run nothing, so no thread, lock or CUDA context is copied into a rank
+        mp.get_context("forkserver").set_forkserver_preload(RANK_IMPORTS)
         mp.start_processes(_rank_main, args=(args.nproc, init, args, True), nprocs=args.nproc,
-                           start_method="spawn")  # fmt: skip
+                           start_method="forkserver")  # fmt: skip
     return 0
 
 
