@@ -14,10 +14,10 @@ BENCH_STAMP := $(BENCH_VENV)/.vmcache-installed
 OLD_STAMP := $(OLD)/.vmcache-installed
 # Without an NVIDIA GPU take the CPU build first, so no multi-GB CUDA build is pulled.
 CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q --no-compile torch==2.13.0; fi
-# pip byte-compiles every file it unpacks, on one core; installs here skip it (--no-compile)
-# and then cache the bytecode of what the project's processes import (scripts/warm_bytecode.py:
-# about a third of the CPU time of compiling every file of the venv)
-COMPILE = $(1)/bin/python scripts/warm_bytecode.py
+# pip byte-compiles on one core; installs here skip it (--no-compile) and compile the venv's
+# site-packages on every core afterwards (a file that fails to compile is skipped, as pip does)
+COMPILE = $(1)/bin/python -m compileall -q -j0 \
+	$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') >/dev/null || true
 
 .PHONY: fetch-model test-setup bench bench-compute bench-vllm bench-long bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed bench-server lm-eval serve readme test test-newest test-oldest test-long coverage compile-sm90 lint \
 	gpu-check clean

@@ -9,7 +9,7 @@ import tempfile
 import time
 import traceback
 
-import torch.multiprocessing as mp
+from vmcache.distributed import forkserver
 
 
 def _main(rank, world, init, fn, args, out, env):
@@ -18,7 +18,7 @@ def _main(rank, world, init, fn, args, out, env):
 
     os.environ.clear()  # the caller's environment now, not the fork server's when it started
     os.environ.update(env)
-    torch.set_num_threads(1)  # a thread a rank (OMP_NUM_THREADS, read at torch's import, was not)
+    torch.set_num_threads(1)  # one a rank (OMP_NUM_THREADS set here, after torch's import, gave 2)
     # what torchrun sets (transformers' tensor-parallel load reads them)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
@@ -31,20 +31,10 @@ def _main(rank, world, init, fn, args, out, env):
         dist.destroy_process_group()
 
 
-def _context():
-    """Fresh processes forked from one server per test process that imported torch,
-    transformers and the engine once (each spawned interpreter imported them again: seconds
-    of CPU a rank); a fork of a process that has run nothing, so no thread or lock is copied."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers",
-                                "transformers.modeling_utils", "vmcache.engine"])  # fmt: skip
-    return ctx
-
-
 def run_ranks(fn, world=2, *args, timeout=240):
     """``fn(rank, *args)`` on ``world`` processes; returns ``{rank: result}`` of those that
     returned. ``fn`` must be importable (a module-level function)."""
-    ctx = _context()
+    ctx = forkserver.context()  # ranks forked from one server's imports (it keeps its env)
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
         init = os.path.join(d, "init")

@@ -34,9 +34,9 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from vmcache.bench.common import add_out_arg, save_and_plot, table
+from vmcache.distributed import forkserver
 from vmcache.memory.backends.host import HostBackend
 from vmcache.memory.budget import LocalBudget
 from vmcache.sequences.cache import VMKVCache
@@ -112,12 +112,7 @@ def _serve(rank, init, ledger, mode, per_burst, period, bursts, queue):
 
 
 def run_pair(mode: str, per_burst: int, period: float, bursts: int) -> dict:
-    # the engines' processes fork from one server that imported torch, transformers and the
-    # engine once for every pair (a spawned process imported them again: seconds of CPU)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers.modeling_utils",
-                                "transformers.models.llama.modeling_llama",
-                                "vmcache.engine"])  # fmt: skip
+    ctx = forkserver.context()  # every pair's engines forked from one server's imports
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
         init, ledger = f"file://{os.path.join(d, 'rv')}", os.path.join(d, "ledger.db")

@@ -143,10 +143,7 @@ def run(workloads: dict, allocators: list[str] | None, args, jobs: int | None = 
             rows.append(_job(j))
             show(rows[-1])
     else:
-        # workers forked from a server that imported this module (torch) once, not each
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])
-        with ctx.Pool(jobs) as pool:
+        with mp.get_context("spawn").Pool(jobs) as pool:
             for row in pool.imap_unordered(_job, queue):
                 rows.append(row)
                 show(row)

@@ -5,8 +5,8 @@
     torchrun --nproc_per_node 2 -m vmcache.distributed.launch --mode disagg [options]
 
 Without torchrun's environment (RANK, WORLD_SIZE, ...) it starts ``--nproc`` processes itself
-(forked from a server that imported :data:`RANK_IMPORTS` once) and joins them in a process
-group: NCCL when there is a CUDA GPU per process, else gloo on the CPU. ``--model PATH`` is
+(forked from a server that imported the engine once: :mod:`.forkserver`) and joins them in a
+process group: NCCL when there is a CUDA GPU per process, else gloo on the CPU. ``--model PATH`` is
 a local transformers checkpoint of a Llama-family model; without it, a small random Llama is
 built (seeded; the same on every rank) and, for tensor parallelism, saved to a temporary
 directory first (transformers' sharded load reads a checkpoint). Rank 0 prints one JSON line
@@ -26,10 +26,6 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-
-# what every rank imports, loaded once by the fork server the ranks start from
-RANK_IMPORTS = ["torch", "torch.distributed", "transformers.modeling_utils",
-                "transformers.models.llama.modeling_llama", "vmcache.engine"]  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -207,11 +203,10 @@ def main(argv=None) -> int:
             return 0
         import torch.multiprocessing as mp
 
+        from vmcache.distributed import forkserver
+
         init = f"file://{os.path.join(tmp, 'rendezvous')}"
-        # forked from one server process that imported torch, transformers and the engine
-        # once (each spawned rank imported them again: seconds of CPU a rank); a server that
-        # has run nothing, so no thread, lock or CUDA context is copied into a rank
-        mp.get_context("forkserver").set_forkserver_preload(RANK_IMPORTS)
+        forkserver.context()  # ranks forked from a server that imported the engine once
         mp.start_processes(_rank_main, args=(args.nproc, init, args, True), nprocs=args.nproc,
                            start_method="forkserver")  # fmt: skip
     return 0
