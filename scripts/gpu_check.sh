@@ -122,7 +122,7 @@ probe kernels 120 $PY -c "import vmcache.kernels, vmcache.paged_fallback; print(
 # the first thing a cache does: views over a reservation with nothing mapped yet
 probe empty_views 60 $PY -c "import torch; from vmcache import KVSpec, VMKVCache; \
 c = VMKVCache(KVSpec(2, 2, 64, torch.bfloat16), 2, 1024, device='cuda'); \
-k = c.k_cache(0); print('view device:', k.device); assert k.device.type == 'cuda'; c.close()" \
+k = c.views.k_cache(0); print('view device:', k.device); assert k.device.type == 'cuda'; c.close()" \
   || stop "a cache cannot be built over an empty reservation on this torch"
 
 # --- the run -----------------------------------------------------------------------------------
