@@ -131,8 +131,12 @@ class _Sim:
         each victim's sync preempting the next)."""
         for i, h in enumerate(g.handles):
             need = g.length - g.synced[i]
-            if self.alloc.uses_ids and (need <= 0 or self.alloc.can_grow(h, need)):
-                self._sync(g, i)
+            if (
+                self.alloc.uses_ids
+                and need > 0
+                and self.alloc.try_grow(h, need, g.ids(g.synced[i], g.length))
+            ):
+                self._refresh(g, i)  # (what _sync does, but never preempting)
             self.alloc.free(h)
             self.mapped_bytes -= g.mapped[i]
             self.used_tokens -= g.length

@@ -162,7 +162,7 @@ def _rank_main(rank: int, world: int, init: str, args, spawned: bool = False) ->
     local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun's; our own spawn sets it below
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world))
     backend, device_id = rank_device(local, world)
-    if spawned and device_id is None:  # ranks on the CPU: its cores shared out, as torchrun does
+    if spawned and device_id is None:  # ranks on the CPU: its cores shared out among them
         torch.set_num_threads(cpu_threads(world))
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                             device_id=device_id)  # fmt: skip
