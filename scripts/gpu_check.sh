@@ -139,6 +139,6 @@ step syncs 30 $PY benchmarks/bench_syncs.py --device cuda --quick
 step bench_vmm 30 $PY benchmarks/bench_vmm.py --device cuda --quick
 step bench_attention 70 $PY benchmarks/bench_attention.py --device cuda --quick
 step soak 30 $PY benchmarks/soak.py --device cuda --ops 1500
-step bench_hf 40 $PY benchmarks/bench_hf.py --device cuda --quick
+step bench_hf 90 $PY benchmarks/bench_hf.py --device cuda --quick
 step ab_compute 60 $PY -P -m vmcache.bench --mode compute --device cuda --quick
 finish

@@ -299,7 +299,8 @@ def test_a_paged_sleep_returns_its_block_tensor_to_the_device():
     c.elastic.sleep(keep="host")
     assert torch.cuda.mem_get_info()[0] >= free_before + pool_bytes - (64 << 20)
     c.elastic.wake()
-    assert torch.equal(c.kv(1, s)[0], -k)
+    kk, vv = c.kv(1, s)  # written as K = k, V = -k
+    assert torch.equal(kk, k) and torch.equal(vv, -k)
     c.close()
 
 
@@ -313,7 +314,7 @@ def test_prefix_tiers_round_trip_gpu_pages(kind, tmp_path):
         c = VMKVCache(spec, 4, 4096, device="cuda", layout="token_major", prefix_caching=True,
                       prefix_tiers=tiers)  # fmt: skip
     else:
-        c = PagedKVCache(spec, num_blocks=64, device="cuda", max_seq_len=4096, max_seqs=4,
+        c = PagedKVCache(spec, num_blocks=128, device="cuda", max_seq_len=4096, max_seqs=4,
                          prefix_caching=True, prefix_tiers=tiers)  # fmt: skip
     ids = list(range(1100))
     s = c.new_sequence(prefix_tokens=ids)

@@ -30,6 +30,19 @@ def test_every_row_starts_at_a_whole_token(head_dim, layers, layout):
     assert c._pages_per_row * P == c._row_bytes
 
 
+def test_a_cache_of_one_sequence_flattens_whatever_its_row_stride():
+    """One sequence of 2049 tokens on 2 MiB pages (the GPU attention benchmark's batch 1): the
+    K view's size-1 row dimension comes back from ``unflatten`` with a dense stride (2049
+    tokens) rather than the padded row's (2560); the flat view must still address it."""
+    spec = KVSpec(1, 8, 128, torch.float32)
+    c = VMKVCache(spec, 1, 2049, backend=SizingBackend(P), pool_bytes=8 * P)
+    k, l_row = c.views.k_cache(0), c.views.layer_row_tokens(0)
+    assert l_row > 2049 and k.stride(0) != l_row * k.stride(1)  # the case being tested
+    flat = flat_rows(k, l_row)
+    for t in (0, 17, 2048):
+        assert flat[t].data_ptr() == k[0, t].data_ptr()
+
+
 def test_a_row_that_is_not_whole_tokens_is_refused():
     x = torch.empty(400, dtype=torch.float32).as_strided((3, 10, 2, 5), (107, 10, 5, 1))
     with pytest.raises(ValueError, match="row stride"):

@@ -85,9 +85,11 @@ def available_impls(q: torch.Tensor, quantized: bool = False) -> list[str]:
 
 def flat_rows(x: torch.Tensor, l_row: int) -> torch.Tensor:
     """``[S, L, H, D]`` (rows of ``l_row`` whole tokens) as ``[S·L_row, H, D]``: token t of
-    row s is flat row ``s·l_row + t``."""
+    row s is flat row ``s·l_row + t``. A tensor of one row may carry any row stride (torch
+    re-strides a size-1 dimension: ``unflatten`` gives it the dense one), so only a tensor of
+    two rows or more is checked."""
     s_stride, t_stride = x.stride(0), x.stride(1)
-    if s_stride != l_row * t_stride:
+    if x.shape[0] > 1 and s_stride != l_row * t_stride:
         raise ValueError(f"row stride {s_stride} is not {l_row} token rows of {t_stride}")
     return x.as_strided((x.shape[0] * l_row, x.shape[2], x.shape[3]), (t_stride, x.stride(2), 1))
 
