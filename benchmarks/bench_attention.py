@@ -17,11 +17,11 @@ import dataclasses
 
 import torch
 from common import parse_args, save, table, time_repeats
+
+from vmcache import KVSpec, VMKVCache, kernels
 from vmcache.kernels import contiguous, triton_decode
 from vmcache.kernels.common import sdpa_per_sequence
 from vmcache.paged_fallback import PagedKVCache
-
-from vmcache import KVSpec, VMKVCache, kernels
 
 
 def filled_caches(dev, spec, batch, ctx, k, v):

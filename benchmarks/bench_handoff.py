@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from common import add_out_arg, save_and_plot, table
-from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import KVSpec, VMKVCache
 from vmcache.distributed import plan_handoff, recv_sequence, send_sequence
 from vmcache.memory.backends.host import HostBackend
+from vmcache.paged_fallback import PagedKVCache
 
 LENGTHS = (512, 1024, 2048, 4096, 8192)
 VARIANTS = ("vm layer_major", "vm token_major", "paged per block", "paged packed")

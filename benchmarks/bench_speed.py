@@ -37,7 +37,6 @@ import torch
 from common import add_out_arg, save
 from transformers import DynamicCache, GenerationConfig
 from transformers.generation.continuous_batching.utils import WorkloadHints
-from vmcache.paged_fallback import PagedKVCache
 
 from vmcache.bench.compute_real import QUESTIONS
 from vmcache.bench.latency import poisson_arrivals
@@ -45,6 +44,7 @@ from vmcache.bench.perplexity import STDLIB_MODULES
 from vmcache.bench.real import NAME, chat, smol
 from vmcache.engine import Engine, Request, SamplingParams
 from vmcache.hf import PagedCache, VMCache
+from vmcache.paged_fallback import PagedKVCache
 from vmcache.sequences.cache import VMKVCache
 from vmcache.sequences.spec import KVSpec
 

@@ -23,11 +23,11 @@ if not torch.cuda.is_available():  # the CPU run counts through the interpreted 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from common import parse_args, save, table  # noqa: E402
-from vmcache.paged_fallback import PagedKVCache  # noqa: E402
 
 from vmcache import KVSpec, VMKVCache, kernels  # noqa: E402
 from vmcache.memory.backends import make_backend  # noqa: E402
 from vmcache.memory.backends.strict import StrictBackend  # noqa: E402
+from vmcache.paged_fallback import PagedKVCache  # noqa: E402
 
 
 def make(kind: str, spec: KVSpec, dev: torch.device, batch: int, max_len: int):

@@ -34,15 +34,15 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
+
+from vmcache import KVSpec, VMKVCache  # noqa: E402
 from vmcache.kernels import triton_decode, triton_prefill  # noqa: E402
 from vmcache.kernels.common import layer_window, packed_trees  # noqa: E402
 from vmcache.kernels.plan import plan  # noqa: E402
-from vmcache.paged_fallback import PagedKVCache  # noqa: E402
-from vmcache.paged_fallback.cache import layers_per_table  # noqa: E402
-
-from vmcache import KVSpec, VMKVCache  # noqa: E402
 from vmcache.memory.backends.host import HostBackend  # noqa: E402
 from vmcache.memory.backends.strict import CUDA_GRANULARITY, StrictBackend  # noqa: E402
+from vmcache.paged_fallback import PagedKVCache  # noqa: E402
+from vmcache.paged_fallback.cache import layers_per_table  # noqa: E402
 
 # name: (layers, kv heads, head_dim, q heads)
 SHAPES = {

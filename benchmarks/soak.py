@@ -18,12 +18,12 @@ import time
 
 import torch
 from common import add_out_arg, save, table
-from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import CacheFull, KVSpec, VMKVCache
 from vmcache.memory.backends import make_backend
 from vmcache.memory.backends.host import HostBackend
 from vmcache.memory.backends.strict import CUDA_GRANULARITY, StrictBackend
+from vmcache.paged_fallback import PagedKVCache
 from vmcache.sequences.invariants import check_invariants
 
 

@@ -20,9 +20,9 @@ import time
 import torch
 from common import add_out_arg, save, table
 from soak import check_all, finish
-from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import CacheFull, KVSpec, VMKVCache
+from vmcache.paged_fallback import PagedKVCache
 
 SPEC = KVSpec(2, 2, 16, torch.float32)  # 128 B token rows: 32 tokens per 4 KiB page
 

@@ -16,9 +16,9 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import CacheFull, VMKVCache
+from vmcache.paged_fallback import PagedKVCache
 from vmcache.sequences.invariants import check_invariants
 
 PREFIX_COVERAGE: dict[str, Counter] = {}  # kind -> lookups, hits, hit tokens, swap_in

@@ -7,12 +7,12 @@ import copy
 import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
-from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import KVSpec, VMKVCache
 from vmcache.distributed.disagg import serve_disaggregated
 from vmcache.distributed.tp import load_tp_model, shard_spec, tensor_parallel_engine
 from vmcache.engine import Engine, NgramDrafter, Request, SamplingParams
+from vmcache.paged_fallback import PagedKVCache
 
 CFG = LlamaConfig(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

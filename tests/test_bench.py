@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import KVSpec, VMKVCache
 from vmcache.bench import traces
@@ -16,6 +15,7 @@ from vmcache.bench.report import verdicts
 from vmcache.bench.simulate import simulate
 from vmcache.bench.sizing import make_alloc
 from vmcache.memory.backends.sizing import SizingBackend
+from vmcache.paged_fallback import PagedKVCache
 
 # one K (or V) row of a token in one layer = 16 B; a token = 2 layers × K,V = 64 B
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32)

@@ -5,11 +5,11 @@ import os
 
 import pytest
 import torch
+
+from vmcache import KVSpec, VMKVCache, kernels
 from vmcache.kernels import contiguous, triton_decode
 from vmcache.kernels.reference import dense_attention
 from vmcache.paged_fallback import PagedKVCache
-
-from vmcache import KVSpec, VMKVCache, kernels
 from vmcache.sequences.invariants import check_invariants
 
 pytestmark = pytest.mark.gpu

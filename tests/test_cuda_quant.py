@@ -8,11 +8,11 @@ import pytest
 import torch
 from test_cuda import LENS
 from test_cuda import _fill as cuda_fill
+
+from vmcache import KVSpec, VMKVCache, kernels
 from vmcache.kernels import contiguous
 from vmcache.kernels.reference import dense_attention
 from vmcache.paged_fallback import PagedKVCache
-
-from vmcache import KVSpec, VMKVCache, kernels
 from vmcache.sequences.invariants import check_invariants
 
 pytestmark = pytest.mark.gpu

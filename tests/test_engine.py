@@ -7,10 +7,10 @@ import pytest
 import torch
 from caches import strict_host
 from transformers import LlamaConfig, LlamaForCausalLM
-from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import KVSpec, VMKVCache
 from vmcache.engine import Engine, Request, SamplingParams
+from vmcache.paged_fallback import PagedKVCache
 from vmcache.sequences.invariants import check_invariants
 
 CFG = LlamaConfig(

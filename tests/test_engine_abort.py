@@ -12,10 +12,10 @@ import torch
 from caches import examples, strict_host
 from test_engine import CFG, SPEC
 from transformers import LlamaForCausalLM
-from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import VMKVCache
 from vmcache.engine import Engine, NgramDrafter, Request, SamplingParams
+from vmcache.paged_fallback import PagedKVCache
 from vmcache.sequences.invariants import check_invariants
 
 

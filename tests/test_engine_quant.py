@@ -8,11 +8,11 @@ import pytest
 import torch
 from caches import strict_host
 from test_engine import LONG, SPEC, model, requests  # noqa: F401
-from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import VMKVCache
 from vmcache.engine import Engine, NgramDrafter
 from vmcache.hf import VMCache
+from vmcache.paged_fallback import PagedKVCache
 from vmcache.sequences.invariants import check_invariants
 
 FP8 = dataclasses.replace(SPEC, kv_dtype=torch.float8_e4m3fn)

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from test_engine import CFG, SPEC
 from transformers import LlamaForCausalLM
-from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import VMKVCache
 from vmcache.engine import Engine, Request, SamplingParams
+from vmcache.paged_fallback import PagedKVCache
 from vmcache.sequences.invariants import check_invariants
 
 torch.manual_seed(0)

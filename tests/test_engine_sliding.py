@@ -10,12 +10,12 @@ import torch
 from caches import strict_host
 from test_hf_sliding import FAMILIES
 from transformers import DynamicCache
-from vmcache.paged_fallback import PagedKVCache
-from vmcache.paged_fallback.cache import layers_per_table
 
 from vmcache import KVSpec, VMKVCache
 from vmcache.engine import Engine, Request, SamplingParams
 from vmcache.hf import cache_keyword
+from vmcache.paged_fallback import PagedKVCache
+from vmcache.paged_fallback.cache import layers_per_table
 from vmcache.sequences.invariants import check_invariants
 
 _models: dict = {}

@@ -5,10 +5,10 @@ import sys
 
 import pytest
 import torch
-from vmcache.kernels.reference import dense_attention, paged_decode_reference
-from vmcache.paged_fallback import PagedKVCache, block_address
 
 from vmcache import KVSpec, VMKVCache, kernels
+from vmcache.kernels.reference import dense_attention, paged_decode_reference
+from vmcache.paged_fallback import PagedKVCache, block_address
 
 MIXED = [1, 15, 16, 17, 257, 1000]
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}

@@ -8,9 +8,9 @@ import pytest
 import torch
 from test_kernels import KINDS, MIXED, WRITTEN, make
 from test_kernels import fill as kernel_fill
-from vmcache.kernels.reference import dense_attention
 
 from vmcache import KVSpec, kernels
+from vmcache.kernels.reference import dense_attention
 from vmcache.sequences.quant import (
     Q_MAX,
     decode_rows,

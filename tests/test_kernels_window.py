@@ -10,10 +10,10 @@ sequence: nothing is released and the result is full attention)."""
 
 import pytest
 import torch
-from vmcache.kernels.reference import dense_attention
-from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import KVSpec, VMKVCache, kernels
+from vmcache.kernels.reference import dense_attention
+from vmcache.paged_fallback import PagedKVCache
 from vmcache.sequences.invariants import check_invariants
 
 KINDS = ["vm", "vm_token_major", "paged"]

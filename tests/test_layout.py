@@ -3,9 +3,9 @@
 
 import pytest
 import torch
-from vmcache.kernels.contiguous import flat_rows
 
 from vmcache import KVSpec, VMKVCache
+from vmcache.kernels.contiguous import flat_rows
 from vmcache.memory.backends.sizing import SizingBackend
 
 P = 2 << 20

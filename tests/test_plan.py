@@ -5,11 +5,11 @@ rows [cu_k[i], cu_k[i] + used_k[i]) of the flat layer view."""
 import pytest
 import torch
 from caches import strict_host
+
+from vmcache import KVSpec, VMKVCache, kernels
 from vmcache.kernels.contiguous import flat_rows
 from vmcache.kernels.plan import plan
 from vmcache.kernels.reference import dense_attention
-
-from vmcache import KVSpec, VMKVCache, kernels
 from vmcache.sequences.invariants import check_invariants
 
 

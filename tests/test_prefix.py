@@ -7,9 +7,9 @@ import torch
 from caches import SPEC, examples, record_coverage
 from hypothesis import settings
 from prefix_machine import PREFIX_COVERAGE, PrefixMachine, append, kv_of, make, tpp
-from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import CacheFull
+from vmcache.paged_fallback import PagedKVCache
 from vmcache.sequences.invariants import check_invariants
 
 

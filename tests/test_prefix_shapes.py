@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
-from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import KVSpec, VMKVCache
 from vmcache.memory.backends.host import HostBackend
 from vmcache.memory.backends.strict import StrictBackend
+from vmcache.paged_fallback import PagedKVCache
 from vmcache.sequences.invariants import check_invariants
 
 HEAD_DIMS = (64, 80, 96, 128, 256)

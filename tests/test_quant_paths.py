@@ -6,10 +6,10 @@ tier of another layout (other head scales, or the other granularity) must not ta
 
 import pytest
 import torch
-from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import KVSpec, VMKVCache
 from vmcache.memory.backends.host import HostBackend
+from vmcache.paged_fallback import PagedKVCache
 from vmcache.prefix.tiers import PrefixTiers
 from vmcache.sequences.invariants import check_invariants
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 from caches import strict_host
 from test_engine import LONG, MIXED, make, model, prefix_vm, reference, requests  # noqa: F401
-from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import KVSpec, VMKVCache
 from vmcache.engine import DraftModel, Engine, NgramDrafter, Request, SamplingParams
 from vmcache.engine.speculative import target_probs, verify
+from vmcache.paged_fallback import PagedKVCache
 from vmcache.sequences.invariants import check_invariants
 
 

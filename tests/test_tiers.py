@@ -215,6 +215,7 @@ def test_bad_tier_input(tmp):
         PrefixTiers(10, namespace=3)
     with pytest.raises(ValueError, match="prefix_caching"):
         from caches import SPEC
+
         from vmcache.paged_fallback import PagedKVCache
 
         PagedKVCache(SPEC, num_blocks=8, prefix_tiers=PrefixTiers(10))

@@ -4,9 +4,9 @@ and both layouts, while the same sequence without windows maps every token."""
 
 import pytest
 import torch
-from vmcache.paged_fallback import PagedKVCache
 
 from vmcache import KVSpec, VMKVCache
+from vmcache.paged_fallback import PagedKVCache
 from vmcache.sequences.invariants import check_invariants
 
 W, LENGTH = 512, 8192
