@@ -197,7 +197,7 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
                 check(s, op)
             elif op == "reserve" and seqs:
                 s = rng.choice(seqs)
-                c.elastic.reserve(s, rng.randint(1, 100))  # best effort, changes no content
+                c.allocate(s, 0, ahead=rng.randint(1, 100))  # best effort, changes no content
                 check(s, op)
             elif op == "write_group" and seqs:
                 live = [x for x in seqs if shadow[x].shape[2]]

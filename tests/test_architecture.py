@@ -110,14 +110,14 @@ def built_caches():
 
 
 def test_public_name_counts_are_as_documented():
-    """At most 20 public names a cache class (its members and its instance's attributes), the
+    """At most 21 public names a cache class (its members and its instance's attributes), the
     count DESIGN.md states, and every one of them in the guide's core table."""
     now = design().split("now", 1)[1]
     guide = open(os.path.join(ROOT, "docs", "guide.md")).read()
     table = guide.split("<!-- core-names -->", 1)[1].split("<!-- end: core-names -->", 1)[0]
     for cache in built_caches():
         names = public_names(cache)
-        assert len(names) <= 20, sorted(names)
+        assert len(names) <= 21, sorted(names)
         assert f"`{type(cache).__name__}` {len(names)}" in now, (type(cache).__name__, len(names))
         undocumented = [n for n in names if f"`{n}" not in table]
         assert not undocumented, undocumented
@@ -211,7 +211,7 @@ def test_every_physical_call_is_a_declared_hook():
     core = [cls for cls in SequenceCache.__mro__ if cls not in (PhysicalHooks, object)]
     own = {n for cls in [*core, Beams, Elastic, Swap, Handoff, Prefix, Transactions]
            for n in vars(cls)}  # fmt: skip
-    files = ["coordinator", "transactions", "beams", "elastic", "swap", "handoff", "reserve",
+    files = ["coordinator", "transactions", "beams", "elastic", "swap", "handoff", "grow",
              "prefix"]  # fmt: skip
     undeclared = []
     for f in files:

@@ -92,7 +92,7 @@ def test_the_cache_keeps_the_rules_at_2_mib(layout):
     c.beams.truncate(kids[1], 100)
     back = c.swap.restore(c.swap.out(s))
     assert torch.equal(c.kv(0, back)[0], k)
-    c.elastic.reserve(back, 3000)
+    c.allocate(back, 0, ahead=3000)
     c.grow(back, 3000)
     check_invariants(c)
     c.close()

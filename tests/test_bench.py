@@ -157,7 +157,7 @@ class OverMapping(CacheAlloc):
     sequence's memory): the VM claim must then read DIFFERS."""
 
     def _ahead(self, h):
-        self.kv.elastic.reserve(h, 32)  # the next page of every row, before it is needed
+        self.kv.allocate(h, 0, ahead=32)  # the next page of every row, before it is needed
 
     def admit(self, tokens, ids=None):
         h = super().admit(tokens, ids)

@@ -90,13 +90,13 @@ OPS = {
     "assign (beam reorder) of diverged rows": lambda c, s, child: c.beams.assign(
         [s, child], [child, s]
     ),
-    "reserve ahead": lambda c, s, child: c.elastic.reserve(s, 300),
+    "reserve ahead": lambda c, s, child: c.allocate(s, 0, ahead=300).ahead,
     "grow taking reserved pages and more": lambda c, s, child: c.grow(s, 400),
 }
 # state an op needs first (done before the snapshot, never failed)
 PREPARE = {
     "assign (beam reorder) of diverged rows": lambda c, s, child: c.grow(child, 100),
-    "grow taking reserved pages and more": lambda c, s, child: c.elastic.reserve(s, 100),
+    "grow taking reserved pages and more": lambda c, s, child: c.allocate(s, 0, ahead=100).ahead,
 }
 
 

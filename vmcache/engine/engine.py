@@ -304,7 +304,7 @@ class Engine:
             if seq.draft:  # its length changes once the drafts are verified
                 continue
             if len(seq.generated) + 1 < seq.req.params.max_new_tokens:  # (a stop frees it)
-                self.stats.premapped_pages += self.kv.elastic.reserve(seq.slot, 1)
+                self.stats.premapped_pages += self.kv.allocate(seq.slot, 0, ahead=1).ahead
         return time.perf_counter() - tp
 
     def _drop(self, seq: Seq, reason: str) -> None:

@@ -149,20 +149,24 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.stats.preempt_recompute += 1
 
-    def _grow(self, seq: Seq, n: int, batch: list[Seq]) -> bool:
-        try:
-            self.kv.grow(seq.slot, n, token_ids=seq.tokens[seq.cached : seq.cached + n])
-        except CacheFull:
-            if not self.kv.elastic.shared_budget:
-                raise
-            self._preempt(seq, batch)  # another process took the pages first
-            return False
-        return True
+    def _allocate(self, seq: Seq, n: int):
+        """The cache's one allocation call for ``seq``'s next ``n`` tokens: what it did, or
+        None (nothing changed) when the pool is short."""
+        return self.kv.allocate(seq.slot, n, token_ids=seq.tokens[seq.cached : seq.cached + n])
+
+    def _lost_race(self, seq: Seq, n: int, batch: list[Seq]) -> None:
+        """An admitted grow found the pool short after all: only a shared budget, whose pages
+        another process took first, may do that; ``seq`` waits (its pages freed)."""
+        if not self.kv.elastic.shared_budget:
+            raise CacheFull(f"the pool cannot grow sequence {seq.slot} by {n} tokens it had "
+                            "room for", wanted=n, free=0)  # fmt: skip
+        self._preempt(seq, batch)
 
     def _start(self, seq: Seq, step: int, batch: list[Seq], chunk: int) -> bool:
         seq.status, seq.admitted_at, seq.chunk = Status.RUNNING, step, chunk
         self.running.append(seq)
-        if not self._grow(seq, chunk, batch):
+        if self._allocate(seq, chunk) is None:
+            self._lost_race(seq, chunk, batch)
             return False
         batch.append(seq)
         if self.kv.elastic.headroom(seq.slot) == 0:
@@ -217,7 +221,11 @@ class Scheduler:
             if seq not in self.running or budget == 0:
                 continue  # preempted as a victim earlier in this loop, or no budget left
             n = min(len(seq.pending), budget)
-            while not self.kv.can_grow(seq.slot, n):
+            while self._allocate(seq, n) is None:
+                if self.kv.can_grow(seq.slot, n):  # the pool said yes, then no: a shared
+                    self._lost_race(seq, n, batch)  # budget's pages went to another process
+                    preempted = True
+                    break
                 victim = self._pick_victim(exclude=seq)
                 if victim is None and self.kv.elastic.shared_budget:
                     victim = seq  # a shared budget: others hold the pages, and will free them
@@ -231,9 +239,6 @@ class Scheduler:
             if seq not in self.running:
                 continue
             seq.chunk = n
-            if not self._grow(seq, n, batch):
-                preempted = True
-                continue
             batch.append(seq)
             budget -= n
         if preempted:

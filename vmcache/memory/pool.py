@@ -119,6 +119,13 @@ class PagePool:
             self.budget.want()  # the other processes hear the demand
         return ok
 
+    def shortage(self, n: int) -> str:
+        """Why ``n`` pages cannot be taken now: ``CacheFull``'s message."""
+        capped = self.budget.available() < len(self._uncreated)
+        why = f" (the memory budget allows {self._created + self.budget.available()})"
+        return (f"page pool exhausted: {n} pages wanted, {self.num_free} free of "
+                f"{self.num_pages}{why if capped else ''}")  # fmt: skip
+
     def gain_from_decref(self, pages: Iterable[int]) -> int:
         """How many pages :attr:`num_available` would gain if ``pages`` (distinct) each lost
         one reference: those at refcount 1, and indexed ones at 2 (the index alone would
@@ -152,14 +159,7 @@ class PagePool:
         if n > self.num_free and self.reclaimer is not None and n <= self.num_available:
             self.reclaimer.reclaim(n - self.num_free)
         if n > self.num_free:
-            capped = self.budget.available() < len(self._uncreated)
-            why = f" (the memory budget allows {self._created + self.budget.available()})"
-            raise CacheFull(
-                f"page pool exhausted: {n} pages wanted, {self.num_free} free of "
-                f"{self.num_pages}{why if capped else ''}",
-                wanted=n,
-                free=self.num_free,
-            )
+            raise CacheFull(self.shortage(n), wanted=n, free=self.num_free)
         while len(self._free) < n:
             self._create_chunk(n - len(self._free))
         pages = [self._free.pop() for _ in range(n)]

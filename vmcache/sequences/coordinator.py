@@ -31,7 +31,7 @@ from vmcache.errors import (
 )
 from vmcache.memory.pool import PagePool
 from vmcache.prefix.tiers.digest import salt_bytes
-from vmcache.sequences import reserve
+from vmcache.sequences import grow
 from vmcache.sequences.batch import StepBatch
 from vmcache.sequences.beams import Beams, fork
 from vmcache.sequences.config import CacheConfig
@@ -49,14 +49,14 @@ from vmcache.sequences.transactions import Transactions
 
 
 class SequenceCache(PhysicalHooks):
-    """The core: sequences (``new_sequence``, ``grow``, ``can_grow``, ``write``, ``batch``,
-    ``kv``, ``fork``, ``free``, ``seq_len(s)``, ``sequences``), ``stats``, ``close``; ``spec``
-    and ``config``; and named facets for the rest, each an object with its own file and a
-    docstring saying what of the coordinator it touches: ``beams`` (assign, truncate,
-    write_group), ``swap`` (out, restore), ``handoff`` (manifest, runs, adopt, export, load),
-    ``elastic`` (trim, set_limit, sleep, wake, reserve, headroom, admission arithmetic),
-    ``prefix`` (the index, publish, cached_tokens) and ``views`` (what kernels read; each
-    cache makes its own). Everything else is private: 20 public names in all."""
+    """The core: sequences (``new_sequence``, ``allocate``, ``grow``, ``can_grow``, ``write``,
+    ``batch``, ``kv``, ``fork``, ``free``, ``seq_len(s)``, ``sequences``), ``stats``,
+    ``close``; ``spec`` and ``config``; and named facets for the rest, each an object with its
+    own file and a docstring saying what of the coordinator it touches: ``beams`` (assign,
+    truncate, write_group), ``swap`` (out, restore), ``handoff`` (manifest, runs, adopt,
+    export, load), ``elastic`` (trim, set_limit, sleep, wake, headroom, admission
+    arithmetic), ``prefix`` (the index, publish, cached_tokens) and ``views`` (what kernels
+    read; each cache makes its own). Everything else is private: 21 public names in all."""
 
     _releases_memory = False  # whether trim / sleep give physical pages back (the caches set it)
     _copies_moves = False  # whether beams.assign copies a page it would move (the caches set it)
@@ -86,7 +86,6 @@ class SequenceCache(PhysicalHooks):
         self.elastic = Elastic(self)  # facet
         self.prefix = Prefix(self, prefix_caching, prefix_tiers)  # facet; owns the index
         self._asleep = None  # (live pages, saved state) while asleep (owned here)
-        self._reserved_pages_mapped = 0  # pages mapped ahead by reserve() (owned here)
         self._epoch = 0  # bumped whenever a length or a page table changes (owned here)
         self._tx = Transactions(self)  # its all-or-nothing changes; owns the CoW counters
         # fp32 [N_L, 2, N_KV] head scales of FP8/INT8 K/V (None: stored as computed, or per
@@ -137,12 +136,6 @@ class SequenceCache(PhysicalHooks):
         s = self._check_seq(s)
         return [list(self._group_of[t].row(s, t)) for t in range(self._T)]
 
-    def _grow_plan(self, s: int, n: int):
-        """Per group: (group, shared tail pages to copy, pages now, pages after)."""
-        length, rc = self._seqs.length(s), self._pool.refcounts
-        return [(g, g.tail_splits(s, length, n, rc), g.num_pages(s), g.pages_for(length + n))
-                for g in self._groups]  # fmt: skip
-
     # --- sequence lifecycle ------------------------------------------------------------
     def new_sequence(self, slot: int | None = None, prefix_tokens=None, salt=None) -> int:
         """A new sequence. ``slot`` asks for that particular free slot (callers that keep
@@ -181,7 +174,27 @@ class SequenceCache(PhysicalHooks):
     def grow(self, s: int, n: int, token_ids=None) -> None:
         """Length += n: map the pages the new length needs; split a shared tail page; first,
         sliding groups give back the pages their window no longer needs.
-        ``token_ids`` (n ids) records what the new positions hold, for prefix caching."""
+        ``token_ids`` (n ids) records what the new positions hold, for prefix caching.
+        ``CacheFull`` when the pool is short (nothing changed): :meth:`allocate` returns
+        None instead."""
+        got = self._allocate(s, n, token_ids, 0)
+        if not isinstance(got, grow.Allocation):
+            raise CacheFull(self._pool.shortage(got.need), wanted=got.need, free=got.free)
+
+    def allocate(self, s: int, n: int, token_ids=None, ahead: int = 0):
+        """The one allocation call: grow ``s`` by ``n`` tokens (as :meth:`grow`) and map the
+        pages of ``ahead`` more tokens past the new length (best effort: none when the pool is
+        short; the next grows take them first).
+        Returns an :class:`~vmcache.sequences.grow.Allocation` (pages taken, copied, mapped
+        ahead), or None when the pool is short for the grow: nothing changed. Bad input
+        raises as :meth:`grow` does."""
+        _check_int("ahead", ahead)
+        if ahead < 0:
+            raise ValueError(f"allocate needs ahead >= 0, got {ahead}")
+        got = self._allocate(s, n, token_ids, ahead)
+        return got if isinstance(got, grow.Allocation) else None
+
+    def _allocate(self, s, n, token_ids, ahead):
         s = self._check_seq(s)
         _check_int("n", n)
         if n < 0:
@@ -195,47 +208,7 @@ class SequenceCache(PhysicalHooks):
                 f"grow({s}, {n}) would reach {self._seqs.length(s) + n} tokens, past max_seq_len "
                 f"{self.config.max_seq_len}"
             )
-        if n == 0:
-            return
-        plans = self._grow_plan(s, n)  # a window release leaves it valid: it is all before
-        releases = self._release_plans(s)  # the tail page the plan may copy
-        if releases:
-            need = self._grow_need(s, plans)
-            free = self._pool.num_available + self._pool.gain_from_decref(
-                [p for _, _, pages in releases for p in pages]
-            )
-            if need > free:  # checked before the release: CacheFull changes nothing
-                raise CacheFull(f"page pool exhausted: {need} pages wanted, {free} free of "
-                                f"{self._pool.num_pages}", wanted=need, free=free)  # fmt: skip
-            self._release_window(s, releases)
-        takes = [g.take_reserved(s, p_new - p_old) for g, _, p_old, p_new in plans]
-        try:
-            self._tx.split_pages([(s, t, j) for _, splits, _, _ in plans for t, j in splits], s,
-                              [(g, p_old + k, p_new) for (g, _, p_old, p_new), k
-                               in zip(plans, takes)])  # fmt: skip
-        except BaseException:
-            for (g, *_), k in zip(plans, takes):
-                g.untake_reserved(s, k)
-            raise
-        self._seqs.grow(s, n, token_ids)
-        self._epoch += 1
-
-    def _release_plans(self, s: int) -> list[tuple[PageTables, int, list[int]]]:
-        """(group, new first index, pages that leave) of each sliding group that would give
-        pages back before ``s`` grows (none for full attention)."""
-        return [(g, *plan) for g in self._groups if g.sliding
-                if (plan := g.release_plan(s, self._seqs.length(s)))[1]]  # fmt: skip
-
-    def _release_window(self, s: int, releases) -> None:
-        """Unmap and give back what :meth:`_release_plans` found: the pages wholly before each
-        window (minus the rollback margin); the sequence's addresses and length stay."""
-        self._sync()  # no kernel may still read them
-        for g, to, pages in releases:
-            for t in g.ids:
-                self._detach(s, t, g.first(s), to - g.first(s))
-            g.release(s, to)
-            self._pool.decref(pages)
-        self._epoch += 1
+        return grow.allocate(self, s, n, token_ids, ahead)
 
     def write(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``, ``v`` (each ``[T, N_KV, d_h]``, the cache's dtype and device) at
@@ -342,14 +315,12 @@ class SequenceCache(PhysicalHooks):
         return fork(self, s, n)
 
     def can_grow(self, s: int, n: int) -> bool:
-        """Whether ``grow(s, n)`` would succeed now (for schedulers; raises nothing for n)."""
-        return reserve.can_grow(self, s, n)
-
-    def _grow_need(self, s: int, plans) -> int:
-        return reserve.grow_need(self, s, plans)
+        """Whether ``grow(s, n)`` would succeed now (for schedulers; raises nothing for n):
+        the plan :meth:`allocate` would build, as a pure query."""
+        return grow.can_grow(self, s, n)
 
     def _drop_reserved(self, s: int) -> None:
-        reserve.drop_reserved(self, s)
+        self._tx.drop_reserved(s)
 
     # --- stats -------------------------------------------------------------------------
     def stats(self) -> CacheStats:

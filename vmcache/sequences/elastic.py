@@ -1,19 +1,18 @@
 """The elastic side of a cache (``cache.elastic``): how much physical memory it holds, changed
-at run time without moving anything a kernel reads, pages mapped ahead of the grows that need
-them, and the page arithmetic a scheduler admits by.
+at run time without moving anything a kernel reads, and the page arithmetic a scheduler admits
+by.
 
     trim(keep_free_bytes)     free pages' memory back to the device, down to a low-water mark
     set_limit(bytes)          the most it may hold: lower (free pages go now, mapped ones as
                               their sequences end) or higher (pages created as needed)
     resident_bytes            what it holds now: mapped pages + free pages not yet released
     sleep(keep) / wake()      every page back to the device and again, sequences kept
-    reserve(s, n)             map now the pages a later grow of ``s`` by up to n would map
     headroom(s)               tokens ``s`` can grow without a new page
     peak_pages(n, step)       the most pages one sequence maps while growing to n tokens
     rollback_margin           tokens a sliding window can still take back (None: no window)
     shared_budget             whether other processes share the budget (a stall may pass)
     num_pages, used_pages,    the pool: its size, pages in use (sequences, prefix index,
-    available_pages           reserved), pages an allocation could take now
+    available_pages           mapped ahead), pages an allocation could take now
     can_allocate(n)           whether n pages could be allocated now
     pages_for_tokens(n)       pages a new sequence of n tokens maps (every table)
     mapped_pages(s)           pages sequence s maps now (shared ones per sequence)
@@ -22,23 +21,21 @@ them, and the page arithmetic a scheduler admits by.
     free_slots                sequence slots free now
 
 A cache over a :class:`~vmcache.memory.ledger.SharedBudget` draws pages from a budget several
-processes share; ``set_limit`` then does not apply (the ledger's limits do). Reserved pages sit
-in a sequence's row right after its last page, mapped and holding a pool reference, but
-outside the page table (vAttention maps the next step's pages while the current one computes;
-the engine reserves after launching a step); ``grow`` takes them first.
+processes share; ``set_limit`` then does not apply (the ledger's limits do). Pages mapped
+ahead (the cache's ``allocate(s, n, ahead=k)``, :mod:`.grow`) are counted here as in use.
 
-Touches, on the coordinator: the pool (budget, trim, release_all / recreate, allocate,
-decref), its groups' reserved pages and window rules, lengths (read), ``_sync``, the
-transactional core (``_tx.attach_row``) and the cache's sleep hooks (``_release_all``,
-``_restore_all``, ``_wake_fill``, ``_device_bytes``); the prefix index only to ``forget`` it
-on a sleep that keeps nothing.
+Touches, on the coordinator: the pool (budget, trim, release_all / recreate), its groups'
+pages mapped ahead (dropped on a sleep) and window rules, lengths (read), ``_sync``, the grow
+plans of :mod:`.grow` (read: ``grow_pages``, ``headroom``), ``mapped_pages``, and the
+cache's sleep hooks (``_release_all``, ``_restore_all``, ``_wake_fill``, ``_device_bytes``);
+the prefix index only to ``forget`` it on a sleep that keeps nothing.
 """
 
 from __future__ import annotations
 
-from vmcache.errors import CacheFull, check_int
+from vmcache.errors import check_int
 from vmcache.memory.budget import LocalBudget
-from vmcache.sequences import reserve
+from vmcache.sequences import grow
 
 
 class Elastic:
@@ -79,12 +76,12 @@ class Elastic:
         page): what an admission must find room for."""
         c = self._c
         s = c._check_seq(s)
-        return reserve.grow_need(c, s, c._grow_plan(s, n))
+        return grow.plan_grow(c, s, n).need
 
     def mapped_pages(self, s: int) -> int:
         """Pages sequence ``s`` maps, every table: its tables' mapped pages (shared ones
         counted per sequence; released ones not) and the pages reserved ahead of it."""
-        return reserve.mapped_pages(self._c, s)
+        return grow.mapped_pages(self._c, s)
 
     @property
     def free_slots(self) -> int:
@@ -190,44 +187,6 @@ class Elastic:
             raise
         c._asleep = None
 
-    def reserve(self, s: int, n: int) -> int:
-        """Map now the pages a later ``grow(s, k ≤ n)`` would map; returns pages mapped."""
-        c = self._c
-        s = c._check_seq(s)
-        check_int("n", n)
-        if n < 0:
-            raise ValueError(f"reserve needs n >= 0, got {n}")
-        n = min(n, c.config.max_seq_len - c._seqs.length(s))
-        plan = []  # (group, first index not yet mapped, pages per table)
-        for g in c._groups:
-            first = g.num_pages(s) + len(g.reserved(s)[0])
-            extra = g.pages_for(c._seqs.length(s) + n) - first
-            if extra > 0:
-                plan.append((g, first, extra))
-        total = sum(len(g.ids) * extra for g, _, extra in plan)
-        if not plan or not c._pool.can_allocate(total):
-            return 0
-        try:
-            fresh = iter(c._pool.allocate(total))
-        except CacheFull:  # a shared budget's pages went to another process first
-            return 0
-        rows = [[[next(fresh) for _ in range(extra)] for _ in g.ids] for g, _, extra in plan]
-        done = []
-        try:
-            for (g, first, _), r in zip(plan, rows):
-                c._tx.attach_row(s, g.ids, first, r)
-                done.append((g, first, r))
-        except BaseException:
-            for g, first, r in done:
-                for t, pages in zip(g.ids, r):
-                    c._detach(s, t, first, len(pages))
-            c._pool.decref([p for r in rows for row in r for p in row])
-            raise
-        for (g, _, _), r in zip(plan, rows):
-            g.add_reserved(s, r)
-        c._reserved_pages_mapped += total
-        return total
-
     def headroom(self, s: int) -> int:
         """Tokens ``grow(s, n)`` can add without taking a page from the pool: what the
         mapped tail pages still hold, 0 when one is shared (the next grow copies it)."""
@@ -235,7 +194,7 @@ class Elastic:
         s = c._check_seq(s)
         length = c._seqs.length(s)
         room = min(g.num_pages(s) * g.P // g.u for g in c._groups) - length
-        splits = any(sp for _, sp, _, _ in c._grow_plan(s, 1)) if room else False
+        splits = any(sp for _, sp, _, _ in grow.plan_grow(c, s, 1).groups) if room else False
         return 0 if splits else room
 
     def peak_pages(self, n: int, step: int) -> int:

@@ -5,6 +5,11 @@ bookkeeping that cannot fail.
 
     split_pages(splits, s_ext, ext)    copy-on-write of shared pages (any sequences) and new
                                        pages mapped at the end of one sequence's tables
+    grow(s, groups)                    a grow's plan (:mod:`.grow`): pages mapped ahead taken
+                                       first, then split_pages
+    map_ahead(s, plan)                 pages mapped past a sequence's length, or none
+    drop_reserved(s)                   those pages unmapped and given back
+    release_window(s, releases)        pages wholly before a sliding window given back
     attach_row(s, tables, j0, rows)    one run of pages into several tables, or none
 
 An object the coordinator holds (``cache._tx``), not a base class: it declares what it
@@ -20,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from itertools import islice
 
+from vmcache.errors import CacheFull
 from vmcache.sequences.tables import PageTables
 
 
@@ -30,6 +36,7 @@ class Transactions:
         self._c = coordinator
         self.cow_copies = 0  # pages copied on write since construction (owned here)
         self.cow_bytes_copied = 0  # bytes those copies moved (used part of each page only)
+        self.pages_mapped_ahead = 0  # pages map_ahead mapped since construction (owned here)
 
     def count_copies(self, pages: int, nbytes: int) -> None:
         """``pages`` copied outside :meth:`split_pages` in place of a copy-on-write split
@@ -84,6 +91,76 @@ class Transactions:
         c._pool.decref([old for *_, old, _ in replaced])
         for g, rows in extension:
             g.extend(s_ext, rows)
+
+    def grow(self, s: int, groups) -> None:
+        """Map what a grow's per-group plan (group, tail splits, pages now, pages after) needs:
+        the pages mapped ahead first, then copies of shared tail pages and new pages, all or
+        nothing (``CacheFull`` changes nothing)."""
+        takes = [g.take_reserved(s, p_new - p_old) for g, _, p_old, p_new in groups]
+        try:
+            self.split_pages([(s, t, j) for _, splits, _, _ in groups for t, j in splits], s,
+                             [(g, p_old + k, p_new) for (g, _, p_old, p_new), k
+                              in zip(groups, takes)])  # fmt: skip
+        except BaseException:
+            for (g, *_), k in zip(groups, takes):
+                g.untake_reserved(s, k)
+            raise
+
+    def map_ahead(self, s: int, plan: list) -> int:
+        """Map for ``s`` the pages of each (group, first index not yet mapped, pages per
+        table) of ``plan`` and hold them past its length; returns pages mapped, 0 (nothing
+        changed) when the pool is short."""
+        c = self._c
+        total = sum(len(g.ids) * extra for g, _, extra in plan)
+        if not plan or not c._pool.can_allocate(total):
+            return 0
+        try:
+            fresh = iter(c._pool.allocate(total))
+        except CacheFull:  # a shared budget's pages went to another process first
+            return 0
+        rows = [[[next(fresh) for _ in range(extra)] for _ in g.ids] for g, _, extra in plan]
+        done = []
+        try:
+            for (g, first, _), r in zip(plan, rows):
+                self.attach_row(s, g.ids, first, r)
+                done.append((g, first, r))
+        except BaseException:
+            for g, first, r in done:
+                for t, pages in zip(g.ids, r):
+                    c._detach(s, t, first, len(pages))
+            c._pool.decref([p for r in rows for row in r for p in row])
+            raise
+        for (g, _, _), r in zip(plan, rows):
+            g.add_reserved(s, r)
+        self.pages_mapped_ahead += total
+        return total
+
+    def drop_reserved(self, s: int) -> None:
+        """Unmap and give back the pages mapped ahead of ``s`` (before anything moves its
+        row)."""
+        c = self._c
+        if not any(g.reserved(s)[0] for g in c._groups):
+            return
+        c._sync()
+        for g in c._groups:
+            first = g.num_pages(s)
+            for t, have in zip(g.ids, g.reserved(s)):
+                if have:
+                    c._detach(s, t, first, len(have))
+            c._pool.decref(g.clear_reserved(s))
+
+    def release_window(self, s: int, releases) -> None:
+        """Unmap and give back each (group, new first index, pages that leave) of
+        ``releases``: the pages wholly before each sliding window (minus the rollback
+        margin); the sequence's addresses and length stay."""
+        c = self._c
+        c._sync()  # no kernel may still read them
+        for g, to, pages in releases:
+            for t in g.ids:
+                c._detach(s, t, g.first(s), to - g.first(s))
+            g.release(s, to)
+            c._pool.decref(pages)
+        c._changed()
 
     def attach_row(self, s: int, tables, j0: int, pages: list[list[int]]) -> None:
         """Map ``pages[i]`` at index ``j0`` of table ``tables[i]`` of ``s``: all or nothing."""
