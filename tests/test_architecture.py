@@ -226,3 +226,53 @@ def test_every_physical_call_is_a_declared_hook():
                         undeclared.append(f"{f}:{node.lineno} {name}")
     assert not undeclared, undeclared
     assert {"_release_all", "_restore_all", "_device_bytes", "_attach"} <= declared
+
+
+TABLE_READS = {"sliding", "pages_for", "used_units", "row", "rows", "first", "num_pages",
+               "mapped_runs", "ahead", "first_token", "first_token_after_grow", "token_at",
+               "keep_page", "release_plan", "splits", "tail_splits", "assign_plan"}  # fmt: skip
+TABLE_WRITES = {
+    "set_rows",
+    "drop_rows",
+    "replace_page",
+    "append_pages",
+    "cut_rows",
+    "release_front",
+    "take_ahead",
+    "untake_ahead",
+    "add_ahead",
+    "clear_ahead",
+}
+REFCOUNT_WRITES = {"incref", "decref", "set_indexed", "allocate"}
+
+
+def _calls(path: str):
+    """(method name, receiver's last name) of every ``x.y.method(...)`` call in ``path``."""
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            recv = node.func.value
+            name = recv.attr if isinstance(recv, ast.Attribute) else getattr(recv, "id", "")
+            yield node.func.attr, name
+
+
+def test_tables_and_refcounts_change_in_the_transactional_core_only():
+    """Every method of PageTables is a read or one of its writes, and those writes are called
+    from vmcache/sequences/transactions.py alone; the pool's refcounts (allocate, incref,
+    decref, indexed marks) are changed from there and from the prefix index, which changes
+    only the references its own entries hold."""
+    from vmcache.sequences.tables import PageTables
+
+    methods = {n for n, v in vars(PageTables).items() if callable(v) or isinstance(v, property)}
+    assert methods - {"__init__"} == TABLE_READS | TABLE_WRITES, "classify the new method"
+    tables, refcounts = set(), set()
+    for name, path in modules().items():
+        if name in ("vmcache.sequences.tables", "vmcache.memory.pool"):
+            continue  # their own methods
+        for method, recv in _calls(path):
+            if method in TABLE_WRITES:
+                tables.add(name)
+            pool = recv in ("_pool", "pool")
+            if method in REFCOUNT_WRITES and (pool or method in ("incref", "decref")):
+                refcounts.add(name)
+    assert tables == {"vmcache.sequences.transactions"}, tables
+    assert refcounts == {"vmcache.sequences.transactions", "vmcache.prefix.index"}, refcounts

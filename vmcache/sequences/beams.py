@@ -6,9 +6,9 @@ tokens).
 
 Touches, on the coordinator: its slots, lengths, token ids and salts (read; ``assign`` and
 ``truncate`` set lengths, ids and salts of the sequences they change), its page-table groups
-(plans, ``open``, ``cut``), the pool's refcounts (``incref``/``decref``), the physical hooks
-(``_attach``, ``_detach``, ``_sync``, ``_store``, ``_load``, ``_copy_pages``) and the
-transactional core (``_tx.split_pages``, ``_tx.count_copies``). Nothing else.
+(read: plans), the pool's refcounts (read), the physical hooks ``_store`` and ``_load`` and
+the transactional core, which maps, refcounts and changes the tables (``_tx.share``,
+``_tx.remap``, ``_tx.cut``, ``_tx.split_pages``). Nothing else.
 
 assign remaps only the entries that differ, so beams sharing a history keep their pages:
 
@@ -19,7 +19,7 @@ assign remaps only the entries that differ, so beams sharing a history keep thei
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from itertools import chain
 
 import torch
@@ -42,23 +42,13 @@ def fork(c, s: int, n: int = 1) -> list[int]:
             free=slots.num_free,
         )
     children = slots.take_many(n)
-    runs = [r for g in c._groups for r in g.mapped_runs(s)]
-    undo: list[Callable[[], None]] = []
     try:
-        for ch in children:
-            for t, j0, pages in runs:
-                c._attach(ch, t, j0, pages)
-                undo.append(lambda ch=ch, t=t, j0=j0, k=len(pages): c._detach(ch, t, j0, k))
+        c._tx.share(s, children)
     except BaseException:
-        for f in reversed(undo):
-            f()
         slots.untake(children)
         raise
-    c._pool.incref([p for _, _, pages in runs for p in pages], n)
     for ch in children:
-        c._open(ch, slots.tokens(s), slots.salt(s), slots.length(s))
-        for g in c._groups:
-            g.open(ch, g.rows(s), g.first(s))
+        c._open(ch, slots.tokens(s), slots.salt(s), slots.length(s), tables=False)
     return children
 
 
@@ -98,35 +88,14 @@ class Beams:
         if len(set(dsts)) != len(dsts):
             raise ValueError(f"assign destinations must be distinct, got {dsts}")
         for d in dsts:
-            c._drop_reserved(d)  # the rows are about to be remapped
+            c._drop_ahead(d)  # the rows are about to be remapped
         new = {(d, gi): (g.rows(s), g.first(s)) for d, s in zip(dsts, srcs)
                for gi, g in enumerate(c._groups)}  # fmt: skip
         # (dst, table, detach from, old pages, attach from, new pages)
         plan = [(d, *step) for (d, gi), (rows, first) in new.items()
                 for step in c._groups[gi].assign_plan(d, rows, first)]  # fmt: skip
         plan, copies = self._copies(plan, dict(zip(dsts, srcs)), new)
-        c._sync()
-        undo: list[Callable[[], None]] = []
-        try:
-            for d, t, ja, old, _, _ in plan:
-                if old:
-                    c._detach(d, t, ja, len(old))
-                    undo.append(lambda d=d, t=t, ja=ja, old=old: c._attach(d, t, ja, old))
-            for d, t, _, _, jb, nw in plan:
-                if nw:
-                    c._attach(d, t, jb, nw)
-                    undo.append(lambda d=d, t=t, jb=jb, n=len(nw): c._detach(d, t, jb, n))
-        except BaseException:
-            for f in reversed(undo):
-                f()
-            raise
-        # after every mapping held (nothing left to undo), before any page is released
-        c._copy_pages([(src, dst, units) for src, dst, units, _ in copies])
-        c._tx.count_copies(len(copies), sum(b for *_, b in copies))
-        c._pool.incref([p for *_, nw in plan for p in nw])
-        c._pool.decref([p for _, _, _, old, _, _ in plan for p in old])
-        for (d, gi), (rows, first) in new.items():
-            c._groups[gi].open(d, rows, first)
+        c._tx.remap(plan, new, copies)
         c._seqs.copy_from(list(zip(dsts, srcs)))  # lengths, token ids, salts
         c._changed()
 
@@ -207,17 +176,7 @@ class Beams:
             raise ValueError(f"truncate length must be in [0, {c._seqs.length(s)}], got "
                              f"{length}")  # fmt: skip
         self._check_margin(s, length)
-        c._drop_reserved(s)
-        c._sync()
-        dropped = []
-        for g in c._groups:
-            keep = g.pages_for(length)
-            for t, j0, pages in g.mapped_runs(s):
-                lo = max(keep, j0)
-                if lo < j0 + len(pages):
-                    c._detach(s, t, lo, j0 + len(pages) - lo)
-            dropped += g.cut(s, keep)
-        c._pool.decref(dropped)
+        c._tx.cut(s, length)
         c._seqs.truncate(s, length)
         c._changed()
 

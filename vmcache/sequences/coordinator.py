@@ -165,9 +165,12 @@ class SequenceCache(PhysicalHooks):
                 raise
         return s
 
-    def _open(self, s: int, tokens: list[int] | None, salt, length: int = 0) -> None:
-        for g in self._groups:
-            g.open(s)
+    def _open(self, s: int, tokens: list[int] | None, salt, length: int = 0,
+              tables: bool = True) -> None:  # fmt: skip
+        """Slot ``s`` opened with these ids, salt and length; its tables empty (``tables``),
+        or as the caller's transaction set them."""
+        if tables:
+            self._tx.open(s)
         self._seqs.open(s, tokens, salt, length)
         self._epoch += 1
 
@@ -245,15 +248,7 @@ class SequenceCache(PhysicalHooks):
         With prefix caching, its full pages of known tokens stay cached (index references)."""
         s = self._check_seq(s)
         self.prefix.publish(s)
-        self._drop_reserved(s)
-        self._sync()
-        dropped = []
-        for g in self._groups:
-            for t, j0, pages in g.mapped_runs(s):
-                self._detach(s, t, j0, len(pages))
-                dropped += pages
-            g.close(s)
-        self._pool.decref(dropped)
+        self._tx.close(s)
         self._seqs.close(s)
         self._epoch += 1
 
@@ -319,8 +314,8 @@ class SequenceCache(PhysicalHooks):
         the plan :meth:`allocate` would build, as a pure query."""
         return grow.can_grow(self, s, n)
 
-    def _drop_reserved(self, s: int) -> None:
-        self._tx.drop_reserved(s)
+    def _drop_ahead(self, s: int) -> None:
+        self._tx.drop_ahead(s)
 
     # --- stats -------------------------------------------------------------------------
     def stats(self) -> CacheStats:

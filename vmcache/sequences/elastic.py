@@ -160,7 +160,7 @@ class Elastic:
         if c._pool.asleep:
             raise RuntimeError("the cache is already asleep")
         for s in c.sequences:
-            c._drop_reserved(s)  # pages mapped ahead: nothing to keep
+            c._drop_ahead(s)  # pages mapped ahead: nothing to keep
         if keep == "none" and c.prefix.index is not None:
             c.prefix.index.forget()  # cached K/V would read zeros: never serve them (tiers keep)
         c._sync()

@@ -17,7 +17,7 @@ outside the page table:
     ahead:                           | r0 |       mapped at index 3, taken by the next grow
 
 A grow takes them first; ``free``, ``assign``, ``truncate`` and ``swap.out`` give them back
-first (:func:`drop_reserved`). Functions of the coordinator ``c``: every change goes through
+first (:func:`drop_ahead`). Functions of the coordinator ``c``: every change goes through
 its transactional core (``c._tx``).
 """
 
@@ -70,7 +70,7 @@ def plan_grow(c, s: int, n: int) -> GrowPlan:
 def grow_need(s: int, groups) -> int:
     """Pages a grow with these per-group plans allocates: shared tail pages to copy and new
     pages not already mapped ahead, every table."""
-    return sum(len(splits) + len(g.ids) * (p_new - p_old - min(len(g.reserved(s)[0]),
+    return sum(len(splits) + len(g.ids) * (p_new - p_old - min(len(g.ahead(s)[0]),
                                                                 p_new - p_old))
                for g, splits, p_old, p_new in groups)  # fmt: skip
 
@@ -110,7 +110,7 @@ def map_ahead(c, s: int, n: int) -> int:
     n = min(n, c.config.max_seq_len - c._seqs.length(s))
     plan = []  # (group, first index not yet mapped, pages per table)
     for g in c._groups:
-        first = g.num_pages(s) + len(g.reserved(s)[0])
+        first = g.num_pages(s) + len(g.ahead(s)[0])
         extra = g.pages_for(c._seqs.length(s) + n) - first
         if extra > 0:
             plan.append((g, first, extra))
@@ -121,5 +121,5 @@ def mapped_pages(c, s: int) -> int:
     """Pages sequence ``s`` maps, every table: its tables' mapped pages (shared ones
     counted per sequence; released ones not) and the pages mapped ahead of it."""
     s = c._check_seq(s)
-    return sum(len(g.ids) * (g.num_pages(s) - g.first(s)) + sum(map(len, g.reserved(s)))
+    return sum(len(g.ids) * (g.num_pages(s) - g.first(s)) + sum(map(len, g.ahead(s)))
                for g in c._groups)  # fmt: skip

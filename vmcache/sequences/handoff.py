@@ -7,8 +7,8 @@ stay released: only what the tables map travels. :mod:`vmcache.distributed.hando
 these between processes.
 
 Touches, on the coordinator: lengths, token ids, salts (read; ``adopt`` sets the new
-sequence's), the groups' page lists (``open``), ``new_sequence`` / ``free``, the cache's
-``_runs`` hook and the transactional core (``_tx.split_pages``); the pool only through those.
+sequence's), the groups' page lists (read), ``new_sequence`` / ``free``, the cache's
+``_runs`` hook and the transactional core (``_tx.adopt``); the pool only through those.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-
-from vmcache.sequences.tables import RELEASED
 
 
 @dataclass(frozen=True)
@@ -150,11 +148,7 @@ class Handoff:
         s = c.new_sequence(slot, salt=m.salt)
         c._seqs.set_tokens(s, None)  # its pages hold no K/V yet: never index them
         try:
-            ext = []
-            for g, f in zip(c._groups, m.firsts):
-                g.open(s, [[RELEASED] * f for _ in g.ids], f)
-                ext.append((g, f, g.pages_for(m.length)))
-            c._tx.split_pages([], s, ext)
+            c._tx.adopt(s, list(m.firsts), m.length)
             c._set_len(s, m.length)
             fill(s)
         except BaseException:

@@ -17,7 +17,7 @@ def check_invariants(cache) -> None:
     """Raise :class:`~vmcache.errors.InvariantError` at the first invariant that fails."""
     counts: dict[int, int] = {}  # page -> references found
     for s in cache.sequences:
-        for p in (p for g in cache._groups for t in g.reserved(s) for p in t):
+        for p in (p for g in cache._groups for t in g.ahead(s) for p in t):
             counts[p] = counts.get(p, 0) + 1
     for p in cache.prefix.index.references() if cache.prefix.enabled else []:
         counts[p] = counts.get(p, 0) + 1

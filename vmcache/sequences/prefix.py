@@ -12,10 +12,11 @@ new sequence's cached prefix, indexing a sequence's pages, and the questions a s
     tier_stats()          the tiers' counters (None without tiers)
 
 Touches, on the coordinator: lengths, token ids and salts (read; ``attach`` sets a new
-sequence's tokens and length through ``Slots``), its one full-attention group (``open``,
-``rows``), the transactional core (``_tx.attach_row``), the pool (``incref``; the index is its
-reclaimer) and the cache's page hooks (``_read_pages``, ``_write_pages``) for the tiers. The
-index owns its entries, the pool the refcounts. Refused for sliding-window models.
+sequence's tokens and length through ``Slots``), the transactional core (``_tx.share_rows``:
+the cached pages mapped into the new sequence's one full-attention group, a reference each;
+the index is the pool's reclaimer) and the cache's page hooks (``_read_pages``,
+``_write_pages``) for the tiers. The index owns its entries, the pool the refcounts. Refused
+for sliding-window models.
 """
 
 from __future__ import annotations
@@ -72,17 +73,14 @@ class Prefix:
                                     limit=c.config.max_seq_len - full)  # fmt: skip
         if not entries and tail is None:
             return
-        (g,) = c._groups
         k = ix.pages_per_table
         rows = [[p for e in entries for p in e.pages[i * k : (i + 1) * k]] for i in range(c._T)]
         if tail is not None:  # the pages its matched units lie in, of each table's
             per, need = len(tail.pages) // c._T, ix.pages_over(extra)
             for i, r in enumerate(rows):
                 r += tail.pages[i * per : i * per + need]
-        c._tx.attach_row(s, g.ids, 0, rows)
-        c._pool.incref([p for r in rows for p in r])
+        c._tx.share_rows(s, rows)
         n = full + extra
-        g.open(s, rows)
         c._seqs.set_tokens(s, tokens[:n])
         c._set_len(s, n)
 

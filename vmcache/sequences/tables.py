@@ -5,7 +5,7 @@ single-type manager per KV-cache group under its coordinator.
 A group owns the tables ``ids`` (the cache's table numbers: VMKVCache ``layer_major``, the K
 and V tensors of its layers; ``token_major``, its one K and one V tensor; PagedKVCache, its
 block table). For every live sequence it keeps one page list per table, all as long as the
-sequence's length needs, and the pages reserved ahead of them. Page ``j`` covers units
+sequence's length needs, and the pages mapped ahead of them. Page ``j`` covers units
 ``[j·P, (j+1)·P)`` of a row, a token is ``u`` units.
 
 A sliding-window group (window W, rollback margin k) drops the pages that lie wholly before
@@ -23,9 +23,11 @@ kept token is rounded down to a multiple of A (at most one more 2 MiB page per t
 Released entries stay in the lists as ``RELEASED``, so page ``j`` is index ``j`` and a
 sequence's virtual addresses never move. A full-attention group never releases.
 
-Owned here, and changed only here: the page lists, the released counts, the reserved pages.
-Nothing here maps memory or changes a refcount: the coordinator does both (the cache's hooks
-and the pool) and then commits here, in that order.
+Owned here: the page lists, the released counts, the pages mapped ahead. Their writes (the
+methods under "changes") are called by the transactional core alone
+(:mod:`vmcache.sequences.transactions`; the architecture test parses the package for it).
+Nothing here maps memory or changes a refcount: the core does both (the cache's hooks and the
+pool) and then commits here, in that order.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class PageTables:
         f = self._first[s]
         return ((t, f, r[f:]) for t, r in zip(self.ids, self._rows[s]) if len(r) > f)
 
-    def reserved(self, s: int) -> list[list[int]]:
+    def ahead(self, s: int) -> list[list[int]]:
         return self._ahead[s]
 
     def first_token(self, s: int) -> int:
@@ -165,25 +167,25 @@ class PageTables:
         return plan
 
     # --- changes (after the coordinator mapped and refcounted) --------------------------
-    def open(self, s: int, rows: list[list[int]] | None = None, first: int = 0) -> None:
+    def set_rows(self, s: int, rows: list[list[int]] | None = None, first: int = 0) -> None:
         """``s``'s tables from now on: empty, or ``rows``, whose lists the group takes over
         (a caller hands in lists nothing else holds, e.g. what :meth:`rows` returned)."""
         self._rows[s] = [[] for _ in self.ids] if rows is None else rows
         self._first[s] = first
 
-    def close(self, s: int) -> None:
+    def drop_rows(self, s: int) -> None:
         self._rows[s] = None
         self._first[s] = 0
 
-    def replace(self, s: int, t: int, j: int, page: int) -> None:
+    def replace_page(self, s: int, t: int, j: int, page: int) -> None:
         self._rows[s][self._pos[t]][j] = page
 
-    def extend(self, s: int, pages: list[list[int]]) -> None:
+    def append_pages(self, s: int, pages: list[list[int]]) -> None:
         """Append ``pages[i]`` (as many for every table) to table ``i`` of ``s``."""
         for r, new in zip(self._rows[s], pages):
             r.extend(new)
 
-    def cut(self, s: int, keep: int) -> list[int]:
+    def cut_rows(self, s: int, keep: int) -> list[int]:
         """Drop the entries past ``keep``; returns the mapped pages among them."""
         f = self._first[s]
         out = [p for r in self._rows[s] for p in r[max(keep, f) :]]
@@ -191,7 +193,7 @@ class PageTables:
             del r[keep:]
         return out
 
-    def release(self, s: int, to: int) -> None:
+    def release_front(self, s: int, to: int) -> None:
         """Mark entries ``[first, to)`` released (their pages were unmapped and dropped)."""
         f = self._first[s]
         for r in self._rows[s]:
@@ -199,7 +201,7 @@ class PageTables:
         self.released_pages += len(self.ids) * (to - f)
         self._first[s] = to
 
-    def take_reserved(self, s: int, pages: int) -> int:
+    def take_ahead(self, s: int, pages: int) -> int:
         """Move up to ``pages`` reserved pages per table into the tables (they are mapped at
         the right indices already); returns how many per table."""
         have = self._ahead[s]
@@ -211,16 +213,16 @@ class PageTables:
             del a[:take]
         return take
 
-    def untake_reserved(self, s: int, take: int) -> None:
+    def untake_ahead(self, s: int, take: int) -> None:
         for r, a in zip(self._rows[s], self._ahead[s]):
             a[:0] = r[len(r) - take :]
             del r[len(r) - take :]
 
-    def add_reserved(self, s: int, pages: list[list[int]]) -> None:
+    def add_ahead(self, s: int, pages: list[list[int]]) -> None:
         for a, new in zip(self._ahead[s], pages):
             a.extend(new)
 
-    def clear_reserved(self, s: int) -> list[int]:
+    def clear_ahead(self, s: int) -> list[int]:
         out = [p for a in self._ahead[s] for p in a]
         for a in self._ahead[s]:
             a.clear()

@@ -1,23 +1,31 @@
-"""The coordinator's transactional core: every change that allocates pages and maps them runs
-here, all or nothing. Plan first; allocate every page (``CacheFull`` here changes nothing a
-reader can see); run the fallible physical steps (copies, maps) with an undo log; then commit
-bookkeeping that cannot fail.
+"""The coordinator's transactional core: the one writer of page tables and (with the prefix
+index's own pins) of refcounts. Every change that maps, unmaps or shares pages runs here, all
+or nothing. Plan first; allocate every page (``CacheFull`` here changes nothing a reader can
+see); run the fallible physical steps (copies, maps) with an undo log; then commit bookkeeping
+that cannot fail.
 
     split_pages(splits, s_ext, ext)    copy-on-write of shared pages (any sequences) and new
                                        pages mapped at the end of one sequence's tables
     grow(s, groups)                    a grow's plan (:mod:`.grow`): pages mapped ahead taken
                                        first, then split_pages
     map_ahead(s, plan)                 pages mapped past a sequence's length, or none
-    drop_reserved(s)                   those pages unmapped and given back
+    drop_ahead(s)                   those pages unmapped and given back
     release_window(s, releases)        pages wholly before a sliding window given back
+    open(s) / close(s)                 a sequence's tables opened empty; every page dropped
+    share(s, children)                 a fork: every page mapped into the children too
+    share_rows(s, rows)                cached prefix pages mapped into a new sequence
+    remap(plan, new, copies)           beams.assign: entries remapped, pages copied
+    cut(s, length)                     pages past a length dropped
+    adopt(s, firsts, length)           a hand-off's sequence mapped, its window released
     attach_row(s, tables, j0, rows)    one run of pages into several tables, or none
 
 An object the coordinator holds (``cache._tx``), not a base class: it declares what it
-touches. Touches: the pool (allocate, decref), the page-table groups (``replace``, ``extend``,
-read ``row``), the cache's physical hooks (``_attach``, ``_detach``, ``_copy_page``,
-``_sync``), the coordinator's epoch (through ``_changed``), and the copy-on-write counters it
-owns (``cow_copies``, ``cow_bytes_copied``). It reads lengths; it changes no length, slot,
-token id or salt.
+touches. Touches: the pool (allocate, incref, decref), the page-table groups (every write
+of theirs; the architecture test fails on another module that calls one), the cache's
+physical hooks (``_attach``, ``_detach``, ``_copy_page``, ``_copy_pages``, ``_sync``), the
+coordinator's epoch (through ``_changed``), and the counters it owns (``cow_copies``,
+``cow_bytes_copied``, ``pages_mapped_ahead``). It reads lengths; it changes no length, slot,
+token id or salt (``Slots`` does).
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from collections.abc import Callable
 from itertools import islice
 
 from vmcache.errors import CacheFull
-from vmcache.sequences.tables import PageTables
+from vmcache.sequences.tables import RELEASED, PageTables
 
 
 class Transactions:
@@ -84,26 +92,26 @@ class Transactions:
             raise
         for s, t, j, _, new in replaced:
             g = c._group_of[t]
-            g.replace(s, t, j, new)
+            g.replace_page(s, t, j, new)
             self.cow_bytes_copied += g.used_units(j, c._seqs.length(s)) * c.config.page_bytes // g.P
         self.cow_copies += len(replaced)
         c._changed()
         c._pool.decref([old for *_, old, _ in replaced])
         for g, rows in extension:
-            g.extend(s_ext, rows)
+            g.append_pages(s_ext, rows)
 
     def grow(self, s: int, groups) -> None:
         """Map what a grow's per-group plan (group, tail splits, pages now, pages after) needs:
         the pages mapped ahead first, then copies of shared tail pages and new pages, all or
         nothing (``CacheFull`` changes nothing)."""
-        takes = [g.take_reserved(s, p_new - p_old) for g, _, p_old, p_new in groups]
+        takes = [g.take_ahead(s, p_new - p_old) for g, _, p_old, p_new in groups]
         try:
             self.split_pages([(s, t, j) for _, splits, _, _ in groups for t, j in splits], s,
                              [(g, p_old + k, p_new) for (g, _, p_old, p_new), k
                               in zip(groups, takes)])  # fmt: skip
         except BaseException:
             for (g, *_), k in zip(groups, takes):
-                g.untake_reserved(s, k)
+                g.untake_ahead(s, k)
             raise
 
     def map_ahead(self, s: int, plan: list) -> int:
@@ -131,23 +139,23 @@ class Transactions:
             c._pool.decref([p for r in rows for row in r for p in row])
             raise
         for (g, _, _), r in zip(plan, rows):
-            g.add_reserved(s, r)
+            g.add_ahead(s, r)
         self.pages_mapped_ahead += total
         return total
 
-    def drop_reserved(self, s: int) -> None:
+    def drop_ahead(self, s: int) -> None:
         """Unmap and give back the pages mapped ahead of ``s`` (before anything moves its
         row)."""
         c = self._c
-        if not any(g.reserved(s)[0] for g in c._groups):
+        if not any(g.ahead(s)[0] for g in c._groups):
             return
         c._sync()
         for g in c._groups:
             first = g.num_pages(s)
-            for t, have in zip(g.ids, g.reserved(s)):
+            for t, have in zip(g.ids, g.ahead(s)):
                 if have:
                     c._detach(s, t, first, len(have))
-            c._pool.decref(g.clear_reserved(s))
+            c._pool.decref(g.clear_ahead(s))
 
     def release_window(self, s: int, releases) -> None:
         """Unmap and give back each (group, new first index, pages that leave) of
@@ -158,9 +166,117 @@ class Transactions:
         for g, to, pages in releases:
             for t in g.ids:
                 c._detach(s, t, g.first(s), to - g.first(s))
-            g.release(s, to)
+            g.release_front(s, to)
             c._pool.decref(pages)
         c._changed()
+
+    def open(self, s: int, rows=None) -> None:
+        """Empty tables for new sequence ``s`` in every group; or, with ``rows`` (one
+        ``(rows, first)`` a group), tables already mapped and refcounted by the caller's
+        transaction (:meth:`share`, :meth:`adopt`)."""
+        for i, g in enumerate(self._c._groups):
+            if rows is None:
+                g.set_rows(s)
+            else:
+                g.set_rows(s, *rows[i])
+
+    def close(self, s: int) -> None:
+        """Unmap every page of ``s`` and drop its references (pages at 0 go back to the pool);
+        its tables closed. The pages mapped ahead are dropped first."""
+        c = self._c
+        self.drop_ahead(s)
+        c._sync()
+        dropped = []
+        for g in c._groups:
+            for t, j0, pages in g.mapped_runs(s):
+                c._detach(s, t, j0, len(pages))
+                dropped += pages
+            g.drop_rows(s)
+        c._pool.decref(dropped)
+
+    def share(self, s: int, children: list[int]) -> None:
+        """Map every page of ``s`` into each of ``children`` (new, empty slots), refcounts +=
+        len(children), their tables a copy of its; all or nothing."""
+        c = self._c
+        runs = [r for g in c._groups for r in g.mapped_runs(s)]
+        undo: list[Callable[[], None]] = []
+        try:
+            for ch in children:
+                for t, j0, pages in runs:
+                    c._attach(ch, t, j0, pages)
+                    undo.append(lambda ch=ch, t=t, j0=j0, k=len(pages): c._detach(ch, t, j0, k))
+        except BaseException:
+            for f in reversed(undo):
+                f()
+            raise
+        c._pool.incref([p for _, _, pages in runs for p in pages], len(children))
+        for ch in children:
+            for g in c._groups:
+                g.set_rows(ch, g.rows(s), g.first(s))
+
+    def share_rows(self, s: int, rows: list[list[int]]) -> None:
+        """New sequence ``s`` of one group maps ``rows`` (cached pages, one list a table) from
+        index 0, a reference each."""
+        c = self._c
+        (g,) = c._groups
+        self.attach_row(s, g.ids, 0, rows)
+        c._pool.incref([p for r in rows for p in r])
+        g.set_rows(s, rows)
+
+    def remap(self, plan: list, new: dict, copies: list) -> None:
+        """``beams.assign``'s plan: per entry (dst, table, detach from, old pages, attach
+        from, new pages), all unmapped and mapped or none; then the ``copies`` (source page,
+        destination's own page, units, bytes), refcounts moved and each ``new[(dst, group
+        index)] = (rows, first)`` the destination's tables."""
+        c = self._c
+        c._sync()
+        undo: list[Callable[[], None]] = []
+        try:
+            for d, t, ja, old, _, _ in plan:
+                if old:
+                    c._detach(d, t, ja, len(old))
+                    undo.append(lambda d=d, t=t, ja=ja, old=old: c._attach(d, t, ja, old))
+            for d, t, _, _, jb, nw in plan:
+                if nw:
+                    c._attach(d, t, jb, nw)
+                    undo.append(lambda d=d, t=t, jb=jb, n=len(nw): c._detach(d, t, jb, n))
+        except BaseException:
+            for f in reversed(undo):
+                f()
+            raise
+        # after every mapping held (nothing left to undo), before any page is released
+        c._copy_pages([(src, dst, units) for src, dst, units, _ in copies])
+        self.count_copies(len(copies), sum(b for *_, b in copies))
+        c._pool.incref([p for *_, nw in plan for p in nw])
+        c._pool.decref([p for _, _, _, old, _, _ in plan for p in old])
+        for (d, gi), (rows, first) in new.items():
+            c._groups[gi].set_rows(d, rows, first)
+
+    def cut(self, s: int, length: int) -> None:
+        """Unmap and drop the pages of ``s`` past ``length`` tokens (the kept tail page
+        stays); the pages mapped ahead first."""
+        c = self._c
+        self.drop_ahead(s)
+        c._sync()
+        dropped = []
+        for g in c._groups:
+            keep = g.pages_for(length)
+            for t, j0, pages in g.mapped_runs(s):
+                lo = max(keep, j0)
+                if lo < j0 + len(pages):
+                    c._detach(s, t, lo, j0 + len(pages) - lo)
+            dropped += g.cut_rows(s, keep)
+        c._pool.decref(dropped)
+
+    def adopt(self, s: int, firsts: list[int], length: int) -> None:
+        """Empty sequence ``s`` mapped for ``length`` tokens with each group's entries before
+        ``firsts[i]`` released (a hand-off's window), all or nothing."""
+        c = self._c
+        ext = []
+        for g, f in zip(c._groups, firsts):
+            g.set_rows(s, [[RELEASED] * f for _ in g.ids], f)
+            ext.append((g, f, g.pages_for(length)))
+        self.split_pages([], s, ext)
 
     def attach_row(self, s: int, tables, j0: int, pages: list[list[int]]) -> None:
         """Map ``pages[i]`` at index ``j0`` of table ``tables[i]`` of ``s``: all or nothing."""
