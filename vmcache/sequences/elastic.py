@@ -76,7 +76,7 @@ class Elastic:
         page): what an admission must find room for."""
         c = self._c
         s = c._check_seq(s)
-        return grow.plan_grow(c, s, n).need
+        return grow.grow_need(s, grow.group_plans(c, s, n))
 
     def mapped_pages(self, s: int) -> int:
         """Pages sequence ``s`` maps, every table: its tables' mapped pages (shared ones
@@ -194,7 +194,7 @@ class Elastic:
         s = c._check_seq(s)
         length = c._seqs.length(s)
         room = min(g.num_pages(s) * g.P // g.u for g in c._groups) - length
-        splits = any(sp for _, sp, _, _ in grow.plan_grow(c, s, 1).groups) if room else False
+        splits = any(sp for _, sp, _, _ in grow.group_plans(c, s, 1)) if room else False
         return 0 if splits else room
 
     def peak_pages(self, n: int, step: int) -> int:

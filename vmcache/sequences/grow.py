@@ -55,11 +55,18 @@ class GrowPlan:
         return self.need <= self.free
 
 
+def group_plans(c, s: int, n: int) -> list:
+    """Per group of ``grow(s, n)``: (group, shared tail pages to copy, pages now, pages
+    after)."""
+    length, rc = c._seqs.length(s), c._pool.refcounts
+    return [(g, g.tail_splits(s, length, n, rc), g.num_pages(s), g.pages_for(length + n))
+            for g in c._groups]  # fmt: skip
+
+
 def plan_grow(c, s: int, n: int) -> GrowPlan:
     """The plan of ``grow(s, n)`` (``s`` checked live, ``n`` valid)."""
-    length, rc = c._seqs.length(s), c._pool.refcounts
-    groups = [(g, g.tail_splits(s, length, n, rc), g.num_pages(s), g.pages_for(length + n))
-              for g in c._groups]  # fmt: skip
+    length = c._seqs.length(s)
+    groups = group_plans(c, s, n)
     releases = [(g, *p) for g in c._groups if g.sliding
                 if (p := g.release_plan(s, length))[1]]  # fmt: skip
     back = [p for _, _, pages in releases for p in pages]
