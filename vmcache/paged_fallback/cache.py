@@ -133,7 +133,7 @@ class PagedKVCache(SequenceCache):
         # reallocated): what a step's writes and gathers index
         self._flat = [tuple(self._kv_pool[self._layer_at[i][1], kv].view(-1, spec.row_elems)
                             for kv in (0, 1)) for i in range(spec.num_layers)]  # fmt: skip
-        self.views = PagedViews(self)  # facet: what the kernels read
+        self.views = PagedViews(self._core)  # facet: what the kernels read
 
     # --- kernel-facing views (cache.views reads them) --------------------------------------
     def _block_pool(self, layer: int, kv: int) -> torch.Tensor:

@@ -27,10 +27,10 @@ they are built once per group and step, on the first layer that asks. Copy-on-wr
 here, for every table at once, before any layer writes. Any change to the cache after the
 batch was built (a grow, a fork, a free, a split) makes it stale: using it then raises.
 
-Touches: the coordinator's checks (``_check_seq``), lengths (``_seqs``, read only), the
-groups' page tables (read), ``_tx.split_pages`` (copy-on-write), ``_epoch`` and
-``_pool.scrub_on_reuse`` (read), and the physical hooks ``_flat_rows``, ``_flat_index``,
-``_seq_rows`` and ``_store_flat``.
+Touches, through the core it is handed: its checks (``check_seq``), lengths (``seqs``, read),
+the groups' page tables (read), ``tx.split_pages`` (copy-on-write), ``epoch`` and
+``pool.scrub_on_reuse`` (read), and the physical hooks ``flat_rows``, ``flat_index``,
+``seq_rows`` and ``store_flat``.
 """
 
 from __future__ import annotations
@@ -49,13 +49,13 @@ class StepBatch:
     in, owned by :mod:`vmcache.kernels`)."""
 
     def __init__(self, cache, seq_ids, q_lens) -> None:
-        seq_ids = [cache._check_seq(s) for s in seq_ids]
+        seq_ids = [cache.check_seq(s) for s in seq_ids]
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
         if len(q_lens) != len(seq_ids):
             raise ValueError("q_lens and seq_ids must have the same length")
         q_lens = [check_int("q_len", n) for n in q_lens]
-        kv_lens = cache._seqs.lengths(seq_ids)
+        kv_lens = cache.seqs.lengths(seq_ids)
         for s, n, q in zip(seq_ids, kv_lens, q_lens):
             if not 1 <= q <= n:
                 raise ValueError(f"sequence {s}: q_len {q} must be in [1, seq_len={n}]")
@@ -66,20 +66,20 @@ class StepBatch:
         self.starts = tuple(n - q for n, q in zip(kv_lens, q_lens))
         self.max_q = max(q_lens)
         self.num_tokens = sum(q_lens)
-        for g in cache._groups:  # sliding windows: the new tokens must still be mapped
+        for g in cache.groups:  # sliding windows: the new tokens must still be mapped
             for s, start in zip(seq_ids, self.starts):
                 if start < g.first_token(s):
                     raise ValueError(f"sequence {s}: writing at {start}, before its window's "
                                      f"first mapped token {g.first_token(s)}")  # fmt: skip
         splits = []
-        for g in cache._groups:  # copy-on-write of every shared page the writes touch
+        for g in cache.groups:  # copy-on-write of every shared page the writes touch
             for s, start, n in zip(seq_ids, self.starts, kv_lens):
                 j_lo, j_hi = start * g.u // g.P, g.pages_for(n)
                 splits += [(s, t, j) for t, j in g.splits(s, g.ids, j_lo, j_hi,
-                                                          cache._pool.refcounts)]  # fmt: skip
+                                                          cache.pool.refcounts)]  # fmt: skip
         if splits:
-            cache._tx.split_pages(splits)
-        self._epoch = cache._epoch
+            cache.tx.split_pages(splits)
+        self._epoch = cache.epoch
         # what every layer's write must bring: checked in full (check_kv) only when it differs
         sp = cache.spec
         self._kv_shape = (self.num_tokens, sp.num_kv_heads, sp.head_dim)
@@ -93,12 +93,12 @@ class StepBatch:
     @property
     def fresh(self) -> bool:
         """Whether the cache is as it was when the batch was built (else using it raises)."""
-        return self._cache._epoch == self._epoch
+        return self._cache.epoch == self._epoch
 
     def _check(self, cache) -> None:
         if cache is not self._cache:
             raise ValueError("this batch belongs to another cache")
-        if cache._epoch != self._epoch:
+        if cache.epoch != self._epoch:
             raise ValueError("the cache changed since this batch was built (a grow, fork, "
                              "free or copy-on-write): build a new batch")  # fmt: skip
 
@@ -108,8 +108,8 @@ class StepBatch:
         gi = self._group_at.get(layer)
         if gi is None:
             c = self._cache
-            g = c._group_of[c._tables_of_layer(c._check_layer(layer))[0]]
-            gi = self._group_at[layer] = c._groups.index(g)
+            g = c.group_of[c.tables_of_layer(c.check_layer(layer))[0]]
+            gi = self._group_at[layer] = c.groups.index(g)
         return gi
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -125,7 +125,7 @@ class StepBatch:
                 raise ValueError(f"the batch writes {self.num_tokens} tokens, got {k.shape[0]}")
             raise TypeError(f"k and v must be plain tensors, got {type(k).__name__} and "
                             f"{type(v).__name__}")  # fmt: skip
-        c._store_flat(layer, self._write_index(layer), *c._encode(layer, k, v))
+        c.store_flat(layer, self._write_index(layer), *c.encode(layer, k, v))
 
     def stored(self, layer: int) -> tuple[torch.Tensor, tuple[int, int, int, int]] | None:
         """(the storage under ``layer``'s K and V rows as one flat tensor of their dtype, a
@@ -135,7 +135,7 @@ class StepBatch:
         interleaves K and V): such a kernel cannot address them."""
         c = self._cache
         self._check(c)
-        k, v = c._flat_rows(layer, 0), c._flat_rows(layer, 1)
+        k, v = c.flat_rows(layer, 0), c.flat_rows(layer, 1)
         if k.stride() != (k.shape[1], 1) or v.stride() != (v.shape[1], 1):
             return None
         store = store_of(k)
@@ -155,7 +155,7 @@ class StepBatch:
         if idx is None:
             pos = torch.cat([torch.arange(a, n) for a, n in zip(self.starts, self.kv_lens)])
             seqs = torch.repeat_interleave(torch.tensor(self.seq_ids), torch.tensor(self.q_lens))
-            idx = c._flat_index(layer, seqs[:, None], pos[:, None])[:, 0].to(c.config.device)
+            idx = c.flat_index(layer, seqs[:, None], pos[:, None])[:, 0].to(c.config.device)
             self._writes[gi] = idx
         return idx
 
@@ -168,12 +168,12 @@ class StepBatch:
         gi = self.group(layer)
         got = self._reads.get(gi)
         if got is None:
-            g = c._groups[gi]
+            g = c.groups[gi]
             lo = torch.tensor([g.first_token(s) for s in self.seq_ids])
             n = torch.tensor(self.kv_lens)
             span = int((n - lo).max())
             pos = torch.minimum(lo[:, None] + torch.arange(span)[None], n[:, None] - 1)
-            idx = c._flat_index(layer, torch.tensor(self.seq_ids)[:, None], pos)
+            idx = c.flat_index(layer, torch.tensor(self.seq_ids)[:, None], pos)
             got = self._reads[gi] = (idx.to(c.config.device), lo, span)
         return got
 
@@ -184,11 +184,11 @@ class StepBatch:
         if gi not in self._in_place:
             _, lo, span = self.read_index(layer)
             c, s0, b = self._cache, self.seq_ids[0], len(self.seq_ids)
-            g = c._groups[gi]
+            g = c.groups[gi]
             # a page that changed owner reads zeros (scrub on reuse): a masked row holds zeros
             # or K/V this sequence's pages were given (its own, a copy-on-write or beam
             # copy's source), never a stranger's bytes, never unmapped memory
-            ok = (c._seq_rows(layer, 0) is not None and c._pool.scrub_on_reuse
+            ok = (c.seq_rows(layer, 0) is not None and c.pool.scrub_on_reuse
                   and self.seq_ids == tuple(range(s0, s0 + b)) and not bool(lo.any())
                   and all(g.num_pages(s) * g.P // g.u >= span for s in self.seq_ids))  # fmt: skip
             self._in_place[gi] = s0 if ok else None
@@ -205,12 +205,12 @@ class StepBatch:
         s0 = self.in_place(layer)
         if s0 is not None:
             end = s0 + len(self.seq_ids)
-            return c._decode(layer, c._seq_rows(layer, 0)[s0:end, :span],
-                             c._seq_rows(layer, 1)[s0:end, :span])  # fmt: skip
+            return c.decode(layer, c.seq_rows(layer, 0)[s0:end, :span],
+                             c.seq_rows(layer, 1)[s0:end, :span])  # fmt: skip
         flat = idx.view(-1)
-        k = _bits(c._flat_rows(layer, 0)).index_select(0, flat).view(c.spec.storage_dtype)
-        v = _bits(c._flat_rows(layer, 1)).index_select(0, flat).view(c.spec.storage_dtype)
-        k, v = c._decode(layer, k, v)
+        k = _bits(c.flat_rows(layer, 0)).index_select(0, flat).view(c.spec.storage_dtype)
+        v = _bits(c.flat_rows(layer, 1)).index_select(0, flat).view(c.spec.storage_dtype)
+        k, v = c.decode(layer, k, v)
         b = len(self.seq_ids)
         return k.view(b, span, *k.shape[1:]), v.view(b, span, *v.shape[1:])
 

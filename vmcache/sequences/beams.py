@@ -4,11 +4,11 @@ only move: ``fork`` (a core call of the coordinator), and the :class:`Beams` fac
 tree's accepted path moved into place) and write_group (one write for rows that hold the same
 tokens).
 
-Touches, on the coordinator: its slots, lengths, token ids and salts (read; ``assign`` and
-``truncate`` set lengths, ids and salts of the sequences they change), its page-table groups
-(read: plans), the pool's refcounts (read), the physical hooks ``_store`` and ``_load`` and
-the transactional core, which maps, refcounts and changes the tables (``_tx.share``,
-``_tx.remap``, ``_tx.cut``, ``_tx.split_pages``). Nothing else.
+Touches, through the core it is handed (:mod:`.core`): its slots, lengths, token ids and salts
+(read; ``assign`` and ``truncate`` set lengths, ids and salts of the sequences they change), its
+page-table groups (read: plans), the pool's refcounts (read), the physical hooks ``store`` and
+``load`` and the transactional core, which maps, refcounts and changes the tables (``tx.share``,
+``tx.remap``, ``tx.cut``, ``tx.split_pages``). Nothing else.
 
 assign remaps only the entries that differ, so beams sharing a history keep their pages:
 
@@ -30,11 +30,11 @@ from vmcache.errors import CacheFull, check_int
 def fork(c, s: int, n: int = 1) -> list[int]:
     """``n`` children of coordinator ``c``'s sequence ``s`` sharing every page (refcounts
     += n, no K/V copied)."""
-    s = c._check_seq(s)
+    s = c.check_seq(s)
     check_int("n", n)
     if n < 1:
         raise ValueError(f"fork needs n >= 1, got {n}")
-    slots = c._seqs
+    slots = c.seqs
     if n > slots.num_free:
         raise CacheFull(
             f"fork of {n} needs {n} free sequence slots, {slots.num_free} free",
@@ -43,12 +43,12 @@ def fork(c, s: int, n: int = 1) -> list[int]:
         )
     children = slots.take_many(n)
     try:
-        c._tx.share(s, children)
+        c.tx.share(s, children)
     except BaseException:
         slots.untake(children)
         raise
     for ch in children:
-        c._open(ch, slots.tokens(s), slots.salt(s), slots.length(s), tables=False)
+        c.open(ch, slots.tokens(s), slots.salt(s), slots.length(s), tables=False)
     return children
 
 
@@ -56,8 +56,8 @@ class Beams:
     """``cache.beams``: rewiring a set of sequences' tables (K/V copied only in place of a
     copy-on-write split, see :meth:`assign`)."""
 
-    def __init__(self, coordinator) -> None:
-        self._c = coordinator
+    def __init__(self, core) -> None:
+        self._c = core
 
     def assign(self, dsts: Sequence[int], srcs: Sequence[int]) -> None:
         """Sequence ``dsts[i]`` becomes a copy-on-write copy of ``srcs[i]`` as it was before
@@ -83,21 +83,21 @@ class Beams:
         if len(dsts) != len(srcs):
             raise ValueError(f"assign needs as many sources as destinations ({len(dsts)} vs "
                              f"{len(srcs)})")  # fmt: skip
-        dsts = [c._check_seq(d) for d in dsts]
-        srcs = [c._check_seq(s) for s in srcs]
+        dsts = [c.check_seq(d) for d in dsts]
+        srcs = [c.check_seq(s) for s in srcs]
         if len(set(dsts)) != len(dsts):
             raise ValueError(f"assign destinations must be distinct, got {dsts}")
         for d in dsts:
-            c._drop_ahead(d)  # the rows are about to be remapped
+            c.drop_ahead(d)  # the rows are about to be remapped
         new = {(d, gi): (g.rows(s), g.first(s)) for d, s in zip(dsts, srcs)
-               for gi, g in enumerate(c._groups)}  # fmt: skip
+               for gi, g in enumerate(c.groups)}  # fmt: skip
         # (dst, table, detach from, old pages, attach from, new pages)
         plan = [(d, *step) for (d, gi), (rows, first) in new.items()
-                for step in c._groups[gi].assign_plan(d, rows, first)]  # fmt: skip
+                for step in c.groups[gi].assign_plan(d, rows, first)]  # fmt: skip
         plan, copies = self._copies(plan, dict(zip(dsts, srcs)), new)
-        c._tx.remap(plan, new, copies)
-        c._seqs.copy_from(list(zip(dsts, srcs)))  # lengths, token ids, salts
-        c._changed()
+        c.tx.remap(plan, new, copies)
+        c.seqs.copy_from(list(zip(dsts, srcs)))  # lengths, token ids, salts
+        c.changed()
 
     def _copies(self, plan: list, src_of: dict, new: dict) -> tuple[list, list]:
         """``plan`` less the pages copied instead of remapped (see :meth:`assign`), and those
@@ -116,8 +116,8 @@ class Beams:
         after = maps.copy()
         after.subtract(chain.from_iterable(e[3] for e in plan))
         picked: dict[tuple[int, int], tuple[int, int]] = {}  # (plan entry, j) -> (theirs, mine)
-        rc, group_of, moves = c._pool.refcounts, c._group_of, c._copies_moves
-        length = {d: c._seqs.length(s) for d, s in src_of.items()}
+        rc, group_of, moves = c.pool.refcounts, c.group_of, c.copies_moves
+        length = {d: c.seqs.length(s) for d, s in src_of.items()}
         for i, (d, t, ja, old, jb, nw) in enumerate(plan):
             lo, hi = max(ja, jb), min(ja + len(old), jb + len(nw))
             if lo >= hi:  # only detaches or only attaches: no page to copy into
@@ -151,8 +151,8 @@ class Beams:
             if not js:
                 kept.append((d, t, ja, old, jb, nw))
                 continue
-            g = c._group_of[t]
-            rows = new[(d, c._groups.index(g))][0][g.ids.index(t)]
+            g = c.group_of[t]
+            rows = new[(d, c.groups.index(g))][0][g.ids.index(t)]
             for j in js:
                 theirs, mine = picked[(i, j)]
                 # the whole page: what lies past the source's length must read as a remap
@@ -170,15 +170,15 @@ class Beams:
         and released; the kept tail page stays (copied on the next write if shared). A
         sliding-window group can go back only as far as its rollback margin kept pages."""
         c = self._c
-        s = c._check_seq(s)
+        s = c.check_seq(s)
         check_int("length", length)
-        if not 0 <= length <= c._seqs.length(s):
-            raise ValueError(f"truncate length must be in [0, {c._seqs.length(s)}], got "
+        if not 0 <= length <= c.seqs.length(s):
+            raise ValueError(f"truncate length must be in [0, {c.seqs.length(s)}], got "
                              f"{length}")  # fmt: skip
         self._check_margin(s, length)
-        c._tx.cut(s, length)
-        c._seqs.truncate(s, length)
-        c._changed()
+        c.tx.cut(s, length)
+        c.seqs.truncate(s, length)
+        c.changed()
 
     def compact(self, s: int, start: int, picks: Sequence[int]) -> int:
         """Sequence ``s`` keeps, at positions ``start, start + 1, ...``, the tokens now at
@@ -193,10 +193,10 @@ class Beams:
             after:      t      b1  b2                  2 tokens copied, then truncated
         """
         c = self._c
-        s = c._check_seq(s)
+        s = c.check_seq(s)
         check_int("start", start)
         picks = [check_int("picks entry", p) for p in picks]
-        n = c._seqs.length(s)
+        n = c.seqs.length(s)
         if not 0 <= start <= n or any(p < start + i for i, p in enumerate(picks)):
             raise ValueError(f"compact needs 0 <= start <= {n} and picks[i] >= start + i, "
                              f"got start {start}, picks {picks}")  # fmt: skip
@@ -208,21 +208,21 @@ class Beams:
             self._check_margin(s, end)  # before any K/V moves
             dst = start + moves[0]
             splits = {x: None for layer in range(c.spec.num_layers)
-                      for x in c._write_splits(layer, s, dst, end)}  # fmt: skip
+                      for x in c.write_splits(layer, s, dst, end)}  # fmt: skip
             if splits:
-                c._tx.split_pages(list(splits))
+                c.tx.split_pages(list(splits))
             src = torch.tensor([picks[i] for i in moves])
             for layer in range(c.spec.num_layers):  # stored bytes as they are: no requantizing
-                k, v = c._load(layer, s, src)
-                c._store(layer, s, dst, k, v)
-            c._seqs.move_tokens(s, start + moves[0], [picks[i] for i in moves])
+                k, v = c.load(layer, s, src)
+                c.store(layer, s, dst, k, v)
+            c.seqs.move_tokens(s, start + moves[0], [picks[i] for i in moves])
         self.truncate(s, end)
         return len(moves) * c.spec.bytes_per_token
 
     def _check_margin(self, s: int, length: int) -> None:
         """ValueError when a sliding window of ``s`` already released positions that a
         ``length``-token sequence still reads (past its rollback margin)."""
-        for g in self._c._groups:
+        for g in self._c.groups:
             if g.keep_page(length, 0) < g.first(s):
                 raise ValueError(
                     f"truncate({s}, {length}): the sliding window of {g.window} tokens already "
@@ -241,14 +241,14 @@ class Beams:
         seqs = list(seqs)
         if not seqs or len(set(seqs)) != len(seqs):
             raise ValueError(f"write_group needs distinct sequence ids, got {seqs}")
-        layer, _, n = c._check_write(layer, seqs[0], start, k, v)
+        layer, _, n = c.check_write(layer, seqs[0], start, k, v)
         for s in seqs[1:]:
-            c._check_write(layer, s, start, k, v)
+            c.check_write(layer, s, start, k, v)
         if n == 0:
             return
-        k, v = c._encode(layer, k, v)
-        tables = c._tables_of_layer(layer)
-        g = c._group_of[tables[0]]
+        k, v = c.encode(layer, k, v)
+        tables = c.tables_of_layer(layer)
+        g = c.group_of[tables[0]]
         j_lo, j_hi = start * g.u // g.P, g.pages_for(start + n)
 
         def entries(s: int) -> list[tuple[int, int, int]]:
@@ -256,16 +256,16 @@ class Beams:
 
         uses = Counter(p for s in seqs for _, _, p in entries(s))
         # decided for every member before any split changes a refcount
-        plan = {s: [(t, j) for t, j, p in entries(s) if c._pool.refcount(p) > uses[p]]
+        plan = {s: [(t, j) for t, j, p in entries(s) if c.pool.refcount(p) > uses[p]]
                 for s in seqs}  # fmt: skip
         # every member's copies in one transaction: CacheFull or a driver error changes nothing
-        c._tx.split_pages([(s, t, j) for s, splits in plan.items() for t, j in splits])
+        c.tx.split_pages([(s, t, j) for s, splits in plan.items() for t, j in splits])
         written: set[tuple[int, ...]] = set()
         for s in seqs:
             key = tuple(p for _, _, p in entries(s))
             if key not in written:
                 written.add(key)
-                c._store(layer, s, start, k, v)
+                c.store(layer, s, start, k, v)
 
 
 def _gaps(lo: int, hi: int, cut: list[int]) -> list[tuple[int, int]]:

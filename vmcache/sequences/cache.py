@@ -178,7 +178,7 @@ class VMKVCache(SequenceCache):
         self._views = [tuple(split_rows(x, H, D)[0].as_subclass(CacheView) for x in pair)
                        for pair in self._row_views]  # fmt: skip
         self._stager: Stager | None = None  # a wake's copies in flight (owned here)
-        self.views = VMViews(self)  # facet: what the kernels read
+        self.views = VMViews(self._core)  # facet: what the kernels read
         self._closed = False
 
     # --- kernel-facing views (cache.views reads them) --------------------------------------

@@ -35,6 +35,7 @@ from vmcache.sequences import grow
 from vmcache.sequences.batch import StepBatch
 from vmcache.sequences.beams import Beams, fork
 from vmcache.sequences.config import CacheConfig
+from vmcache.sequences.core import CACHE_OWN, COORDINATOR, HOOKS, Core
 from vmcache.sequences.elastic import Elastic
 from vmcache.sequences.handoff import Handoff
 from vmcache.sequences.hooks import PhysicalHooks
@@ -80,14 +81,18 @@ class SequenceCache(PhysicalHooks):
         self._T = len(self._group_of)
         # slots, lengths, token ids, salts: owned by Slots, the only writer of them
         self._seqs = Slots(config.max_seqs)
-        self.swap = Swap(self, swap_bytes)  # facet; owns the host tier's byte count
-        self.beams = Beams(self)  # facet
-        self.handoff = Handoff(self)  # facet
-        self.elastic = Elastic(self)  # facet
-        self.prefix = Prefix(self, prefix_caching, prefix_tiers)  # facet; owns the index
-        self._asleep = None  # (live pages, saved state) while asleep (owned here)
-        self._epoch = 0  # bumped whenever a length or a page table changes (owned here)
-        self._tx = Transactions(self)  # its all-or-nothing changes; owns the CoW counters
+        # what the core and the facets are handed in place of this object (owns the epoch)
+        calls = {n: getattr(self, "_" + n) for n in (*HOOKS, *COORDINATOR, *CACHE_OWN)
+                 if hasattr(self, "_" + n)}  # fmt: skip
+        self._core = core = Core(self, pool, groups, self._seqs, calls,
+                                 releases_memory=self._releases_memory,
+                                 copies_moves=self._copies_moves)  # fmt: skip
+        self._tx = core.tx = Transactions(core)  # the one writer of tables; CoW counters
+        self.swap = Swap(core, swap_bytes)  # facet; owns the host tier's byte count
+        self.beams = Beams(core)  # facet
+        self.handoff = Handoff(core)  # facet
+        self.elastic = Elastic(core)  # facet; owns what a sleep keeps
+        self.prefix = Prefix(core, prefix_caching, prefix_tiers)  # facet; owns the index
         # fp32 [N_L, 2, N_KV] head scales of FP8/INT8 K/V (None: stored as computed, or per
         # token in each row); the spec's, on the device for the kernels; never changed
         head = spec.quantized and spec.kv_granularity == "head"
@@ -95,7 +100,7 @@ class SequenceCache(PhysicalHooks):
 
     def _changed(self) -> None:
         """A length or a page table changed: plans built before are stale."""
-        self._epoch += 1
+        self._core.changed()
 
     # --- queries -----------------------------------------------------------------------
     def _check_awake(self) -> None:
@@ -172,7 +177,7 @@ class SequenceCache(PhysicalHooks):
         if tables:
             self._tx.open(s)
         self._seqs.open(s, tokens, salt, length)
-        self._epoch += 1
+        self._core.changed()
 
     def grow(self, s: int, n: int, token_ids=None) -> None:
         """Length += n: map the pages the new length needs; split a shared tail page; first,
@@ -211,7 +216,7 @@ class SequenceCache(PhysicalHooks):
                 f"grow({s}, {n}) would reach {self._seqs.length(s) + n} tokens, past max_seq_len "
                 f"{self.config.max_seq_len}"
             )
-        return grow.allocate(self, s, n, token_ids, ahead)
+        return grow.allocate(self._core, s, n, token_ids, ahead)
 
     def write(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``, ``v`` (each ``[T, N_KV, d_h]``, the cache's dtype and device) at
@@ -233,7 +238,7 @@ class SequenceCache(PhysicalHooks):
         a :class:`~vmcache.sequences.batch.StepBatch` whose ``write`` stores a layer's K/V of
         the whole step in one indexed copy, and which the kernels read in one gather. Each
         sequence's new tokens are its last ``q_len`` positions (grow it first)."""
-        return StepBatch(self, list(seq_ids), list(q_lens))
+        return StepBatch(self._core, list(seq_ids), list(q_lens))
 
     def _write_splits(self, layer: int, s: int, start: int, end: int) -> list[tuple[int, int, int]]:
         """(s, table, page) of ``layer``'s pages over positions ``[start, end)`` that another
@@ -250,7 +255,7 @@ class SequenceCache(PhysicalHooks):
         self.prefix.publish(s)
         self._tx.close(s)
         self._seqs.close(s)
-        self._epoch += 1
+        self._core.changed()
 
     def _encode(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """K, V ``[n, N_KV, d_h]`` → stored rows ``[n, spec.row_elems]`` (quantized with the
@@ -303,20 +308,20 @@ class SequenceCache(PhysicalHooks):
 
     def _set_len(self, s: int, length: int) -> None:
         self._seqs.set_length(s, length)
-        self._epoch += 1
+        self._core.changed()
 
     def fork(self, s: int, n: int = 1) -> list[int]:
         """``n`` children sharing every page of ``s`` (refcounts += n, no K/V copied)."""
-        return fork(self, s, n)
+        return fork(self._core, s, n)
 
     def can_grow(self, s: int, n: int) -> bool:
         """Whether ``grow(s, n)`` would succeed now (for schedulers; raises nothing for n):
         the plan :meth:`allocate` would build, as a pure query."""
-        return grow.can_grow(self, s, n)
+        return grow.can_grow(self._core, s, n)
 
     def _drop_ahead(self, s: int) -> None:
         self._tx.drop_ahead(s)
 
     # --- stats -------------------------------------------------------------------------
     def stats(self) -> CacheStats:
-        return collect_stats(self)
+        return collect_stats(self._core)

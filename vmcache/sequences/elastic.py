@@ -24,11 +24,11 @@ A cache over a :class:`~vmcache.memory.ledger.SharedBudget` draws pages from a b
 processes share; ``set_limit`` then does not apply (the ledger's limits do). Pages mapped
 ahead (the cache's ``allocate(s, n, ahead=k)``, :mod:`.grow`) are counted here as in use.
 
-Touches, on the coordinator: the pool (budget, trim, release_all / recreate), its groups'
-pages mapped ahead (dropped on a sleep) and window rules, lengths (read), ``_sync``, the grow
-plans of :mod:`.grow` (read: ``grow_pages``, ``headroom``), ``mapped_pages``, and the
-cache's sleep hooks (``_release_all``, ``_restore_all``, ``_wake_fill``, ``_device_bytes``);
-the prefix index only to ``forget`` it on a sleep that keeps nothing.
+Touches, through the core it is handed (:mod:`.core`): the pool (budget, trim, release_all /
+recreate), its groups' pages mapped ahead (dropped on a sleep) and window rules, lengths (read),
+``sync``, the grow plans of :mod:`.grow` (read: ``grow_pages``, ``headroom``), ``mapped_pages``,
+and the cache's sleep hooks (``_release_all``, ``_restore_all``, ``_wake_fill``,
+``_device_bytes``); the prefix index only to ``forget`` it on a sleep that keeps nothing.
 """
 
 from __future__ import annotations
@@ -42,40 +42,41 @@ class Elastic:
     """``cache.elastic``: trims, limits, sleep and wake, pages mapped ahead, admission
     arithmetic."""
 
-    def __init__(self, coordinator) -> None:
-        self._c = coordinator
+    def __init__(self, core) -> None:
+        self._c = core
+        self._asleep = None  # (live pages, saved state) while asleep (owned here)
 
     # --- admission arithmetic (read only) --------------------------------------------------
     @property
     def num_pages(self) -> int:
         """Pages the pool can ever hold (its size; the budget may allow fewer at a time)."""
-        return self._c._pool.num_pages
+        return self._c.pool.num_pages
 
     @property
     def used_pages(self) -> int:
         """Pages in use: mapped by sequences, held by the prefix index, reserved ahead."""
-        return self._c._pool.num_used
+        return self._c.pool.num_used
 
     @property
     def available_pages(self) -> int:
         """Pages an allocation could take now (free ones and those the budget may create)."""
-        return self._c._pool.num_available
+        return self._c.pool.num_available
 
     def can_allocate(self, n: int) -> bool:
         """Whether ``n`` pages could be allocated now (the prefix index's evictable pages
         count as free)."""
-        return self._c._pool.can_allocate(n)
+        return self._c.pool.can_allocate(n)
 
     def pages_for_tokens(self, n: int) -> int:
         """Pages a new sequence of ``n`` tokens maps (every table), for admission planning."""
-        return self._c._pages_for_tokens(n)
+        return self._c.pages_for_tokens(n)
 
     def grow_pages(self, s: int, n: int) -> int:
         """Pages ``grow(s, n)`` would allocate now: new pages past those reserved, and the
         shared pages it writes into, copied first (a fork's, or a prefix hit's partial last
         page): what an admission must find room for."""
         c = self._c
-        s = c._check_seq(s)
+        s = c.check_seq(s)
         return grow.grow_need(s, grow.group_plans(c, s, n))
 
     def mapped_pages(self, s: int) -> int:
@@ -86,35 +87,35 @@ class Elastic:
     @property
     def free_slots(self) -> int:
         """Sequence slots free now (``new_sequence``, ``fork`` and a swap's restore take one)."""
-        return self._c._seqs.num_free
+        return self._c.seqs.num_free
 
     @property
     def asleep(self) -> bool:
-        return self._c._pool.asleep
+        return self._c.pool.asleep
 
     @property
     def resident_bytes(self) -> int:
         """Physical memory the cache holds now (0 while asleep)."""
         c = self._c
-        return c._pool.num_created * c.config.page_bytes
+        return c.pool.num_created * c.config.page_bytes
 
     @property
     def releases(self) -> bool:
         """Whether trim and sleep give memory back to the device (VMKVCache: pages are
         released; PagedKVCache: its one block tensor stays, except across a sleep)."""
-        return self._c._releases_memory
+        return self._c.releases_memory
 
     @property
     def rollback_margin(self) -> int | None:
         """Tokens every sliding window can still take back (a rejected draft truncated away
         over them); None without sliding-window layers."""
-        return min((g.rollback_tokens for g in self._c._groups if g.sliding), default=None)
+        return min((g.rollback_tokens for g in self._c.groups if g.sliding), default=None)
 
     @property
     def shared_budget(self) -> bool:
         """Whether the cache's memory budget is shared with other processes (memory another
         process frees may let a stalled engine run: it waits instead of failing)."""
-        return self._c._pool.shared_budget
+        return self._c.pool.shared_budget
 
     def trim(self, keep_free_bytes: int = 0) -> int:
         """Release the memory of free pages until at most ``keep_free_bytes`` of them stay
@@ -124,8 +125,8 @@ class Elastic:
         c = self._c
         if check_int("keep_free_bytes", keep_free_bytes) < 0:
             raise ValueError(f"keep_free_bytes must be >= 0, got {keep_free_bytes}")
-        n = c._pool.trim(keep_free_bytes // c.config.page_bytes)
-        return n * c.config.page_bytes if c._releases_memory else 0
+        n = c.pool.trim(keep_free_bytes // c.config.page_bytes)
+        return n * c.config.page_bytes if c.releases_memory else 0
 
     def set_limit(self, limit_bytes: int) -> None:
         """The most physical memory the cache may hold (whole pages). Lowering it releases
@@ -133,13 +134,13 @@ class Elastic:
         created while it holds more than the limit (a grow then raises ``CacheFull``, so an
         engine preempts by its policy)."""
         c = self._c
-        if not isinstance(c._pool.budget, LocalBudget):
+        if not isinstance(c.pool.budget, LocalBudget):
             raise TypeError("this cache draws from a shared budget: its ledger sets the limits")
         if check_int("limit_bytes", limit_bytes) < 0:
             raise ValueError(f"limit_bytes must be >= 0, got {limit_bytes}")
-        pages = min(limit_bytes // c.config.page_bytes, c._pool.num_pages)
-        c._pool.budget.set_limit(pages)
-        c._pool.trim(max(0, pages - c._pool.num_used))
+        pages = min(limit_bytes // c.config.page_bytes, c.pool.num_pages)
+        c.pool.budget.set_limit(pages)
+        c.pool.trim(max(0, pages - c.pool.num_used))
 
     def sleep(self, keep: str = "host") -> int:
         """Give every physical page back, keeping sequences, page tables, the prefix index
@@ -157,18 +158,18 @@ class Elastic:
         c = self._c
         if keep not in ("host", "none"):
             raise ValueError(f"keep must be 'host' or 'none', got {keep!r}")
-        if c._pool.asleep:
+        if c.pool.asleep:
             raise RuntimeError("the cache is already asleep")
-        for s in c.sequences:
-            c._drop_ahead(s)  # pages mapped ahead: nothing to keep
-        if keep == "none" and c.prefix.index is not None:
-            c.prefix.index.forget()  # cached K/V would read zeros: never serve them (tiers keep)
-        c._sync()
-        live = c._pool.used_pages()
-        held = self.resident_bytes if c._releases_memory else c._device_bytes()
-        state = c._release_all(live, keep == "host")  # contents saved, nothing mapped
-        c._pool.release_all(live)
-        c._asleep = (live, state)
+        for s in c.cache.sequences:
+            c.drop_ahead(s)  # pages mapped ahead: nothing to keep
+        if keep == "none" and c.cache.prefix.index is not None:
+            c.cache.prefix.index.forget()  # cached K/V would read zeros (the tiers keep theirs)
+        c.sync()
+        live = c.pool.used_pages()
+        held = self.resident_bytes if c.releases_memory else c.device_bytes()
+        state = c.release_all(live, keep == "host")  # contents saved, nothing mapped
+        c.pool.release_all(live)
+        self._asleep = (live, state)
         return held
 
     def wake(self) -> None:
@@ -176,24 +177,24 @@ class Elastic:
         every sequence mapped where it was. ``CacheFull`` when the budget or the device
         cannot give the pages back; the cache then stays asleep (call again later)."""
         c = self._c
-        if not c._pool.asleep:
+        if not c.pool.asleep:
             raise RuntimeError("the cache is not asleep")
-        live, state = c._asleep
-        c._pool.recreate(live, c._wake_fill(live, state))  # bytes back chunk by chunk
+        live, state = self._asleep
+        c.pool.recreate(live, c.wake_fill(live, state))  # bytes back chunk by chunk
         try:
-            c._restore_all(live, state)  # contents back, every sequence mapped again
+            c.restore_all(live, state)  # contents back, every sequence mapped again
         except BaseException:
-            c._pool.release_all(live)
+            c.pool.release_all(live)
             raise
-        c._asleep = None
+        self._asleep = None
 
     def headroom(self, s: int) -> int:
         """Tokens ``grow(s, n)`` can add without taking a page from the pool: what the
         mapped tail pages still hold, 0 when one is shared (the next grow copies it)."""
         c = self._c
-        s = c._check_seq(s)
-        length = c._seqs.length(s)
-        room = min(g.num_pages(s) * g.P // g.u for g in c._groups) - length
+        s = c.check_seq(s)
+        length = c.seqs.length(s)
+        room = min(g.num_pages(s) * g.P // g.u for g in c.groups) - length
         splits = any(sp for _, sp, _, _ in grow.group_plans(c, s, 1)) if room else False
         return 0 if splits else room
 
@@ -204,7 +205,7 @@ class Elastic:
         for the page the window starts inside."""
         c = self._c
         total = 0
-        for g in c._groups:
+        for g in c.groups:
             p = g.pages_for(n)
             if g.sliding:
                 p = min(p, g.pages_for(g.window - 1 + g.rollback_tokens + step) + 1)

@@ -17,8 +17,8 @@ outside the page table:
     ahead:                           | r0 |       mapped at index 3, taken by the next grow
 
 A grow takes them first; ``free``, ``assign``, ``truncate`` and ``swap.out`` give them back
-first (:func:`drop_ahead`). Functions of the coordinator ``c``: every change goes through
-its transactional core (``c._tx``).
+first (:func:`drop_ahead`). Functions of the core ``c`` (:mod:`.core`): every change goes through
+its transactional core (``c.tx``).
 """
 
 from __future__ import annotations
@@ -58,19 +58,19 @@ class GrowPlan:
 def group_plans(c, s: int, n: int) -> list:
     """Per group of ``grow(s, n)``: (group, shared tail pages to copy, pages now, pages
     after)."""
-    length, rc = c._seqs.length(s), c._pool.refcounts
+    length, rc = c.seqs.length(s), c.pool.refcounts
     return [(g, g.tail_splits(s, length, n, rc), g.num_pages(s), g.pages_for(length + n))
-            for g in c._groups]  # fmt: skip
+            for g in c.groups]  # fmt: skip
 
 
 def plan_grow(c, s: int, n: int) -> GrowPlan:
     """The plan of ``grow(s, n)`` (``s`` checked live, ``n`` valid)."""
-    length = c._seqs.length(s)
+    length = c.seqs.length(s)
     groups = group_plans(c, s, n)
-    releases = [(g, *p) for g in c._groups if g.sliding
+    releases = [(g, *p) for g in c.groups if g.sliding
                 if (p := g.release_plan(s, length))[1]]  # fmt: skip
     back = [p for _, _, pages in releases for p in pages]
-    free = c._pool.num_available + (c._pool.gain_from_decref(back) if back else 0)
+    free = c.pool.num_available + (c.pool.gain_from_decref(back) if back else 0)
     return GrowPlan(groups, releases, grow_need(s, groups), free)
 
 
@@ -84,8 +84,8 @@ def grow_need(s: int, groups) -> int:
 
 def can_grow(c, s: int, n: int) -> bool:
     """Whether ``grow(s, n)`` would succeed now (for schedulers; raises nothing for n)."""
-    s = c._check_seq(s)
-    if not isinstance(n, int) or n < 0 or c._seqs.length(s) + n > c.config.max_seq_len:
+    s = c.check_seq(s)
+    if not isinstance(n, int) or n < 0 or c.seqs.length(s) + n > c.config.max_seq_len:
         return False
     return plan_grow(c, s, n).fits
 
@@ -100,13 +100,13 @@ def allocate(c, s: int, n: int, token_ids, ahead: int) -> Allocation | GrowPlan:
     if not plan.fits:  # tail page the plan may copy
         return plan
     if plan.releases:
-        c._tx.release_window(s, plan.releases)
+        c.tx.release_window(s, plan.releases)
     try:
-        c._tx.grow(s, plan.groups)
+        c.tx.grow(s, plan.groups)
     except CacheFull:  # a shared budget's pages went to another process first
         return plan
-    c._seqs.grow(s, n, token_ids)
-    c._changed()
+    c.seqs.grow(s, n, token_ids)
+    c.changed()
     copied = sum(len(splits) for _, splits, _, _ in plan.groups)
     return Allocation(plan.need, copied, map_ahead(c, s, ahead) if ahead else 0)
 
@@ -114,19 +114,19 @@ def allocate(c, s: int, n: int, token_ids, ahead: int) -> Allocation | GrowPlan:
 def map_ahead(c, s: int, n: int) -> int:
     """Map now the pages a later ``grow(s, k ≤ n)`` would map; returns pages mapped (0 when
     the pool is short: nothing changed)."""
-    n = min(n, c.config.max_seq_len - c._seqs.length(s))
+    n = min(n, c.config.max_seq_len - c.seqs.length(s))
     plan = []  # (group, first index not yet mapped, pages per table)
-    for g in c._groups:
+    for g in c.groups:
         first = g.num_pages(s) + len(g.ahead(s)[0])
-        extra = g.pages_for(c._seqs.length(s) + n) - first
+        extra = g.pages_for(c.seqs.length(s) + n) - first
         if extra > 0:
             plan.append((g, first, extra))
-    return c._tx.map_ahead(s, plan)
+    return c.tx.map_ahead(s, plan)
 
 
 def mapped_pages(c, s: int) -> int:
     """Pages sequence ``s`` maps, every table: its tables' mapped pages (shared ones
     counted per sequence; released ones not) and the pages mapped ahead of it."""
-    s = c._check_seq(s)
+    s = c.check_seq(s)
     return sum(len(g.ids) * (g.num_pages(s) - g.first(s)) + sum(map(len, g.ahead(s)))
-               for g in c._groups)  # fmt: skip
+               for g in c.groups)  # fmt: skip

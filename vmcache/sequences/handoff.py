@@ -6,9 +6,10 @@ manifest says and fill it, all or nothing), and a host copy of a sequence (``exp
 stay released: only what the tables map travels. :mod:`vmcache.distributed.handoff` sends
 these between processes.
 
-Touches, on the coordinator: lengths, token ids, salts (read; ``adopt`` sets the new
-sequence's), the groups' page lists (read), ``new_sequence`` / ``free``, the cache's
-``_runs`` hook and the transactional core (``_tx.adopt``); the pool only through those.
+Touches, through the core it is handed (:mod:`.core`): lengths, token ids, salts (read;
+``adopt`` sets the new sequence's), the groups' page lists (read), ``new_sequence`` / ``free``,
+the cache's ``runs`` hook and the transactional core (``tx.adopt``); the pool only through
+those.
 """
 
 from __future__ import annotations
@@ -92,26 +93,26 @@ class TableRuns:
 class Handoff:
     """``cache.handoff``: manifests, runs, adoption and host copies of sequences."""
 
-    def __init__(self, coordinator) -> None:
-        self._c = coordinator
+    def __init__(self, core) -> None:
+        self._c = core
 
     def layout(self) -> tuple:
         """What both sides of a hand-off must share for bytes to mean the same K/V, per
         attention group: (its tables, its window, a token's units, a page's units)."""
-        return tuple((tuple(g.ids), g.window, g.u, g.P) for g in self._c._groups)
+        return tuple((tuple(g.ids), g.window, g.u, g.P) for g in self._c.groups)
 
     def releasable_pages(self, length: int) -> list[int]:
         """Per group, the most leading pages a ``length``-token sequence may have released
         (its window rule: never one a next step reads); what a received manifest is checked
         against."""
-        return [g.keep_page(length, 0) for g in self._c._groups]
+        return [g.keep_page(length, 0) for g in self._c.groups]
 
     def manifest(self, s: int) -> Manifest:
         c = self._c
-        s = c._check_seq(s)
-        slots = c._seqs
+        s = c.check_seq(s)
+        slots = c.seqs
         ids = slots.tokens(s)
-        return Manifest(slots.length(s), tuple(g.first(s) for g in c._groups),
+        return Manifest(slots.length(s), tuple(g.first(s) for g in c.groups),
                         None if ids is None else tuple(ids), slots.salt(s))  # fmt: skip
 
     def can_adopt(self, m: Manifest, headroom_pages: int = 0) -> bool:
@@ -119,20 +120,20 @@ class Handoff:
         ``headroom_pages`` still free after."""
         c = self._c
         need = self.adopt_pages(m.length, m.firsts) + headroom_pages
-        return (c._seqs.num_free > 0 and 0 < m.length <= c.config.max_seq_len
-                and c._pool.can_allocate(need))  # fmt: skip
+        return (c.seqs.num_free > 0 and 0 < m.length <= c.config.max_seq_len
+                and c.pool.can_allocate(need))  # fmt: skip
 
     def adopt_pages(self, length: int, firsts) -> int:
         """Pages a sequence of ``length`` tokens maps with ``firsts`` released per group."""
         c = self._c
-        return sum(len(g.ids) * (g.pages_for(length) - f) for g, f in zip(c._groups, firsts))
+        return sum(len(g.ids) * (g.pages_for(length) - f) for g, f in zip(c.groups, firsts))
 
     def runs(self, s: int) -> list[TableRuns]:
         """Sequence ``s``'s mapped K/V, one :class:`TableRuns` per table (table order): zero-copy
         views a transfer sends from or receives into."""
         c = self._c
-        s = c._check_seq(s)
-        return [c._runs(s, t, g.first(s), c._seqs.length(s)) for g in c._groups for t in g.ids]
+        s = c.check_seq(s)
+        return [c.runs(s, t, g.first(s), c.seqs.length(s)) for g in c.groups for t in g.ids]
 
     def adopt(self, m: Manifest, fill: Callable[[int], None],
                        slot: int | None = None) -> int:  # fmt: skip
@@ -143,18 +144,18 @@ class Handoff:
         c = self._c
         if m.length > c.config.max_seq_len:
             raise ValueError(f"{m.length} tokens exceed max_seq_len {c.config.max_seq_len}")
-        if len(m.firsts) != len(c._groups):
-            raise ValueError(f"manifest has {len(m.firsts)} groups, this cache {len(c._groups)}")
-        s = c.new_sequence(slot, salt=m.salt)
-        c._seqs.set_tokens(s, None)  # its pages hold no K/V yet: never index them
+        if len(m.firsts) != len(c.groups):
+            raise ValueError(f"manifest has {len(m.firsts)} groups, this cache {len(c.groups)}")
+        s = c.cache.new_sequence(slot, salt=m.salt)
+        c.seqs.set_tokens(s, None)  # its pages hold no K/V yet: never index them
         try:
-            c._tx.adopt(s, list(m.firsts), m.length)
-            c._set_len(s, m.length)
+            c.tx.adopt(s, list(m.firsts), m.length)
+            c.set_len(s, m.length)
             fill(s)
         except BaseException:
-            c.free(s)
+            c.cache.free(s)
             raise
-        c._seqs.set_tokens(s, m.token_ids)
+        c.seqs.set_tokens(s, m.token_ids)
         return s
 
     def export(self, s: int) -> SwapHandle:

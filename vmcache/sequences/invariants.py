@@ -15,15 +15,16 @@ from vmcache.sequences.tables import RELEASED
 
 def check_invariants(cache) -> None:
     """Raise :class:`~vmcache.errors.InvariantError` at the first invariant that fails."""
+    c = cache._core  # what its coordinator hands its core and facets
     counts: dict[int, int] = {}  # page -> references found
-    for s in cache.sequences:
-        for p in (p for g in cache._groups for t in g.ahead(s) for p in t):
+    for s in c.cache.sequences:
+        for p in (p for g in c.groups for t in g.ahead(s) for p in t):
             counts[p] = counts.get(p, 0) + 1
-    for p in cache.prefix.index.references() if cache.prefix.enabled else []:
+    for p in c.cache.prefix.index.references() if c.cache.prefix.enabled else []:
         counts[p] = counts.get(p, 0) + 1
-    for s in cache.sequences:
-        for g in cache._groups:
-            rows, first, length = g.rows(s), g.first(s), cache._seqs.length(s)
+    for s in c.cache.sequences:
+        for g in c.groups:
+            rows, first, length = g.rows(s), g.first(s), c.seqs.length(s)
             require(len(rows) == len(g.ids))
             # a window releases only what the next query (and a rollback) cannot read
             require(first <= g.keep_page(length, 0), "released too much", s)
@@ -33,11 +34,11 @@ def check_invariants(cache) -> None:
                 for p in t[first:]:
                     require(p >= 0, "a mapped entry holds no page", s)
                     counts[p] = counts.get(p, 0) + 1
-    live = set(cache.sequences)
-    for s in range(cache.config.max_seqs):
+    live = set(c.cache.sequences)
+    for s in range(c.config.max_seqs):
         if s not in live:
-            require(all(g._rows[s] is None for g in cache._groups), "a free slot has tables", s)
-    pool = cache._pool
+            require(all(g._rows[s] is None for g in c.groups), "a free slot has tables", s)
+    pool = c.pool
     for p in range(pool.num_pages):
         require(pool.refcount(p) == counts.get(p, 0), (p, pool.refcount(p), counts.get(p)))
     free, uncreated = set(pool._free), set(pool._uncreated)
@@ -50,12 +51,12 @@ def check_invariants(cache) -> None:
     held = getattr(pool.budget, "held", None)
     require(held is None or held == pool.num_created, "budget", held, pool.num_created)
     require(pool.num_used == len(counts))
-    indexed = set(cache.prefix.index.references()) if cache.prefix.enabled else set()
+    indexed = set(c.cache.prefix.index.references()) if c.cache.prefix.enabled else set()
     require(indexed == {p for p in range(pool.num_pages) if pool._indexed[p]})
     require(pool.index_only == sum(1 for p in indexed if pool.refcount(p) == 1))
     require(pool.num_shared == sum(1 for p in range(pool.num_pages) if pool.refcount(p) > 1))
-    if cache.prefix.enabled:  # the eviction queue holds exactly the evictable leaves
-        ix = cache.prefix.index
+    if c.cache.prefix.enabled:  # the eviction queue holds exactly the evictable leaves
+        ix = c.cache.prefix.index
         want = {e.key for e in ix._entries.values()
                 if e.children == 0 and all(pool.refcount(p) == 1 for p in e.pages)}  # fmt: skip
         require(set(ix._evictable) == want, "prefix eviction queue", len(want))
@@ -70,9 +71,9 @@ def check_invariants(cache) -> None:
 
         free = sum(len(e.pages) for e in ix._entries.values() if whole(e))
         require(ix.reclaimable() == free, "prefix reclaimable pages", ix.reclaimable(), free)
-    slots = cache._seqs
-    require(sorted(slots.free_slots() + cache.sequences) == list(range(cache.config.max_seqs)))
-    for s in cache.sequences:
+    slots = c.seqs
+    require(sorted(slots.free_slots() + c.cache.sequences) == list(range(c.config.max_seqs)))
+    for s in c.cache.sequences:
         known = slots.known_tokens(s)
         require(known is None or known == slots.length(s), "token ids", s, known)
     require(slots.owns_token_lists(), "two sequences share one token list")

@@ -11,12 +11,12 @@ new sequence's cached prefix, indexing a sequence's pages, and the questions a s
     cached_tokens(ids)    leading tokens a new sequence would find cached now
     tier_stats()          the tiers' counters (None without tiers)
 
-Touches, on the coordinator: lengths, token ids and salts (read; ``attach`` sets a new
-sequence's tokens and length through ``Slots``), the transactional core (``_tx.share_rows``:
-the cached pages mapped into the new sequence's one full-attention group, a reference each;
-the index is the pool's reclaimer) and the cache's page hooks (``_read_pages``,
-``_write_pages``) for the tiers. The index owns its entries, the pool the refcounts. Refused
-for sliding-window models.
+Touches, through the core it is handed (:mod:`.core`): lengths, token ids and salts (read;
+``attach`` sets a new sequence's tokens and length through ``Slots``), the transactional core
+(``tx.share_rows``: the cached pages mapped into the new sequence's one full-attention group, a
+reference each; the index is the pool's reclaimer) and the cache's page hooks (``_read_pages``,
+``_write_pages``) for the tiers. The index owns its entries, the pool the refcounts. Refused for
+sliding-window models.
 """
 
 from __future__ import annotations
@@ -29,23 +29,23 @@ from vmcache.prefix.index import PrefixIndex
 class Prefix:
     """``cache.prefix``: the prefix index of a cache and the calls that feed it."""
 
-    def __init__(self, coordinator, prefix_caching: bool, prefix_tiers) -> None:
-        c = self._c = coordinator
+    def __init__(self, core, prefix_caching: bool, prefix_tiers) -> None:
+        c = self._c = core
         self.index: PrefixIndex | None = None  # owned here; holds pool references
         if not prefix_caching:
             if prefix_tiers is not None:
                 raise ValueError("prefix_tiers needs prefix_caching=True")
             return
-        if any(g.sliding for g in c._groups):
+        if any(g.sliding for g in c.groups):
             raise ValueError(
                 "prefix caching is not supported for models with sliding-window layers "
                 f"(layers {list(c.spec.sliding_layers)}): a cached prefix would need the "
                 "pages those layers release"
             )
-        u, P = c._groups[0].u, c._groups[0].P  # a token's and a page's units in one table
+        u, P = c.groups[0].u, c.groups[0].P  # a token's and a page's units in one table
         k = math.lcm(P, u) // P  # pages per block: the least run of whole pages ending on a token
-        self.index = PrefixIndex(c._pool, k * P // u, c._T * k, k)
-        c._pool.reclaimer = self.index
+        self.index = PrefixIndex(c.pool, k * P // u, c.T * k, k)
+        c.pool.reclaimer = self.index
         if prefix_tiers is not None:
             self._bind_tiers(prefix_tiers)
 
@@ -66,7 +66,7 @@ class Prefix:
         of a partial block's tail after them (nothing copied: the first write into a shared
         page copies it); its length is then the tokens found."""
         c, ix = self._c, self.index
-        P, salt = ix.tokens_per_block, c._seqs.salt(s)
+        P, salt = ix.tokens_per_block, c.seqs.salt(s)
         entries = ix.match(tokens, salt, max_pages=c.config.max_seq_len // P)
         full = len(entries) * P
         tail, extra = ix.match_tail(entries[-1] if entries else None, tokens, len(entries), salt,
@@ -74,15 +74,15 @@ class Prefix:
         if not entries and tail is None:
             return
         k = ix.pages_per_table
-        rows = [[p for e in entries for p in e.pages[i * k : (i + 1) * k]] for i in range(c._T)]
+        rows = [[p for e in entries for p in e.pages[i * k : (i + 1) * k]] for i in range(c.T)]
         if tail is not None:  # the pages its matched units lie in, of each table's
-            per, need = len(tail.pages) // c._T, ix.pages_over(extra)
+            per, need = len(tail.pages) // c.T, ix.pages_over(extra)
             for i, r in enumerate(rows):
                 r += tail.pages[i * per : i * per + need]
-        c._tx.share_rows(s, rows)
+        c.tx.share_rows(s, rows)
         n = full + extra
-        c._seqs.set_tokens(s, tokens[:n])
-        c._set_len(s, n)
+        c.seqs.set_tokens(s, tokens[:n])
+        c.set_len(s, n)
 
     def close_tiers(self) -> None:
         """The disk tier's directory given up (the cache's close)."""
@@ -96,13 +96,13 @@ class Prefix:
             raise TypeError(f"prefix_tiers must be a PrefixTiers, got {type(tiers).__name__}")
         c, ix = self._c, self.index
         kind = c.config.layout
-        layout = {"cache": type(c).__name__, "spec": repr(c.spec), "tables": c._T,
+        layout = {"cache": type(c).__name__, "spec": repr(c.spec), "tables": c.T,
                   "layout": None if kind == "paged" else kind, "page_bytes": c.config.page_bytes,
                   "tokens_per_page": ix.tokens_per_block}  # fmt: skip
         if ix.pages_per_table > 1:  # (absent for one page a block: older tier files still match)
             layout["pages_per_table"] = ix.pages_per_table
         ix.root = tiers.bind(layout, ix.pages_per_entry * c.config.page_bytes)
-        ix.tiers, ix.read_pages, ix.write_pages = tiers, c._read_pages, c._write_pages
+        ix.tiers, ix.read_pages, ix.write_pages = tiers, c.read_pages, c.write_pages
 
     def tier_stats(self):
         """The prefix tiers' :class:`~vmcache.prefix.tiers.TierStats` (None without tiers)."""
@@ -119,9 +119,9 @@ class Prefix:
         requests that arrive while it runs share them; call it once their K/V are written.
         Returns the pages newly indexed (0 without prefix caching or known token ids)."""
         c = self._c
-        s = c._check_seq(s)
-        tokens = c._seqs.tokens(s)
+        s = c.check_seq(s)
+        tokens = c.seqs.tokens(s)
         if self.index is None or tokens is None:
             return 0
-        n = c._seqs.length(s)
-        return self.index.insert(tokens[:n], c._groups[0].rows(s), c._seqs.salt(s))
+        n = c.seqs.length(s)
+        return self.index.insert(tokens[:n], c.groups[0].rows(s), c.seqs.salt(s))

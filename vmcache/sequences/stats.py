@@ -41,32 +41,32 @@ class CacheStats:
         return d
 
 
-def collect_stats(cache) -> CacheStats:
+def collect_stats(core) -> CacheStats:
     """A :class:`CacheStats` of a :class:`~vmcache.sequences.coordinator.SequenceCache` (reads its
     lengths, groups and pool; changes nothing)."""
-    live = cache.sequences
-    entries = sum(len(g.ids) * (g.num_pages(s) - g.first(s)) for s in live for g in cache._groups)
-    pool = cache._pool.stats()
+    live = core.cache.sequences
+    entries = sum(len(g.ids) * (g.num_pages(s) - g.first(s)) for s in live for g in core.groups)
+    pool = core.pool.stats()
     return CacheStats(
         num_sequences=len(live),
-        num_tokens=sum(cache._seqs.length(s) for s in live),
-        page_bytes=cache.config.page_bytes,
-        mapped_bytes=entries * cache.config.page_bytes,
-        used_bytes=sum(_held_bytes(cache, s) for s in live),
+        num_tokens=sum(core.seqs.length(s) for s in live),
+        page_bytes=core.config.page_bytes,
+        mapped_bytes=entries * core.config.page_bytes,
+        used_bytes=sum(_held_bytes(core, s) for s in live),
         physical_pages=pool.used_pages,
-        physical_bytes=pool.used_pages * cache.config.page_bytes,
+        physical_bytes=pool.used_pages * core.config.page_bytes,
         shared_pages=pool.shared_pages,
         free_pages=pool.free_pages,
         total_pages=pool.num_pages,
-        cow_copies=cache._tx.cow_copies,
-        cow_bytes_copied=cache._tx.cow_bytes_copied,
-        window_released_pages=sum(g.released_pages for g in cache._groups),
-        plans_built=cache.views.plans_built,
+        cow_copies=core.tx.cow_copies,
+        cow_bytes_copied=core.tx.cow_bytes_copied,
+        window_released_pages=sum(g.released_pages for g in core.groups),
+        plans_built=core.cache.views.plans_built,
     )
 
 
-def _held_bytes(cache, s: int) -> int:
+def _held_bytes(core, s: int) -> int:
     """K/V bytes of ``s``'s tokens its tables still map (released ones not counted)."""
-    length = cache._seqs.length(s)
-    return sum(len(g.ids) * (length - min(g.first_token(s), length)) * cache.config.page_bytes
-               * g.u // g.P for g in cache._groups)  # fmt: skip
+    length = core.seqs.length(s)
+    return sum(len(g.ids) * (length - min(g.first_token(s), length)) * core.config.page_bytes
+               * g.u // g.P for g in core.groups)  # fmt: skip

@@ -2,8 +2,8 @@
 its pages freed (``out``), then restored byte-identical into a free slot (``restore``): the
 engine's swap preemption. The facet owns the tier's limit and the bytes live handles hold.
 
-Touches, on the coordinator: ``cache.handoff`` (export, load, runs, adopt_pages) and
-``free``; nothing else.
+Touches, through the core it is handed (:mod:`.core`): ``cache.handoff`` (export, load, runs,
+adopt_pages) and ``free``; nothing else.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from vmcache.sequences.handoff import SwapHandle
 class Swap:
     """``cache.swap``: the host tier's limit and held bytes (owned here), swap out and in."""
 
-    def __init__(self, coordinator, limit_bytes: int | None) -> None:
-        self._c = coordinator
+    def __init__(self, core, limit_bytes: int | None) -> None:
+        self._c = core
         self.limit = limit_bytes
         self.held_bytes = 0  # bytes of the handles not yet restored (owned here)
 
@@ -46,18 +46,18 @@ class Swap:
         """Copy the sequence's mapped K/V to host memory and free its pages; returns a
         :class:`SwapHandle` for :meth:`restore`."""
         c = self._c
-        s = c._check_seq(s)
-        self._check(sum(w.nbytes for w in c.handoff.runs(s)))
-        handle = c.handoff.export(s)
+        s = c.check_seq(s)
+        self._check(sum(w.nbytes for w in c.cache.handoff.runs(s)))
+        handle = c.cache.handoff.export(s)
         self._hold(handle)
-        c.free(s)
+        c.cache.free(s)
         return handle
 
     def restore(self, handle: SwapHandle) -> int:
         """Restore a swapped-out sequence (byte-identical) into a free slot; returns it."""
         c = self._c
         self._check_handle(c, handle)
-        s = c.handoff.load(handle)
+        s = c.cache.handoff.load(handle)
         self._release(handle)
         return s
 
@@ -70,4 +70,4 @@ class Swap:
     def restore_pages(self, handle: SwapHandle) -> int:
         """Pages :meth:`restore` maps for ``handle`` (a window's released pages excluded)."""
         c = self._c
-        return c.handoff.adopt_pages(handle.length, handle.manifest.firsts)
+        return c.cache.handoff.adopt_pages(handle.length, handle.manifest.firsts)

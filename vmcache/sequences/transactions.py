@@ -40,8 +40,8 @@ from vmcache.sequences.tables import RELEASED, PageTables
 class Transactions:
     """The all-or-nothing changes of one :class:`~vmcache.sequences.coordinator.SequenceCache`."""
 
-    def __init__(self, coordinator) -> None:
-        self._c = coordinator
+    def __init__(self, core) -> None:
+        self._c = core
         self.cow_copies = 0  # pages copied on write since construction (owned here)
         self.cow_bytes_copied = 0  # bytes those copies moved (used part of each page only)
         self.pages_mapped_ahead = 0  # pages map_ahead mapped since construction (owned here)
@@ -59,22 +59,22 @@ class Transactions:
         j_from, j_to)`` of ``ext`` for ``s_ext``."""
         c = self._c
         n_ext = sum(len(g.ids) * (j_to - j_from) for g, j_from, j_to in ext)
-        fresh = c._pool.allocate(len(splits) + n_ext)
+        fresh = c.pool.allocate(len(splits) + n_ext)
         undo: list[Callable[[], None]] = []
         replaced: list[tuple[int, int, int, int, int]] = []  # (seq, table, index, old, new)
         extension: list[tuple[PageTables, list[list[int]]]] = []
         if splits:
-            c._sync()  # the old pages are unmapped below: no kernel may still read them
+            c.sync()  # the old pages are unmapped below: no kernel may still read them
         try:
             it = iter(fresh)
             for s, t, j in splits:
-                g = c._group_of[t]
+                g = c.group_of[t]
                 old, new = g.row(s, t)[j], next(it)
-                c._copy_page(old, new, g.used_units(j, c._seqs.length(s)))
-                c._detach(s, t, j, 1)
-                undo.append(lambda s=s, t=t, j=j, old=old: c._attach(s, t, j, [old]))
-                c._attach(s, t, j, [new])
-                undo.append(lambda s=s, t=t, j=j: c._detach(s, t, j, 1))
+                c.copy_page(old, new, g.used_units(j, c.seqs.length(s)))
+                c.detach(s, t, j, 1)
+                undo.append(lambda s=s, t=t, j=j, old=old: c.attach(s, t, j, [old]))
+                c.attach(s, t, j, [new])
+                undo.append(lambda s=s, t=t, j=j: c.detach(s, t, j, 1))
                 replaced.append((s, t, j, old, new))
             for g, j_from, j_to in ext:
                 n = j_to - j_from
@@ -82,21 +82,21 @@ class Transactions:
                     continue
                 rows = [list(islice(it, n)) for _ in g.ids]
                 self.attach_row(s_ext, g.ids, j_from, rows)  # all tables or none
-                undo.append(lambda g=g, j=j_from, n=n: [c._detach(s_ext, t, j, n)
+                undo.append(lambda g=g, j=j_from, n=n: [c.detach(s_ext, t, j, n)
                                                         for t in g.ids])  # fmt: skip
                 extension.append((g, rows))
         except BaseException:
             for f in reversed(undo):
                 f()
-            c._pool.decref(fresh)
+            c.pool.decref(fresh)
             raise
         for s, t, j, _, new in replaced:
-            g = c._group_of[t]
+            g = c.group_of[t]
             g.replace_page(s, t, j, new)
-            self.cow_bytes_copied += g.used_units(j, c._seqs.length(s)) * c.config.page_bytes // g.P
+            self.cow_bytes_copied += g.used_units(j, c.seqs.length(s)) * c.config.page_bytes // g.P
         self.cow_copies += len(replaced)
-        c._changed()
-        c._pool.decref([old for *_, old, _ in replaced])
+        c.changed()
+        c.pool.decref([old for *_, old, _ in replaced])
         for g, rows in extension:
             g.append_pages(s_ext, rows)
 
@@ -120,10 +120,10 @@ class Transactions:
         changed) when the pool is short."""
         c = self._c
         total = sum(len(g.ids) * extra for g, _, extra in plan)
-        if not plan or not c._pool.can_allocate(total):
+        if not plan or not c.pool.can_allocate(total):
             return 0
         try:
-            fresh = iter(c._pool.allocate(total))
+            fresh = iter(c.pool.allocate(total))
         except CacheFull:  # a shared budget's pages went to another process first
             return 0
         rows = [[[next(fresh) for _ in range(extra)] for _ in g.ids] for g, _, extra in plan]
@@ -135,8 +135,8 @@ class Transactions:
         except BaseException:
             for g, first, r in done:
                 for t, pages in zip(g.ids, r):
-                    c._detach(s, t, first, len(pages))
-            c._pool.decref([p for r in rows for row in r for p in row])
+                    c.detach(s, t, first, len(pages))
+            c.pool.decref([p for r in rows for row in r for p in row])
             raise
         for (g, _, _), r in zip(plan, rows):
             g.add_ahead(s, r)
@@ -147,34 +147,34 @@ class Transactions:
         """Unmap and give back the pages mapped ahead of ``s`` (before anything moves its
         row)."""
         c = self._c
-        if not any(g.ahead(s)[0] for g in c._groups):
+        if not any(g.ahead(s)[0] for g in c.groups):
             return
-        c._sync()
-        for g in c._groups:
+        c.sync()
+        for g in c.groups:
             first = g.num_pages(s)
             for t, have in zip(g.ids, g.ahead(s)):
                 if have:
-                    c._detach(s, t, first, len(have))
-            c._pool.decref(g.clear_ahead(s))
+                    c.detach(s, t, first, len(have))
+            c.pool.decref(g.clear_ahead(s))
 
     def release_window(self, s: int, releases) -> None:
         """Unmap and give back each (group, new first index, pages that leave) of
         ``releases``: the pages wholly before each sliding window (minus the rollback
         margin); the sequence's addresses and length stay."""
         c = self._c
-        c._sync()  # no kernel may still read them
+        c.sync()  # no kernel may still read them
         for g, to, pages in releases:
             for t in g.ids:
-                c._detach(s, t, g.first(s), to - g.first(s))
+                c.detach(s, t, g.first(s), to - g.first(s))
             g.release_front(s, to)
-            c._pool.decref(pages)
-        c._changed()
+            c.pool.decref(pages)
+        c.changed()
 
     def open(self, s: int, rows=None) -> None:
         """Empty tables for new sequence ``s`` in every group; or, with ``rows`` (one
         ``(rows, first)`` a group), tables already mapped and refcounted by the caller's
         transaction (:meth:`share`, :meth:`adopt`)."""
-        for i, g in enumerate(self._c._groups):
+        for i, g in enumerate(self._c.groups):
             if rows is None:
                 g.set_rows(s)
             else:
@@ -185,42 +185,42 @@ class Transactions:
         its tables closed. The pages mapped ahead are dropped first."""
         c = self._c
         self.drop_ahead(s)
-        c._sync()
+        c.sync()
         dropped = []
-        for g in c._groups:
+        for g in c.groups:
             for t, j0, pages in g.mapped_runs(s):
-                c._detach(s, t, j0, len(pages))
+                c.detach(s, t, j0, len(pages))
                 dropped += pages
             g.drop_rows(s)
-        c._pool.decref(dropped)
+        c.pool.decref(dropped)
 
     def share(self, s: int, children: list[int]) -> None:
         """Map every page of ``s`` into each of ``children`` (new, empty slots), refcounts +=
         len(children), their tables a copy of its; all or nothing."""
         c = self._c
-        runs = [r for g in c._groups for r in g.mapped_runs(s)]
+        runs = [r for g in c.groups for r in g.mapped_runs(s)]
         undo: list[Callable[[], None]] = []
         try:
             for ch in children:
                 for t, j0, pages in runs:
-                    c._attach(ch, t, j0, pages)
-                    undo.append(lambda ch=ch, t=t, j0=j0, k=len(pages): c._detach(ch, t, j0, k))
+                    c.attach(ch, t, j0, pages)
+                    undo.append(lambda ch=ch, t=t, j0=j0, k=len(pages): c.detach(ch, t, j0, k))
         except BaseException:
             for f in reversed(undo):
                 f()
             raise
-        c._pool.incref([p for _, _, pages in runs for p in pages], len(children))
+        c.pool.incref([p for _, _, pages in runs for p in pages], len(children))
         for ch in children:
-            for g in c._groups:
+            for g in c.groups:
                 g.set_rows(ch, g.rows(s), g.first(s))
 
     def share_rows(self, s: int, rows: list[list[int]]) -> None:
         """New sequence ``s`` of one group maps ``rows`` (cached pages, one list a table) from
         index 0, a reference each."""
         c = self._c
-        (g,) = c._groups
+        (g,) = c.groups
         self.attach_row(s, g.ids, 0, rows)
-        c._pool.incref([p for r in rows for p in r])
+        c.pool.incref([p for r in rows for p in r])
         g.set_rows(s, rows)
 
     def remap(self, plan: list, new: dict, copies: list) -> None:
@@ -229,51 +229,51 @@ class Transactions:
         destination's own page, units, bytes), refcounts moved and each ``new[(dst, group
         index)] = (rows, first)`` the destination's tables."""
         c = self._c
-        c._sync()
+        c.sync()
         undo: list[Callable[[], None]] = []
         try:
             for d, t, ja, old, _, _ in plan:
                 if old:
-                    c._detach(d, t, ja, len(old))
-                    undo.append(lambda d=d, t=t, ja=ja, old=old: c._attach(d, t, ja, old))
+                    c.detach(d, t, ja, len(old))
+                    undo.append(lambda d=d, t=t, ja=ja, old=old: c.attach(d, t, ja, old))
             for d, t, _, _, jb, nw in plan:
                 if nw:
-                    c._attach(d, t, jb, nw)
-                    undo.append(lambda d=d, t=t, jb=jb, n=len(nw): c._detach(d, t, jb, n))
+                    c.attach(d, t, jb, nw)
+                    undo.append(lambda d=d, t=t, jb=jb, n=len(nw): c.detach(d, t, jb, n))
         except BaseException:
             for f in reversed(undo):
                 f()
             raise
         # after every mapping held (nothing left to undo), before any page is released
-        c._copy_pages([(src, dst, units) for src, dst, units, _ in copies])
+        c.copy_pages([(src, dst, units) for src, dst, units, _ in copies])
         self.count_copies(len(copies), sum(b for *_, b in copies))
-        c._pool.incref([p for *_, nw in plan for p in nw])
-        c._pool.decref([p for _, _, _, old, _, _ in plan for p in old])
+        c.pool.incref([p for *_, nw in plan for p in nw])
+        c.pool.decref([p for _, _, _, old, _, _ in plan for p in old])
         for (d, gi), (rows, first) in new.items():
-            c._groups[gi].set_rows(d, rows, first)
+            c.groups[gi].set_rows(d, rows, first)
 
     def cut(self, s: int, length: int) -> None:
         """Unmap and drop the pages of ``s`` past ``length`` tokens (the kept tail page
         stays); the pages mapped ahead first."""
         c = self._c
         self.drop_ahead(s)
-        c._sync()
+        c.sync()
         dropped = []
-        for g in c._groups:
+        for g in c.groups:
             keep = g.pages_for(length)
             for t, j0, pages in g.mapped_runs(s):
                 lo = max(keep, j0)
                 if lo < j0 + len(pages):
-                    c._detach(s, t, lo, j0 + len(pages) - lo)
+                    c.detach(s, t, lo, j0 + len(pages) - lo)
             dropped += g.cut_rows(s, keep)
-        c._pool.decref(dropped)
+        c.pool.decref(dropped)
 
     def adopt(self, s: int, firsts: list[int], length: int) -> None:
         """Empty sequence ``s`` mapped for ``length`` tokens with each group's entries before
         ``firsts[i]`` released (a hand-off's window), all or nothing."""
         c = self._c
         ext = []
-        for g, f in zip(c._groups, firsts):
+        for g, f in zip(c.groups, firsts):
             g.set_rows(s, [[RELEASED] * f for _ in g.ids], f)
             ext.append((g, f, g.pages_for(length)))
         self.split_pages([], s, ext)
@@ -283,9 +283,9 @@ class Transactions:
         done = 0
         try:
             for t, row in zip(tables, pages):
-                self._c._attach(s, t, j0, row)
+                self._c.attach(s, t, j0, row)
                 done += 1
         except BaseException:
             for t, row in reversed(list(zip(tables, pages))[:done]):
-                self._c._detach(s, t, j0, len(row))
+                self._c.detach(s, t, j0, len(row))
             raise
