@@ -298,7 +298,7 @@ def soak(n: int, clients: int = 32, seed: int = 0, cache: str = "vm", new: int =
         def inspect_(e):
             kv = e.kv
             check_invariants(kv)
-            return {"pages_used_after": kv.elastic.used_pages,
+            return {"pages_used_after": kv.capacity.used_pages,
                     "prefix_cached_pages": kv.prefix.index.stats().cached_pages,
                     "sequences_after": len(kv.sequences), "engine_records_after": len(e.outputs),
                     "swap_bytes_held": kv.swap.held_bytes, "invariants": "held"}  # fmt: skip

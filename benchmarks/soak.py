@@ -214,7 +214,7 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 500) -> dict:
             done[op] = done.get(op, 0) + 1
         except CacheFull:
             counts["cachefull"] += 1
-            slots_short = op in ("new", "fork") and c.elastic.free_slots < 3
+            slots_short = op in ("new", "fork") and c.capacity.free_slots < 3
             counts["slots_full" if slots_short else "pool_full"] += 1
         if i % check_every == 0:
             check_all(c, shadow, check, violations, f"op {i}")

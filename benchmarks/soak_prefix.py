@@ -155,7 +155,7 @@ def soak(make, ops: int, seed: int = 0, check_every: int = 200) -> dict:
                 continue
             done[op] = done.get(op, 0) + 1
         except CacheFull:
-            slots_short = op in ("new", "fork") and not c.elastic.free_slots
+            slots_short = op in ("new", "fork") and not c.capacity.free_slots
             counts["slots_full" if slots_short else "pool_full"] += 1
         if i % check_every == 0:
             check_all(c, tokens, check, violations, f"op {i}")

@@ -109,7 +109,7 @@ def pair(rank: int) -> dict:
                     s = arrival.slot
                     out[key] = {"got": content(c, s), "extra": arrival.extra,
                                 "stats": arrival.stats,
-                                "pages": c.elastic.mapped_pages(s)}  # fmt: skip
+                                "pages": c.capacity.mapped_pages(s)}  # fmt: skip
                 c.close()
         out[(kind, "refusals")] = refusals(rank, kind, gen)
     return out
@@ -133,7 +133,7 @@ def refusals(rank, kind, gen) -> dict:
         return res
     c = KINDS[kind]()
     hog = c.new_sequence()  # leaves fewer pages than a 45-token sequence maps
-    while c._pool.num_available >= c.elastic.pages_for_tokens(45):
+    while c._pool.num_available >= c.capacity.pages_for_tokens(45):
         if not c.can_grow(hog, 8):
             hog = c.new_sequence()
         c.grow(hog, 8)

@@ -110,14 +110,14 @@ def built_caches():
 
 
 def test_public_name_counts_are_as_documented():
-    """At most 21 public names a cache class (its members and its instance's attributes), the
+    """At most 22 public names a cache class (its members and its instance's attributes), the
     count DESIGN.md states, and every one of them in the guide's core table."""
     now = design().split("now", 1)[1]
     guide = open(os.path.join(ROOT, "docs", "guide.md")).read()
     table = guide.split("<!-- core-names -->", 1)[1].split("<!-- end: core-names -->", 1)[0]
     for cache in built_caches():
         names = public_names(cache)
-        assert len(names) <= 21, sorted(names)
+        assert len(names) <= 22, sorted(names)
         assert f"`{type(cache).__name__}` {len(names)}" in now, (type(cache).__name__, len(names))
         undocumented = [n for n in names if f"`{n}" not in table]
         assert not undocumented, undocumented
@@ -209,7 +209,8 @@ def test_every_physical_call_is_a_declared_hook():
     core = cache._core
     has = set(vars(core)) | {n for n in vars(Core) if not n.startswith("__")}
     assert {*HOOKS, *COORDINATOR} <= has and set(CACHE_OWN) <= has
-    files = ["transactions", "beams", "elastic", "swap", "handoff", "grow", "prefix", "batch",
+    files = ["transactions", "beams", "elastic", "capacity", "swap", "handoff", "grow", "prefix",
+             "batch",
              "views", "stats", "invariants"]  # fmt: skip
     unknown, private = [], []
     for f in files:

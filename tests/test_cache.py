@@ -214,7 +214,7 @@ def test_lengths_follow_grow_and_free(make_cache, small_spec):
     c.grow(b, 9)
     assert [c.seq_len(a), c.seq_len(b)] == [5, 9] and c.sequences == [a, b]
     c.free(a)
-    assert c.sequences == [b] and c.seq_len(b) == 9 and c.elastic.free_slots == 2
+    assert c.sequences == [b] and c.seq_len(b) == 9 and c.capacity.free_slots == 2
     with pytest.raises(KeyError):
         c.seq_len(a)
 

@@ -113,12 +113,12 @@ def test_nothing_starts_while_asleep(kind):
     s = c.new_sequence()
     fill(c, s, 8, 1)
     c.elastic.sleep()
-    free_slots = c.elastic.free_slots
+    free_slots = c.capacity.free_slots
     with pytest.raises(RuntimeError, match="asleep"):
         c.new_sequence()
     with pytest.raises(RuntimeError, match="asleep"):
         c.new_sequence(prefix_tokens=[1, 2, 3])
-    assert c.elastic.free_slots == free_slots and c.sequences == [s]
+    assert c.capacity.free_slots == free_slots and c.sequences == [s]
     c.elastic.wake()
     assert c.new_sequence() != s
     c.close()

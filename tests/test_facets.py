@@ -1,6 +1,6 @@
 """The cache's shape: a small core and named facets (cache.beams, .swap, .handoff, .elastic,
-.prefix, .views), each in a file that says what of the coordinator it touches; no old names
-kept beside them (0.1.0 was never released)."""
+.capacity, .prefix, .views), each in a file that says what of the core it touches; no old
+names kept beside them (0.1.0 was never released)."""
 
 import os
 
@@ -12,7 +12,8 @@ from vmcache.sequences.invariants import check_invariants
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vmcache", "sequences")
 FACETS = {"beams": "beams.py", "swap": "swap.py", "handoff": "handoff.py",
-          "elastic": "elastic.py", "prefix": "prefix.py", "views": "views.py"}  # fmt: skip
+          "elastic": "elastic.py", "capacity": "capacity.py", "prefix": "prefix.py",
+          "views": "views.py"}  # fmt: skip
 
 
 def filled(kind):
@@ -71,6 +72,8 @@ def test_each_facet_is_an_object_of_the_cache_with_its_calls(kind):
     assert torch.equal(c.kv(0, back)[0], k[:20])
     m = c.handoff.manifest(s)
     assert m.length == 40 and c.handoff.can_adopt(m)
+    assert c.capacity.mapped_pages(s) == c.capacity.pages_for_tokens(40)
+    assert not hasattr(c.elastic, "grow_pages") and not hasattr(c.capacity, "sleep")
     c.elastic.sleep()
     assert c.elastic.asleep and (c.elastic.resident_bytes == 0 or not c.elastic.releases)
     c.elastic.wake()

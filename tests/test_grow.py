@@ -83,12 +83,12 @@ def test_allocate_says_what_it_did_or_none_with_nothing_changed(name):
     small = {"vm": {"pages": 24}, "vm_token_major": {"pages": 12}, "paged": {"blocks": 6}}
     c = FACTORIES[name](**small[name])  # 6 pages a table
     s = c.new_sequence()
-    full = c.elastic.available_pages // c.elastic.pages_for_tokens(1)
-    per_page = c.config.max_seq_len // (c.elastic.pages_for_tokens(c.config.max_seq_len)
-                                        // c.elastic.pages_for_tokens(1))  # fmt: skip
+    full = c.capacity.available_pages // c.capacity.pages_for_tokens(1)
+    per_page = c.config.max_seq_len // (c.capacity.pages_for_tokens(c.config.max_seq_len)
+                                        // c.capacity.pages_for_tokens(1))  # fmt: skip
     got = c.allocate(s, per_page)
     assert got is not None and got.copied == 0 and got.ahead == 0
-    assert got.pages == c.elastic.pages_for_tokens(per_page) == c.elastic.mapped_pages(s)
+    assert got.pages == c.capacity.pages_for_tokens(per_page) == c.capacity.mapped_pages(s)
     (child,) = c.fork(s)
     other = c.new_sequence()
     c.grow(other, per_page * (full - 2))  # what is left: one page per table
@@ -101,10 +101,10 @@ def test_allocate_says_what_it_did_or_none_with_nothing_changed(name):
     c.free(other)
     assert c.can_grow(child, 1)
     got = c.allocate(child, 1, token_ids=[5], ahead=per_page)
-    tables = c.elastic.pages_for_tokens(1)
+    tables = c.capacity.pages_for_tokens(1)
     assert got.copied == 0 and got.pages == tables  # the tail page was full: a new page
     assert got.ahead == tables and c.seq_len(child) == per_page + 1
-    assert c.elastic.mapped_pages(child) == 3 * tables  # shared page, new page, one ahead
+    assert c.capacity.mapped_pages(child) == 3 * tables  # shared page, new page, one ahead
     check_invariants(c)
 
 
@@ -115,7 +115,7 @@ def test_allocate_copies_a_shared_tail_and_validates_first(name):
     c.grow(s, 3)
     (child,) = c.fork(s)
     got = c.allocate(child, 1)
-    assert got.copied == got.pages == c.elastic.pages_for_tokens(1)  # the tail, per table
+    assert got.copied == got.pages == c.capacity.pages_for_tokens(1)  # the tail, per table
     before = _state(c)
     for bad, err in (((child, -1), ValueError), ((child, 1.5), TypeError),
                      ((child, 1, [1, 2]), ValueError), ((99, 1), KeyError)):  # fmt: skip

@@ -166,7 +166,7 @@ def test_prompt_stored_once_for_four_rows(kind, mode):
     kv = cache.kv
     st = kv.stats()
     # four private copies would need 4 × the prompt's pages; the prompt's full pages are shared
-    four_copies = kv.elastic.pages_for_tokens(300) * 4
+    four_copies = kv.capacity.pages_for_tokens(300) * 4
     saved = 1 - st.physical_pages / four_copies
     print(f"{kind} {mode}: {st.physical_pages} physical pages vs {four_copies} for four copies "
           f"({saved:.0%} saved), {st.shared_pages} shared")  # fmt: skip

@@ -35,7 +35,7 @@ def test_assisted_decoding_with_a_draft_model_equals_dynamic_cache(kind):
     assert cache.get_seq_length() == want.shape[1] - 1
     check_invariants(cache.kv)
     mapped = cache.kv.stats().physical_pages
-    assert mapped <= cache.kv.elastic.pages_for_tokens(
+    assert mapped <= cache.kv.capacity.pages_for_tokens(
         want.shape[1]
     )  # rejected drafts' pages returned
 
@@ -49,6 +49,6 @@ def test_prompt_lookup_crops_return_their_pages(kind):
     cache = CACHES[kind](m, 128)
     got = gen(m, cache, **kw)
     assert torch.equal(got, want)
-    assert cache.kv.stats().physical_pages <= cache.kv.elastic.pages_for_tokens(want.shape[1])
+    assert cache.kv.stats().physical_pages <= cache.kv.capacity.pages_for_tokens(want.shape[1])
     check_invariants(cache.kv)
     assert KW in ("cache", "past_key_values")

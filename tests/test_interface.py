@@ -83,7 +83,7 @@ class CacheMachine(RuleBasedStateMachine):
             for s in before[2]:
                 for x, y in zip(before[2][s], after[2][s]):
                     assert torch.equal(x.nan_to_num(7.5), y.nan_to_num(7.5)), op
-            slots = self.c.elastic.free_slots
+            slots = self.c.capacity.free_slots
             kind = "slots full" if op in ("new", "fork") and slots < 3 else "pool full"
             event(f"{op}: {kind}")
             self.seen[kind] += 1

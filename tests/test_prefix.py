@@ -78,7 +78,7 @@ def test_salts_never_share(kind):
 @pytest.mark.parametrize("kind", ["vm", "paged"])
 def test_cached_pages_are_evicted_before_cache_full(kind):
     c = make(kind, pages=16, max_seq_len=512)
-    per_seq = c.elastic.pages_for_tokens(tpp(c))  # one page per table
+    per_seq = c.capacity.pages_for_tokens(tpp(c))  # one page per table
     for i in range(16 // per_seq):  # fill the pool with unreferenced cached pages
         s = c.new_sequence(prefix_tokens=[i] * tpp(c))
         append(c, s, [i] * tpp(c))
@@ -145,7 +145,7 @@ def test_can_grow_does_not_count_a_cached_page_whose_child_is_in_use(kind):
     with pytest.raises(CacheFull):
         c.grow(b, P)
     c.free(a)  # now the whole chain is only the index's: both pages count, and go
-    assert c.prefix.index.reclaimable() == c.elastic.pages_for_tokens(2 * P)
+    assert c.prefix.index.reclaimable() == c.capacity.pages_for_tokens(2 * P)
     assert c.can_grow(b, P)
     c.grow(b, P)
     check_invariants(c)

@@ -129,7 +129,7 @@ def test_salts_stay_apart_in_every_tier(kind, tmp):
 def test_each_tier_evicts_least_recently_used_within_its_byte_limit(kind, tmp):
     probe = cache(kind, None) if kind == "vm" else make(kind, pages=16)
     entry = (
-        probe.elastic.pages_for_tokens(tpp(probe)) * probe.config.page_bytes
+        probe.capacity.pages_for_tokens(tpp(probe)) * probe.config.page_bytes
     )  # one page per table
     # two entries in RAM, two one-entry files on disk
     c = cache(kind, PrefixTiers(2 * entry, disk_dir=tmp, disk_bytes=2 * file_bytes(1, entry)))
@@ -187,7 +187,7 @@ def test_promotion_takes_only_the_room_there_is(kind, tmp):
     P = tpp(c)
     A = [1] * P + [2] * P + [3]
     cached(c, A)
-    per_page = c.elastic.pages_for_tokens(P)
+    per_page = c.capacity.pages_for_tokens(P)
     hog = c.new_sequence()
     c.grow(hog, (c._pool.num_pages // per_page - 1) * P)  # all but one page per table
     assert hit(c, A) == P  # one page of two came back, no CacheFull
@@ -236,7 +236,7 @@ class TieredPrefixMachine(PrefixMachine):
         self.dir = tempfile.mkdtemp(prefix="vmcache-tiers-")
         super().__init__()
         kind = type(self).kind
-        entry = self.c.elastic.pages_for_tokens(tpp(self.c)) * self.c.config.page_bytes
+        entry = self.c.capacity.pages_for_tokens(tpp(self.c)) * self.c.config.page_bytes
         self.c.close()
         pages = 48 if kind == "vm" else 24
         tiers = PrefixTiers(entry, disk_dir=self.dir, disk_bytes=40 * entry)

@@ -147,7 +147,7 @@ def test_a_full_disk_loses_no_page(kind, tmp):
     resource.setrlimit(resource.RLIMIT_FSIZE, (64, hard))  # no tier file fits
     try:
         hog = c.new_sequence()
-        every = (c._pool.num_pages // c.elastic.pages_for_tokens(P)) * P
+        every = (c._pool.num_pages // c.capacity.pages_for_tokens(P)) * P
         with pytest.raises(CacheFull):  # more than the pool: only CacheFull
             c.grow(hog, every + P)
         c.grow(hog, every)  # every page: the evicted ones too (their demotion failed)

@@ -39,11 +39,11 @@ def test_pages_held_at_8k_tokens_are_within_one_page_per_sliding_table_of_the_mi
     while cache.seq_len(s) < LENGTH:
         cache.grow(s, 1)
         n = cache.seq_len(s)
-        over = cache.elastic.mapped_pages(s) - minimum_pages(cache, n)
+        over = cache.capacity.mapped_pages(s) - minimum_pages(cache, n)
         assert 0 <= over <= sliding_tables, (n, over)
         worst = max(worst, over)
     st = cache.stats()
-    assert st.window_released_pages > 0 and st.physical_pages == cache.elastic.mapped_pages(s)
+    assert st.window_released_pages > 0 and st.physical_pages == cache.capacity.mapped_pages(s)
     # the bytes: within one page per sliding table of window_kv_bytes, far below full attention
     assert GEMMA3.window_kv_bytes(LENGTH) <= st.physical_bytes
     assert st.physical_bytes <= GEMMA3.window_kv_bytes(LENGTH) + sliding_tables * st.page_bytes

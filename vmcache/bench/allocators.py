@@ -220,7 +220,7 @@ class CacheAlloc:
         self.uses_ids = cache.prefix.index is not None
         self.last_hit = 0
         self._copied = 0  # bytes copied by forks without sharing
-        self._step_pages = cache.elastic.pages_for_tokens(
+        self._step_pages = cache.capacity.pages_for_tokens(
             1
         )  # pages one token past a boundary needs
 
@@ -237,15 +237,15 @@ class CacheAlloc:
         return self.kv._pool.num_free * self.kv.config.page_bytes
 
     def need_bytes(self, tokens: int) -> int:
-        return self.kv.elastic.pages_for_tokens(tokens) * self.kv.config.page_bytes
+        return self.kv.capacity.pages_for_tokens(tokens) * self.kv.config.page_bytes
 
     def can_admit(self, tokens: int, k: int = 1, growing: int = 0) -> bool:
         kv = self.kv
-        if kv.elastic.free_slots < k:
+        if kv.capacity.free_slots < k:
             return False
-        first = kv.elastic.pages_for_tokens(tokens)
+        first = kv.capacity.pages_for_tokens(tokens)
         forks = (k - 1) * (self._step_pages if self.share else first)
-        return kv.elastic.can_allocate(first + forks + growing * self._step_pages)
+        return kv.capacity.can_allocate(first + forks + growing * self._step_pages)
 
     def cached_tokens(self, ids) -> int:
         return self.kv.prefix.cached_tokens(ids) if self.uses_ids else 0
@@ -307,10 +307,10 @@ class CacheAlloc:
         self.kv.free(h)
 
     def mapped_bytes(self, h: int) -> int:
-        return self.kv.elastic.mapped_pages(h) * self.kv.config.page_bytes
+        return self.kv.capacity.mapped_pages(h) * self.kv.config.page_bytes
 
     def headroom(self, h: int) -> int:
-        return self.kv.elastic.headroom(h)
+        return self.kv.capacity.headroom(h)
 
     def held_bytes(self) -> int:
         """Pages in use, less those only the prefix index holds (a cache, evicted on demand)."""

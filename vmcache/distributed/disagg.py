@@ -92,7 +92,7 @@ def _prefill(engine, requests, dst, group, packed):
     room = torch.zeros(1, dtype=torch.int64)
     dist.recv(room, dst, group)  # the decode worker's pool, in pages
     for r in requests:
-        need = kv.elastic.pages_for_tokens(len(r.prompt)) + 2 * kv.elastic.pages_for_tokens(1)
+        need = kv.capacity.pages_for_tokens(len(r.prompt)) + 2 * kv.capacity.pages_for_tokens(1)
         if need > int(room):
             raise ValueError(f"request {r.req_id!r}: its prompt needs {need} pages on the "
                              f"decode worker, whose pool has {int(room)}")  # fmt: skip
@@ -173,14 +173,14 @@ def _decode(engine, src, group):
     log = HandoffLog()
     sched, kv = engine.scheduler, engine.kv
     ctrl = torch.zeros(2, dtype=torch.int64)
-    dist.send(torch.tensor([kv.elastic.num_pages]), src, group)
+    dist.send(torch.tensor([kv.capacity.num_pages]), src, group)
     done = False
     while not done or sched.has_work():
         if not done:
             dist.recv(ctrl, src, group)
             k, done = int(ctrl[0]), bool(ctrl[1])
             for _ in range(k):
-                headroom = (len(sched.running) + 1) * kv.elastic.pages_for_tokens(1)
+                headroom = (len(sched.running) + 1) * kv.capacity.pages_for_tokens(1)
                 try:
                     arrival = recv_sequence(kv, src, group, headroom_pages=headroom)
                 except CacheFull:
@@ -202,7 +202,7 @@ def _admit(engine, arrival) -> None:
     except (ValueError, TypeError, KeyError, binascii.Error) as exc:
         kv.free(arrival.slot)
         raise ValueError(f"the prefill worker's request description is invalid: {exc}") from exc
-    forks = min(len(entries) - 1, kv.elastic.free_slots)
+    forks = min(len(entries) - 1, kv.capacity.free_slots)
     slots = [arrival.slot] + (kv.fork(arrival.slot, forks) if forks else [])
     engine.records.adopt(req, time.perf_counter())
     for i, (index, tokens, generated, state) in enumerate(entries):

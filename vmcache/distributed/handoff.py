@@ -225,7 +225,7 @@ def recv_sequence(cache, src: int, group=None, *, headroom_pages: int = 0,
         need = cache.handoff.adopt_pages(length, m.manifest.firsts)
         reply(FULL, need)
         raise CacheFull(f"no room for rank {src}'s sequence of {length} tokens",
-                        wanted=need, free=cache.elastic.available_pages)  # fmt: skip
+                        wanted=need, free=cache.capacity.available_pages)  # fmt: skip
 
     def fill(s: int) -> None:
         runs = cache.handoff.runs(s)

@@ -200,9 +200,9 @@ class CompiledRunner:
         """Compile the step's graph on scratch sequences (freed after; nothing else in the
         cache is touched), checking the compiled logits against the eager step's."""
         kv = self.kv
-        if kv.elastic.free_slots < 1:
+        if kv.capacity.free_slots < 1:
             raise ValueError("compile=True warms up on a free sequence slot; the cache has none")
-        two = kv.elastic.free_slots >= 2
+        two = kv.capacity.free_slots >= 2
         a = kv.new_sequence()
         scratch = [a]
         try:

@@ -133,10 +133,10 @@ class Engine:
                              f"max_seq_len {self.kv.config.max_seq_len}")  # fmt: skip
         # a sliding window holds only its last pages: the peak of a grow by one step (a whole
         # prefill or re-prefill chunk) is what must fit
-        peak = self.kv.elastic.peak_pages(total, min(total, self.scheduler.max_batch_tokens))
-        if peak > self.kv.elastic.num_pages:
+        peak = self.kv.capacity.peak_pages(total, min(total, self.scheduler.max_batch_tokens))
+        if peak > self.kv.capacity.num_pages:
             raise ValueError(f"request {req.req_id!r}: {total} tokens need {peak} pages at "
-                             f"once, the pool has {self.kv.elastic.num_pages}")  # fmt: skip
+                             f"once, the pool has {self.kv.capacity.num_pages}")  # fmt: skip
 
     def add_request(self, req: Request, arrival_s: float | None = None) -> None:
         """Queue a request (arrived at ``arrival_s``, a ``time.perf_counter()`` value; now by
@@ -176,7 +176,7 @@ class Engine:
         if not want:
             return []
         sched = self.scheduler
-        free_slots = self.kv.elastic.free_slots
+        free_slots = self.kv.capacity.free_slots
         kids = self.kv.fork(seq.slot, min(want, free_slots)) if free_slots else []
         forked = []
         for i in range(1, want + 1):

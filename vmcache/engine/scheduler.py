@@ -115,8 +115,8 @@ class Scheduler:
         seq.slot = None
 
     def _room(self, pages: int) -> bool:
-        return self.kv.elastic.can_allocate(
-            pages + self._growing * self.kv.elastic.pages_for_tokens(1)
+        return self.kv.capacity.can_allocate(
+            pages + self._growing * self.kv.capacity.pages_for_tokens(1)
         )
 
     def _pick_victim(self, exclude: Seq) -> Seq | None:
@@ -169,7 +169,7 @@ class Scheduler:
             self._lost_race(seq, chunk, batch)
             return False
         batch.append(seq)
-        if self.kv.elastic.headroom(seq.slot) == 0:
+        if self.kv.capacity.headroom(seq.slot) == 0:
             self._growing += 1
         return True
 
@@ -201,7 +201,7 @@ class Scheduler:
             kv.beams.truncate(slot, n - 1)
             hit = n - 1
         chunk = min(n - hit, budget)
-        if not self._room(kv.elastic.grow_pages(slot, chunk)):  # a partial hit: its copy too
+        if not self._room(kv.capacity.grow_pages(slot, chunk)):  # a partial hit: its copy too
             kv.free(slot)
             return 0
         seq.slot, seq.cached = slot, hit
@@ -243,11 +243,11 @@ class Scheduler:
             budget -= n
         if preempted:
             return batch
-        self._growing = sum(1 for s in self.running if self.kv.elastic.headroom(s.slot) == 0)
-        while self.swapped and self.kv.elastic.free_slots:
+        self._growing = sum(1 for s in self.running if self.kv.capacity.headroom(s.slot) == 0)
+        while self.swapped and self.kv.capacity.free_slots:
             seq = self.swapped[0]
             if not self._room(
-                self.kv.swap.restore_pages(seq.swap) + self.kv.elastic.pages_for_tokens(1)
+                self.kv.swap.restore_pages(seq.swap) + self.kv.capacity.pages_for_tokens(1)
             ):
                 break
             seq.slot = self.kv.swap.restore(seq.swap)
@@ -257,7 +257,7 @@ class Scheduler:
                 return batch
             budget = max(budget - seq.chunk, 0)
         i = 0
-        while i < len(self.waiting) and self.kv.elastic.free_slots and budget > 0:
+        while i < len(self.waiting) and self.kv.capacity.free_slots and budget > 0:
             seq = self.waiting[i]
             if self._waits_for_prefix(seq):
                 self.stats.prefix_waits += 1

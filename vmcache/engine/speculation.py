@@ -52,7 +52,7 @@ class Speculation:
         if isinstance(drafter, DraftModel) and (drafter.vocab != vocab or drafter.kv is cache):
             raise ValueError(f"a draft model needs the target's vocabulary ({drafter.vocab} vs "
                              f"{vocab}) and its own cache")  # fmt: skip
-        margin = cache.elastic.rollback_margin  # None: no sliding window
+        margin = cache.capacity.rollback_margin  # None: no sliding window
         if drafter.branches > 1 and margin is not None:
             raise ValueError("token trees (branches > 1) are not supported with sliding "
                              "windows: a branch forks back past the draft margin")  # fmt: skip
@@ -74,7 +74,7 @@ class Speculation:
                 room = min(p.max_new_tokens - len(seq.generated) - 1,
                            self.kv.config.max_seq_len - len(seq.tokens))  # fmt: skip
                 seq.spec_k = drafter.next_k(seq.spec_k, seq.spec_accepted)
-                seq.mapped_at_draft = self.kv.elastic.mapped_pages(seq.slot)
+                seq.mapped_at_draft = self.kv.capacity.mapped_pages(seq.slot)
                 items.append((seq, min(room, seq.spec_k)))
         if drafter.branches == 1:
             for (seq, _), d in zip(items, drafter.draft(items)):
@@ -125,10 +125,10 @@ class Speculation:
         seq.tokens, seq.draft, seq.tree = seq.tokens[: base + seq.chunk], 0, None
         q = self.drafter.draft_probs(seq)
         q = None if q is None else [None, *q[: len(nodes) - 1]]
-        owner, mapped = [0] * len(nodes), kv.elastic.mapped_pages(seq.slot)
+        owner, mapped = [0] * len(nodes), kv.capacity.mapped_pages(seq.slot)
         if forks:
             kids, kid_rows = forks
-            mapped += sum(kv.elastic.mapped_pages(kid) for kid, _ in kids)
+            mapped += sum(kv.capacity.mapped_pages(kid) for kid, _ in kids)
             nodes, parents, rows, owner = tree.with_forks(nodes, parents, rows, kids, kid_rows)
         path, token = verify_tree(rows, nodes, parents, p.temperature, p.top_k, seq.generator,
                                   q, p.top_p, p.min_p)  # fmt: skip

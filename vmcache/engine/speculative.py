@@ -300,7 +300,7 @@ class DraftModel:
     def _slot(self, seq):
         key = id(seq)
         if key not in self._slots:
-            if not self.kv.elastic.free_slots:
+            if not self.kv.capacity.free_slots:
                 return None
             self._slots[key] = (seq, self.kv.new_sequence())
             self._lens[key] = 0

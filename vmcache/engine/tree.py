@@ -52,7 +52,7 @@ def fork_branches(kv, seq) -> list[tuple[int, list[int]]]:
     base, t = seq.cached, seq.tokens[seq.cached]
     out = []
     for chain in seq.branches:
-        if not kv.elastic.free_slots:
+        if not kv.capacity.free_slots:
             break
         (kid,) = kv.fork(seq.slot)
         kv.beams.truncate(kid, base)  # the main chain's positions are not this branch's

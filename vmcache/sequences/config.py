@@ -1,6 +1,6 @@
 """CacheConfig: what a cache was built with beside its model shape (:class:`KVSpec`), one
 frozen record for both caches (``cache.config``). The arithmetic a scheduler plans with
-lives on ``cache.elastic``; the kernels' views on ``cache.views``."""
+lives on ``cache.capacity``; the kernels' views on ``cache.views``."""
 
 from __future__ import annotations
 

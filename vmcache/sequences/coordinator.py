@@ -34,6 +34,7 @@ from vmcache.prefix.tiers.digest import salt_bytes
 from vmcache.sequences import grow
 from vmcache.sequences.batch import StepBatch
 from vmcache.sequences.beams import Beams, fork
+from vmcache.sequences.capacity import Capacity
 from vmcache.sequences.config import CacheConfig
 from vmcache.sequences.core import CACHE_OWN, COORDINATOR, HOOKS, Core
 from vmcache.sequences.elastic import Elastic
@@ -55,9 +56,10 @@ class SequenceCache(PhysicalHooks):
     ``close``; ``spec`` and ``config``; and named facets for the rest, each an object with its
     own file and a docstring saying what of the coordinator it touches: ``beams`` (assign,
     truncate, write_group), ``swap`` (out, restore), ``handoff`` (manifest, runs, adopt,
-    export, load), ``elastic`` (trim, set_limit, sleep, wake, headroom, admission
-    arithmetic), ``prefix`` (the index, publish, cached_tokens) and ``views`` (what kernels
-    read; each cache makes its own). Everything else is private: 21 public names in all."""
+    export, load), ``elastic`` (trim, set_limit, sleep, wake), ``capacity`` (the admission
+    arithmetic: pages used, free, a grow's, a sequence's, headroom), ``prefix`` (the index,
+    publish, cached_tokens) and ``views`` (what kernels read; each cache makes its own).
+    Everything else is private: 22 public names in all."""
 
     _releases_memory = False  # whether trim / sleep give physical pages back (the caches set it)
     _copies_moves = False  # whether beams.assign copies a page it would move (the caches set it)
@@ -92,6 +94,7 @@ class SequenceCache(PhysicalHooks):
         self.beams = Beams(core)  # facet
         self.handoff = Handoff(core)  # facet
         self.elastic = Elastic(core)  # facet; owns what a sleep keeps
+        self.capacity = Capacity(core)  # facet; reads only
         self.prefix = Prefix(core, prefix_caching, prefix_tiers)  # facet; owns the index
         # fp32 [N_L, 2, N_KV] head scales of FP8/INT8 K/V (None: stored as computed, or per
         # token in each row); the spec's, on the device for the kernels; never changed
@@ -121,7 +124,7 @@ class SequenceCache(PhysicalHooks):
         return layer
 
     def _pages_for_tokens(self, n: int) -> int:
-        """Pages a new sequence of ``n`` tokens maps (every table): ``elastic.pages_for_tokens``."""
+        """Pages a new sequence of ``n`` tokens maps (every table): for ``capacity``."""
         return sum(len(g.ids) * g.pages_for(n) for g in self._groups)
 
     def seq_len(self, s: int) -> int:

@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     kv = loop.engine.kv
     print(f"vmcache-server: model {server.limits.model!r}, cache {args.cache} "
           f"({type(kv).__name__}), kv dtype {kv.spec.storage_dtype}, "
-          f"{kv.elastic.num_pages} pages of {kv.config.page_bytes} bytes, "
+          f"{kv.capacity.num_pages} pages of {kv.config.page_bytes} bytes, "
           f"max_seqs {kv.config.max_seqs}, "
           f"max_seq_len {kv.config.max_seq_len}, prefix caching "
           f"{'off' if args.no_prefix_caching else 'on'}, preemption {args.preemption}, "

@@ -46,7 +46,7 @@ def cache_config(engine) -> dict[str, str]:
     kv = engine.kv
     cfg = kv.config
     return {"cache": type(kv).__name__, "page_bytes": str(cfg.page_bytes),
-            "num_pages": str(kv.elastic.num_pages), "max_seqs": str(cfg.max_seqs),
+            "num_pages": str(kv.capacity.num_pages), "max_seqs": str(cfg.max_seqs),
             "max_seq_len": str(cfg.max_seq_len), "kv_dtype": str(kv.spec.storage_dtype),
             "prefix_caching": str(kv.prefix.enabled).lower(),
             "max_batch_tokens": str(engine.scheduler.max_batch_tokens)}  # fmt: skip
