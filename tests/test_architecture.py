@@ -295,3 +295,27 @@ def test_the_cache_layer_reaches_few_private_names_of_other_objects():
                     continue
                 found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
     assert len(found) <= 20, found
+
+
+def test_pages_are_mapped_in_one_undo_log():
+    """Every map of a page run (the ``attach`` hook) is made by Transactions.map_steps, the
+    one undo log: no other function of the cache layer maps pages (and so none keeps a
+    rollback of its own)."""
+    found = []
+    for name, path in modules().items():
+        if not name.startswith(("vmcache.sequences", "vmcache.paged_fallback")):
+            continue
+        tree = ast.parse(open(path).read())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            for node in ast.walk(fn):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                    continue
+                recv = getattr(node.func.value, "id", None)  # the hook, not prefix.attach
+                hook = (recv in ("c", "core") and node.func.attr == "attach") or (
+                    recv == "self" and node.func.attr == "_attach"
+                )
+                if hook:
+                    found.append(f"{name}.{fn.name}")
+    assert set(found) == {"vmcache.sequences.transactions.map_steps"}, found

@@ -297,22 +297,13 @@ class VMKVCache(SequenceCache):
         """After the pool created ``live`` again at their window slots (their bytes written by
         :meth:`_wake_fill` as they were created): every sequence's pages mapped where they
         were; all or nothing."""
-        done = []
-        try:
-            stager, self._stager = self._stager, None
-            if stager is not None:
-                stager.finish()
-            elif saved is not None:
-                self._write_pages(live, saved)
-            for s in self.sequences:
-                for g in self._groups:
-                    for t, j0, pages in g.mapped_runs(s):
-                        self._attach(s, t, j0, pages)
-                        done.append((s, t, j0, len(pages)))
-        except BaseException:
-            for s, t, j0, n in reversed(done):
-                self._detach(s, t, j0, n)
-            raise
+        stager, self._stager = self._stager, None
+        if stager is not None:
+            stager.finish()
+        elif saved is not None:
+            self._write_pages(live, saved)
+        runs = [(s, *r) for s in self.sequences for g in self._groups for r in g.mapped_runs(s)]
+        self._tx.map_steps([(s, t, j0, pages, True) for s, t, j0, pages in runs])
 
     # --- lifetime ----------------------------------------------------------------------
     def close(self) -> None:

@@ -18,6 +18,7 @@ that cannot fail.
     cut(s, length)                     pages past a length dropped
     adopt(s, firsts, length)           a hand-off's sequence mapped, its window released
     attach_row(s, tables, j0, rows)    one run of pages into several tables, or none
+    map_steps(steps)                   the one undo log: runs mapped and unmapped, all or none
 
 An object the coordinator holds (``cache._tx``), not a base class: it declares what it
 touches. Touches: the pool (allocate, incref, decref), the page-table groups (every write
@@ -30,7 +31,6 @@ token id or salt (``Slots`` does).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from itertools import islice
 
 from vmcache.errors import CacheFull
@@ -60,34 +60,28 @@ class Transactions:
         c = self._c
         n_ext = sum(len(g.ids) * (j_to - j_from) for g, j_from, j_to in ext)
         fresh = c.pool.allocate(len(splits) + n_ext)
-        undo: list[Callable[[], None]] = []
         replaced: list[tuple[int, int, int, int, int]] = []  # (seq, table, index, old, new)
         extension: list[tuple[PageTables, list[list[int]]]] = []
+        steps: list[tuple] = []
         if splits:
             c.sync()  # the old pages are unmapped below: no kernel may still read them
         try:
             it = iter(fresh)
-            for s, t, j in splits:
+            for s, t, j in splits:  # each shared page's bytes into its copy, then remapped
                 g = c.group_of[t]
                 old, new = g.row(s, t)[j], next(it)
                 c.copy_page(old, new, g.used_units(j, c.seqs.length(s)))
-                c.detach(s, t, j, 1)
-                undo.append(lambda s=s, t=t, j=j, old=old: c.attach(s, t, j, [old]))
-                c.attach(s, t, j, [new])
-                undo.append(lambda s=s, t=t, j=j: c.detach(s, t, j, 1))
+                steps += [(s, t, j, [old], False), (s, t, j, [new], True)]
                 replaced.append((s, t, j, old, new))
             for g, j_from, j_to in ext:
                 n = j_to - j_from
                 if not n:  # a grow within the pages it has
                     continue
                 rows = [list(islice(it, n)) for _ in g.ids]
-                self.attach_row(s_ext, g.ids, j_from, rows)  # all tables or none
-                undo.append(lambda g=g, j=j_from, n=n: [c.detach(s_ext, t, j, n)
-                                                        for t in g.ids])  # fmt: skip
+                steps += [(s_ext, t, j_from, row, True) for t, row in zip(g.ids, rows)]
                 extension.append((g, rows))
+            self.map_steps(steps)
         except BaseException:
-            for f in reversed(undo):
-                f()
             c.pool.decref(fresh)
             raise
         for s, t, j, _, new in replaced:
@@ -127,15 +121,10 @@ class Transactions:
         except CacheFull:  # a shared budget's pages went to another process first
             return 0
         rows = [[[next(fresh) for _ in range(extra)] for _ in g.ids] for g, _, extra in plan]
-        done = []
         try:
-            for (g, first, _), r in zip(plan, rows):
-                self.attach_row(s, g.ids, first, r)
-                done.append((g, first, r))
+            self.map_steps([(s, t, first, row, True) for (g, first, _), r in zip(plan, rows)
+                            for t, row in zip(g.ids, r)])  # fmt: skip
         except BaseException:
-            for g, first, r in done:
-                for t, pages in zip(g.ids, r):
-                    c.detach(s, t, first, len(pages))
             c.pool.decref([p for r in rows for row in r for p in row])
             raise
         for (g, _, _), r in zip(plan, rows):
@@ -199,16 +188,7 @@ class Transactions:
         len(children), their tables a copy of its; all or nothing."""
         c = self._c
         runs = [r for g in c.groups for r in g.mapped_runs(s)]
-        undo: list[Callable[[], None]] = []
-        try:
-            for ch in children:
-                for t, j0, pages in runs:
-                    c.attach(ch, t, j0, pages)
-                    undo.append(lambda ch=ch, t=t, j0=j0, k=len(pages): c.detach(ch, t, j0, k))
-        except BaseException:
-            for f in reversed(undo):
-                f()
-            raise
+        self.map_steps([(ch, t, j0, pages, True) for ch in children for t, j0, pages in runs])
         c.pool.incref([p for _, _, pages in runs for p in pages], len(children))
         for ch in children:
             for g in c.groups:
@@ -230,20 +210,10 @@ class Transactions:
         index)] = (rows, first)`` the destination's tables."""
         c = self._c
         c.sync()
-        undo: list[Callable[[], None]] = []
-        try:
-            for d, t, ja, old, _, _ in plan:
-                if old:
-                    c.detach(d, t, ja, len(old))
-                    undo.append(lambda d=d, t=t, ja=ja, old=old: c.attach(d, t, ja, old))
-            for d, t, _, _, jb, nw in plan:
-                if nw:
-                    c.attach(d, t, jb, nw)
-                    undo.append(lambda d=d, t=t, jb=jb, n=len(nw): c.detach(d, t, jb, n))
-        except BaseException:
-            for f in reversed(undo):
-                f()
-            raise
+        self.map_steps(
+            [(d, t, ja, old, False) for d, t, ja, old, _, _ in plan if old]
+            + [(d, t, jb, nw, True) for d, t, _, _, jb, nw in plan if nw]
+        )
         # after every mapping held (nothing left to undo), before any page is released
         c.copy_pages([(src, dst, units) for src, dst, units, _ in copies])
         self.count_copies(len(copies), sum(b for *_, b in copies))
@@ -280,12 +250,26 @@ class Transactions:
 
     def attach_row(self, s: int, tables, j0: int, pages: list[list[int]]) -> None:
         """Map ``pages[i]`` at index ``j0`` of table ``tables[i]`` of ``s``: all or nothing."""
-        done = 0
+        self.map_steps([(s, t, j0, row, True) for t, row in zip(tables, pages)])
+
+    def map_steps(self, steps: list[tuple]) -> None:
+        """The cache's one undo log: run ``steps`` in order, all or none. A step ``(s, t, j0,
+        pages, attach)`` maps ``pages`` at index ``j0`` of table ``t`` of ``s`` (``attach``)
+        or unmaps the run of them there; on an error the steps done are undone in reverse
+        (an unmapped run mapped back, a mapped one unmapped) and the error propagates."""
+        c, done = self._c, []
         try:
-            for t, row in zip(tables, pages):
-                self._c.attach(s, t, j0, row)
-                done += 1
+            for step in steps:
+                s, t, j0, pages, attach = step
+                if attach:
+                    c.attach(s, t, j0, pages)
+                else:
+                    c.detach(s, t, j0, len(pages))
+                done.append(step)
         except BaseException:
-            for t, row in reversed(list(zip(tables, pages))[:done]):
-                self._c.detach(s, t, j0, len(row))
+            for s, t, j0, pages, attach in reversed(done):
+                if attach:
+                    c.detach(s, t, j0, len(pages))
+                else:
+                    c.attach(s, t, j0, pages)
             raise
