@@ -14,7 +14,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from vmcache import KVSpec, VMKVCache
 from vmcache.engine import Engine, Request, SamplingParams
-from vmcache.engine.speculative import target_probs
+from vmcache.engine.drafts import target_probs
 from vmcache.sequences.invariants import check_invariants
 
 CFG = LlamaConfig(

@@ -5,12 +5,12 @@ models keep the target distribution (statistical tests that a wrong verifier fai
 
 import pytest
 import torch
+from test_drafts import draft_cache, draft_llama, repeating, run
 from test_engine import make, model, requests  # noqa: F401
-from test_speculative import draft_cache, draft_llama, repeating, run
 
 from vmcache.engine import DraftModel, NgramDrafter, Request, SamplingParams
+from vmcache.engine.drafts import target_probs, verify, verify_tree
 from vmcache.engine.runner import ModelRunner
-from vmcache.engine.speculative import target_probs, verify, verify_tree
 from vmcache.engine.tree import flatten
 from vmcache.sequences.invariants import check_invariants
 

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 import torch
 
 from vmcache.engine.compiled import CompiledRunner
+from vmcache.engine.drafts import DraftModel, NgramDrafter
 from vmcache.engine.logits import pick, record_prompt_logprobs
 from vmcache.engine.records import Records
 from vmcache.engine.request import Request, Seq, Status, model_eos_ids
 from vmcache.engine.runner import ModelRunner
 from vmcache.engine.scheduler import Scheduler
 from vmcache.engine.speculation import Speculation
-from vmcache.engine.speculative import DraftModel, NgramDrafter
 from vmcache.engine.stats import EngineStats
 from vmcache.errors import CacheFull
 
@@ -60,7 +60,7 @@ class Engine:
         that many (elastic memory: an engine sharing a device's budget returns what it does
         not use); None keeps every page it created. ``speculative``: draft tokens for every
         decoding sequence and verify them in the next step
-        (:mod:`vmcache.engine.speculative`); a sliding-window cache must keep
+        (:mod:`vmcache.engine.drafts`); a sliding-window cache must keep
         ``rollback_tokens`` ≥ its ``k`` (a rejected draft is truncated away). ``compile``:
         run the model's forward compiled (:mod:`vmcache.engine.compiled`: warmed up here,
         ``runner.startup_s`` long; ``ValueError`` with the reason where it cannot).

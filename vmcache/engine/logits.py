@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vmcache.engine.speculative import sample
+from vmcache.engine.drafts import sample
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 (:meth:`~Speculation.drop_unscheduled`) and in postprocessing (:meth:`~Speculation.verify`:
 the target's rows walk the drafts, the accepted path is kept, the rest rolled back), with its
 own counters (:class:`SpeculationStats`). The drafters themselves and the sampling math are in
-:mod:`vmcache.engine.speculative`; token trees' page work in :mod:`vmcache.engine.tree`.
+:mod:`vmcache.engine.drafts`; token trees' page work in :mod:`vmcache.engine.tree`.
 
     step k:    propose  →  schedule  →  run (every draft's logits)  →  verify → emit tokens
     seq.tokens: [... context | root | d1 d2 d3 ]      seq.cached = position of the root
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from vmcache.engine import tree
+from vmcache.engine.drafts import DraftModel, NgramDrafter, verify_tree
 from vmcache.engine.request import Seq, Status
-from vmcache.engine.speculative import DraftModel, NgramDrafter, verify_tree
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Token trees: several draft chains per sequence, verified in one target step, built two ways.
 
 The drafter's chains hang from the sequence's last token t. Both ways verify the same tree
-(:func:`~vmcache.engine.speculative.verify_tree`: greedy, or rejection sampling that keeps the
+(:func:`~vmcache.engine.drafts.verify_tree`: greedy, or rejection sampling that keeps the
 target distribution) and differ in where the branches' K/V live:
 
 **mask** (one sequence, a tree mask): every chain is appended to the sequence's own range in

@@ -1,7 +1,8 @@
-"""Speculative decoding in the engine: draft a few tokens per decoding sequence, verify them all
-in the next target step (packed with the other sequences' prefills and decodes), keep the
-longest accepted run plus one token of the target's own, and roll the rejected ones back
-(``cache.beams.truncate``: the pages past the new length unmapped and returned, nothing copied).
+"""Drafts for speculative decoding (the engine's stage around them is :mod:`.speculation`):
+draft a few tokens per decoding sequence, verify them all in the next target step (packed with
+the other sequences' prefills and decodes), keep the longest accepted run plus one token of the
+target's own, and roll the rejected ones back (``cache.beams.truncate``: the pages past the new
+length unmapped and returned, nothing copied).
 
     tokens:   ... t  | d1 d2 d3        a step feeds t and the drafts (4 positions, one step)
     logits:          | r0 r1 r2 r3     r_i: the target's next-token logits after position i

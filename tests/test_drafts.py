@@ -11,7 +11,7 @@ from test_engine import LONG, MIXED, make, model, prefix_vm, reference, requests
 
 from vmcache import KVSpec, VMKVCache
 from vmcache.engine import DraftModel, Engine, NgramDrafter, Request, SamplingParams
-from vmcache.engine.speculative import target_probs, verify
+from vmcache.engine.drafts import target_probs, verify
 from vmcache.paged_fallback import PagedKVCache
 from vmcache.sequences.invariants import check_invariants
 
