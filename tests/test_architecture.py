@@ -319,3 +319,33 @@ def test_pages_are_mapped_in_one_undo_log():
                 if hook:
                     found.append(f"{name}.{fn.name}")
     assert set(found) == {"vmcache.sequences.transactions.map_steps"}, found
+
+
+def test_the_scheduler_alone_writes_its_queues_and_each_sequences_scheduling_fields():
+    """The waiting / running / swapped queues and a sequence's slot, cached, status, chunk
+    and admitted_at are assigned or mutated in vmcache/engine/scheduler.py alone (the engine,
+    speculation, token trees and the disaggregated receiver call its methods)."""
+    queues = {"waiting", "running", "swapped"}
+    fields = {"slot", "cached", "status", "chunk", "admitted_at"}
+    found = []
+    for name, path in modules().items():
+        if name == "vmcache.engine.scheduler" or not name.startswith(
+            ("vmcache.engine", "vmcache.distributed", "vmcache.server")
+        ):
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+            for t in flat:
+                own = isinstance(t, ast.Attribute) and getattr(t.value, "id", None) == "self"
+                if isinstance(t, ast.Attribute) and t.attr in fields | queues and not own:
+                    found.append(f"{name}:{node.lineno} {ast.unparse(t)}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                q = node.func.value
+                if isinstance(q, ast.Attribute) and q.attr in queues:
+                    found.append(f"{name}:{node.lineno} {ast.unparse(node.func)}")
+    assert not found, found

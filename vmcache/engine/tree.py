@@ -119,7 +119,6 @@ def settle_forks(kv, seq, path: list[int], owner: list[int], kids) -> int:
         kid, chain = kids[win - 1]
         kv.beams.assign([seq.slot], [kid])
         seq.tokens[base + 1 :] = chain
-        seq.chunk = 1 + len(chain)
     for kid, _ in kids:
         kv.free(kid)
     return win
