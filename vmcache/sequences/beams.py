@@ -88,7 +88,7 @@ class Beams:
         if len(set(dsts)) != len(dsts):
             raise ValueError(f"assign destinations must be distinct, got {dsts}")
         for d in dsts:
-            c.drop_ahead(d)  # the rows are about to be remapped
+            c.tx.drop_ahead(d)  # the rows are about to be remapped
         new = {(d, gi): (g.rows(s), g.first(s)) for d, s in zip(dsts, srcs)
                for gi, g in enumerate(c.groups)}  # fmt: skip
         # (dst, table, detach from, old pages, attach from, new pages)

@@ -322,9 +322,6 @@ class SequenceCache(PhysicalHooks):
         the plan :meth:`allocate` would build, as a pure query."""
         return grow.can_grow(self._core, s, n)
 
-    def _drop_ahead(self, s: int) -> None:
-        self._tx.drop_ahead(s)
-
     # --- stats -------------------------------------------------------------------------
     def stats(self) -> CacheStats:
         return collect_stats(self._core)

@@ -24,7 +24,7 @@ HOOKS = ("attach", "detach", "page", "copy_page", "copy_pages", "tables_of_layer
          "wake_fill")  # fmt: skip
 COORDINATOR = ("check_seq", "check_layer", "open", "set_len", "pages_for_tokens",
                "window_start", "page_table", "write_splits", "check_write", "encode", "decode",
-               "kv_scales_for", "drop_ahead")  # fmt: skip
+               "kv_scales_for")  # fmt: skip
 CACHE_OWN = ("layer_view", "layer_row_tokens", "block_pool", "table_of_layer")
 
 

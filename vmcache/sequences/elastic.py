@@ -15,7 +15,7 @@ processes share; ``set_limit`` then does not apply (the ledger's limits do). Pag
 ahead (the cache's ``allocate(s, n, ahead=k)``, :mod:`.grow`) are dropped by a sleep.
 
 Touches, through the core it is handed (:mod:`.core`): the pool (budget, trim, release_all /
-recreate), the pages mapped ahead (``drop_ahead``), ``sync``, and the cache's sleep hooks
+recreate), the pages mapped ahead (``tx.drop_ahead``), ``sync``, and the cache's sleep hooks
 (``release_all``, ``restore_all``, ``wake_fill``, ``device_bytes``); the prefix index only to
 ``forget`` it on a sleep that keeps nothing.
 """
@@ -99,7 +99,7 @@ class Elastic:
         if c.pool.asleep:
             raise RuntimeError("the cache is already asleep")
         for s in c.cache.sequences:
-            c.drop_ahead(s)  # pages mapped ahead: nothing to keep
+            c.tx.drop_ahead(s)  # pages mapped ahead: nothing to keep
         if keep == "none" and c.cache.prefix.index is not None:
             c.cache.prefix.index.forget()  # cached K/V would read zeros (the tiers keep theirs)
         c.sync()

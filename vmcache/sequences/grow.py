@@ -17,7 +17,7 @@ outside the page table:
     ahead:                           | r0 |       mapped at index 3, taken by the next grow
 
 A grow takes them first; ``free``, ``assign``, ``truncate`` and ``swap.out`` give them back
-first (:func:`drop_ahead`). Functions of the core ``c`` (:mod:`.core`): every change goes through
+first (``tx.drop_ahead``). Functions of the core ``c`` (:mod:`.core`): every change goes through
 its transactional core (``c.tx``).
 """
 

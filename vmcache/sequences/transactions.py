@@ -159,15 +159,11 @@ class Transactions:
             c.pool.decref(pages)
         c.changed()
 
-    def open(self, s: int, rows=None) -> None:
-        """Empty tables for new sequence ``s`` in every group; or, with ``rows`` (one
-        ``(rows, first)`` a group), tables already mapped and refcounted by the caller's
-        transaction (:meth:`share`, :meth:`adopt`)."""
-        for i, g in enumerate(self._c.groups):
-            if rows is None:
-                g.set_rows(s)
-            else:
-                g.set_rows(s, *rows[i])
+    def open(self, s: int) -> None:
+        """Empty tables for new sequence ``s`` in every group (:meth:`share`, :meth:`adopt`
+        and :meth:`share_rows` set the tables of the sequences they map)."""
+        for g in self._c.groups:
+            g.set_rows(s)
 
     def close(self, s: int) -> None:
         """Unmap every page of ``s`` and drop its references (pages at 0 go back to the pool);
