@@ -9,6 +9,7 @@ import pytest
 import torch
 from caches import strict_host
 from test_engine import CFG, SPEC, make, prefix_vm, requests
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from transformers import LlamaForCausalLM
 
 from vmcache import KVSpec, VMKVCache, kernels
@@ -59,6 +60,35 @@ def test_compiled_tokens_equal_eager_and_nothing_recompiles(model, kind, pages):
     assert engine.stats.steps > len(SHAPES)
     check_invariants(kv)
     assert model.config._attn_implementation != "vmcache_compiled_step"  # restored
+
+
+class _CountGemms(CustomGraphPass):
+    """inductor's last graph pass: counts the linear layers' weights packed for oneDNN in the
+    graphs it lowers (one a GEMM: some GEMMs are lowered already, fused with an add)."""
+
+    def __init__(self) -> None:
+        self.gemms = 0
+
+    def __call__(self, graph) -> None:
+        self.gemms += sum(n.op == "get_attr" and n.name.startswith("_reorder_linear_weight")
+                          for n in graph.nodes)  # fmt: skip
+
+    def uuid(self):
+        return None  # never served from inductor's cache: this pass must see the graph
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+def test_projections_sharing_an_input_run_as_one_gemm(model):
+    """q, k and v become one GEMM, gate and up another (inductor's concat-linear pass on the
+    frozen weights): 4 GEMMs a layer, and the lm_head's, in the one graph of the step."""
+    fresh = copy.deepcopy(model)  # a model of its own: its graph is compiled here
+    count = _CountGemms()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=count):
+        engine = Engine(fresh, make("vm", 40), compile=True)
+    assert engine.runner.compiles == 1
+    assert count.gemms == 4 * CFG.num_hidden_layers + 1
+    reqs = requests([(9, 4), (3, 4)], seed=5)
+    assert outputs(engine, reqs) == outputs(Engine(fresh, make("vm", 40)), reqs)
 
 
 def test_prefix_caching_and_swap_under_the_compiled_step(model):
