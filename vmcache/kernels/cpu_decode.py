@@ -177,10 +177,71 @@ def serves(q: torch.Tensor, kv_dtype: torch.dtype) -> bool:
             and available()[0])  # fmt: skip
 
 
+class DecodeRows:
+    """One step's decodes planned once for every layer (plan, then run): ``read`` and
+    ``kv_lens`` checked and made contiguous, the parts chosen, the scratch allocated; then
+    :meth:`__call__` once a layer, with that layer's queries and place in the store.
+
+    read     int64 ``[B, S]``: row of sequence b's position j (read only for j < kv_len)
+    kv_lens  int64 ``[B]``, each in [1, S]
+    rows     how many rows each layer's K (and V) has: every read index is below it
+    heads    N_Q, the query heads; dim: d_h
+    """
+
+    def __init__(self, read: torch.Tensor, kv_lens: torch.Tensor, rows: int, heads: int,
+                 dim: int) -> None:  # fmt: skip
+        k = kernel()
+        if k.fn is None:
+            raise RuntimeError(f"the CPU decode kernel is not available: {k.reason}")
+        if read.dim() != 2 or read.shape[0] < 1 or heads < 1 or dim < 1:
+            raise ValueError(f"shapes do not agree: read {list(read.shape)}, {heads} heads "
+                             f"of {dim}")  # fmt: skip
+        b, span = read.shape
+        lens = kv_lens.to(torch.int64).contiguous()
+        if lens.shape != (b,) or int(lens.min()) < 1 or int(lens.max()) > span:
+            raise ValueError(f"kv_lens must be {b} lengths in [1, {span}]")
+        read = read.to(torch.int64).contiguous()
+        if int(read.min()) < 0 or int(read.max()) >= rows:
+            raise ValueError(f"read indices must be rows in [0, {rows})")
+        self.fn, self.read, self.lens, self.rows = k.fn, read, lens, rows
+        self.shape = (b, heads, dim)  # the queries' [B, N_Q, d_h]
+        self.threads = torch.get_num_threads()
+        # parts a sequence: enough tasks for every thread, none under MIN_PART_ROWS rows
+        self.parts = max(1, min(-(-2 * self.threads // b), span // MIN_PART_ROWS))
+        self.scratch = torch.empty(b * span * heads, dtype=torch.float32)
+        self.partial = torch.empty(b * self.parts * heads * (dim + 2), dtype=torch.float32)
+
+    def __call__(self, q: torch.Tensor, store: torch.Tensor, layout: tuple[int, int, int, int],
+                 scale: float) -> torch.Tensor:  # fmt: skip
+        """q float32 ``[B, N_Q, d_h]`` (one query a sequence), store float32 ``[E]``
+        contiguous, layout (rows, R, K's offset, V's offset) in elements, R = N_KV · d_h
+        → float32 ``[B, N_Q, d_h]``."""
+        rows, width, k_at, v_at = layout
+        b, heads, dim = self.shape
+        if (q.dtype, store.dtype) != (torch.float32, torch.float32) or q.device.type != "cpu":
+            raise TypeError("decode_rows takes float32 CPU tensors")
+        if (tuple(q.shape) != self.shape or width < dim or width % dim
+                or heads % (width // dim) or rows != self.rows):  # fmt: skip
+            raise ValueError(f"shapes do not agree: q {list(q.shape)} (planned "
+                             f"{list(self.shape)}), R {width}, {rows} rows "
+                             f"(planned {self.rows})")  # fmt: skip
+        if not store.is_contiguous() or min(k_at, v_at) < 0 or (
+                max(k_at, v_at) + rows * width > store.numel()):  # fmt: skip
+            raise ValueError("layout's rows pass the end of store")
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        self.fn(q.data_ptr(), store.data_ptr(), k_at, v_at, self.read.data_ptr(),
+                self.lens.data_ptr(), out.data_ptr(), self.scratch.data_ptr(),
+                self.partial.data_ptr(), b, self.read.shape[1], heads, width // dim, dim,
+                self.parts, scale, self.threads)  # fmt: skip
+        return out
+
+
 def decode_rows(q: torch.Tensor, store: torch.Tensor, layout: tuple[int, int, int, int],
                 read: torch.Tensor, kv_lens: torch.Tensor,
                 scale: float) -> torch.Tensor:  # fmt: skip
-    """Decode attention over stored rows (see the module docstring).
+    """Decode attention over stored rows (see the module docstring), planned and run once;
+    a step of many layers plans once (:class:`DecodeRows`).
 
     q        float32 ``[B, N_Q, d_h]``, one query a sequence
     store    float32 ``[E]``, contiguous: the cache's storage (unmapped parts never read)
@@ -189,34 +250,6 @@ def decode_rows(q: torch.Tensor, store: torch.Tensor, layout: tuple[int, int, in
     kv_lens  int64 ``[B]``, each in [1, S]
     → float32 ``[B, N_Q, d_h]``
     """
-    k = kernel()
-    if k.fn is None:
-        raise RuntimeError(f"the CPU decode kernel is not available: {k.reason}")
-    rows, width, k_at, v_at = layout
-    b, heads, dim = q.shape
-    if (q.dtype, store.dtype) != (torch.float32, torch.float32) or q.device.type != "cpu":
-        raise TypeError("decode_rows takes float32 CPU tensors")
-    if (b < 1 or dim < 1 or width < dim or width % dim or heads % (width // dim)
-            or read.dim() != 2 or read.shape[0] != b):  # fmt: skip
-        raise ValueError(f"shapes do not agree: q {list(q.shape)}, R {width}, read "
-                         f"{list(read.shape)}")  # fmt: skip
-    span = read.shape[1]
-    lens = kv_lens.to(torch.int64).contiguous()
-    if lens.shape != (b,) or int(lens.min()) < 1 or int(lens.max()) > span:
-        raise ValueError(f"kv_lens must be {b} lengths in [1, {span}]")
-    read = read.to(torch.int64).contiguous()
-    if int(read.min()) < 0 or int(read.max()) >= rows:
-        raise ValueError(f"read indices must be rows in [0, {rows})")
-    if not store.is_contiguous() or max(k_at, v_at) + rows * width > store.numel():
-        raise ValueError("layout's rows pass the end of store")
-    q = q.contiguous()
-    threads = torch.get_num_threads()
-    # parts a sequence: enough tasks for every thread, none under MIN_PART_ROWS rows
-    parts = max(1, min(-(-2 * threads // b), span // MIN_PART_ROWS))
-    out = torch.empty_like(q)
-    scratch = torch.empty(b * span * heads, dtype=torch.float32)
-    partial = torch.empty(b * parts * heads * (dim + 2), dtype=torch.float32)
-    k.fn(q.data_ptr(), store.data_ptr(), k_at, v_at, read.data_ptr(), lens.data_ptr(),
-         out.data_ptr(), scratch.data_ptr(), partial.data_ptr(), b, span, heads, width // dim,
-         dim, parts, scale, threads)  # fmt: skip
-    return out
+    if read.dim() != 2 or q.dim() != 3 or read.shape[0] != q.shape[0]:
+        raise ValueError(f"shapes do not agree: q {list(q.shape)}, read {list(read.shape)}")
+    return DecodeRows(read, kv_lens, layout[0], q.shape[1], q.shape[2])(q, store, layout, scale)

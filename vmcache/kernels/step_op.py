@@ -35,18 +35,17 @@ import weakref
 import torch
 
 from vmcache.kernels.batched import attend_groups, plan_groups
-from vmcache.kernels.cpu_decode import decode_rows, serves
+from vmcache.kernels.cpu_decode import DecodeRows, serves
 
-# the last step's groups, planned by its first layer and read by the others: a memo of a pure
-# function, kept for the step's ``lens`` tensor (the same object for every layer of a step;
-# a new step brings a new one)
+# the last step's plan (SDPA groups, or the CPU decode kernel's checked plan), made by its
+# first layer and read by the others: a memo of a pure function, kept for the step's ``lens``
+# tensor (the same object for every layer of a step; a new step brings a new one)
 _LAST_PLAN: list = [None]
 
 
-@torch.library.custom_op("vmcache::step_attention", mutates_args=("store",))
-def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: torch.Tensor,
-                   layout: torch.Tensor, write: torch.Tensor, read: torch.Tensor,
-                   lens: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+def _step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: torch.Tensor,
+                    layout: torch.Tensor, write: torch.Tensor, read: torch.Tensor,
+                    lens: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
     """See the module docstring: → ``[N, N_Q, d_h]`` in q's dtype."""
     rows, width, k_at, v_at = layout.tolist()
     k_rows = store.as_strided((rows, width), (width, 1), k_at)
@@ -55,18 +54,19 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: tor
     v_rows.index_copy_(0, write, v.to(v_rows.dtype))
     b, span = read.shape
     last = _LAST_PLAN[0]
-    if last is not None and last[0]() is lens and last[1] == span:
-        groups = last[2]
+    if last is not None and last[0]() is lens and last[1] == span and last[2] is read:
+        groups = last[3]
     else:  # the step's first layer plans for all of them
         q_lens, kv_lens = lens.tolist()
         if serves(q, store.dtype) and all(n == 1 for n in q_lens):
-            groups = None  # decodes only: the CPU kernel reads the rows where they lie
+            # decodes only: the CPU kernel reads the rows where they lie
+            groups = DecodeRows(read, lens[1], rows, q.shape[1], q.shape[2])
         else:
             lo = torch.zeros(b, dtype=torch.long)
             groups = plan_groups(q_lens, kv_lens, lo, span, None, q.device)
-        _LAST_PLAN[0] = (weakref.ref(lens), span, groups)
-    if groups is None:
-        return decode_rows(q, store, (rows, width, k_at, v_at), read, lens[1], scale)
+        _LAST_PLAN[0] = (weakref.ref(lens), span, read, groups)
+    if isinstance(groups, DecodeRows):
+        return groups(q, store, (rows, width, k_at, v_at), scale)
     heads_kv = width // q.shape[2]
     flat = read.reshape(-1)
     keys = k_rows.index_select(0, flat).view(b, span, heads_kv, q.shape[2])
@@ -75,9 +75,22 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: tor
     return out.to(q.dtype)
 
 
-@step_attention.register_fake
+# The operator is defined through torch.library.Library (its kernel a plain Python function the
+# dispatcher calls; ~4 µs a call) rather than the torch.library.custom_op decorator, whose
+# Python layers (argument defaults, in-place bookkeeping) took ~20 µs of each layer's call.
+# One kernel for every device (CompositeExplicitAutograd); the step runs in inference mode.
+_LIB = torch.library.Library("vmcache", "FRAGMENT")  # kept: the registration lives with it
+_LIB.define("step_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) store, Tensor layout, "
+            "Tensor write, Tensor read, Tensor lens, float scale) -> Tensor")  # fmt: skip
+_LIB.impl("step_attention", _step_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("vmcache::step_attention", lib=_LIB)
 def _(q, k, v, store, layout, write, read, lens, scale):
     return torch.empty_like(q)
+
+
+step_attention = torch.ops.vmcache.step_attention
 
 
 def default_scale(head_dim: int) -> float:
