@@ -323,3 +323,49 @@ def test_pages_are_mapped_in_one_undo_log():
                 if hook:
                     found.append(f"{name}.{fn.name}")
     assert set(found) == {"vmcache.sequences.transactions.map_steps"}, found
+
+
+def test_from_the_engine_step_to_the_page_map_is_at_most_five_files():
+    """Every map of a page run during ``Engine.step`` (the cache's ``_attach`` hook: grows,
+    copy-on-write splits, pages mapped ahead, prefix hits, forks) is reached through at most
+    five of the package's files, Engine.step's and the hook's included (issue 49: eleven
+    before). The call stacks are recorded while a tiny engine serves prefix hits and forks."""
+    import copy
+    import sys
+
+    from test_engine import CFG, prefix_vm, requests
+    from transformers import LlamaForCausalLM
+
+    import vmcache
+    from vmcache.engine import Engine, Request, SamplingParams
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(copy.deepcopy(CFG)).eval()
+    model.generation_config.eos_token_id = None
+    engine = Engine(model, prefix_vm(64))
+    root = os.path.dirname(vmcache.__file__)
+    paths = set()
+
+    def watch(frame, event, arg):
+        if event != "call" or frame.f_code.co_name != "_attach":
+            return
+        files, f = [], frame
+        while f is not None:
+            name = f.f_code.co_filename
+            if name.startswith(root) and name not in files:
+                files.append(name)
+            if f.f_code.co_name == "step" and name.endswith("engine.py"):
+                paths.add(tuple(p[len(root) + 1 :] for p in reversed(files)))
+                return
+            f = f.f_back
+
+    reqs = requests([(40, 6), (40, 6), (7, 9)], seed=1)
+    reqs.append(Request("fork", reqs[0].prompt, SamplingParams(max_new_tokens=4, n=2)))
+    sys.setprofile(watch)
+    try:
+        engine.run(reqs)
+    finally:
+        sys.setprofile(None)
+    assert paths, "no page was mapped inside Engine.step"
+    assert {p[0] for p in paths} == {"engine/engine.py"}
+    assert max(map(len, paths)) <= 5, sorted(paths, key=len)[-1]

@@ -167,7 +167,12 @@ class SequenceCache(PhysicalHooks):
         self._open(s, [], salt)
         if prefix_tokens and self.prefix.enabled:
             try:
-                self.prefix.attach(s, prefix_tokens)
+                found = self.prefix.hit(s, prefix_tokens)  # planned, then mapped here
+                if found is not None:
+                    rows, n = found
+                    self._tx.share_rows(s, rows)
+                    self._seqs.set_tokens(s, prefix_tokens[:n])
+                    self._set_len(s, n)
             except BaseException:
                 self.free(s)
                 raise
@@ -219,7 +224,32 @@ class SequenceCache(PhysicalHooks):
                 f"grow({s}, {n}) would reach {self._seqs.length(s) + n} tokens, past max_seq_len "
                 f"{self.config.max_seq_len}"
             )
-        return grow.allocate(self._core, s, n, token_ids, ahead)
+        return self._run_allocation(s, n, token_ids, ahead)
+
+    def _run_allocation(self, s, n, token_ids, ahead):
+        """The allocation of checked ``s``, ``n``, ``token_ids``, ``ahead``: planned once
+        (:mod:`.grow`), then run by the transactional core (the map is in ``tx.grow`` /
+        ``tx.map_ahead``). An :class:`~vmcache.sequences.grow.Allocation`, or the plan that
+        did not fit (nothing changed). A sliding group's release of pages its window no longer
+        needs is made first, a change of its own."""
+        c, tx = self._core, self._tx
+        if n == 0:
+            mapped = tx.map_ahead(s, grow.ahead_plan(c, s, ahead)) if ahead else 0
+            return grow.Allocation(0, 0, mapped)
+        plan = grow.plan_grow(c, s, n)  # a window release leaves it valid: it is all before
+        if not plan.fits:  # the tail page the plan may copy
+            return plan
+        if plan.releases:
+            tx.release_window(s, plan.releases)
+        try:
+            tx.grow(s, plan.groups)
+        except CacheFull:  # a shared budget's pages went to another process first
+            return plan
+        self._seqs.grow(s, n, token_ids)
+        c.changed()
+        copied = sum(len(splits) for _, splits, _, _ in plan.groups)
+        mapped = tx.map_ahead(s, grow.ahead_plan(c, s, ahead)) if ahead else 0
+        return grow.Allocation(plan.need, copied, mapped)
 
     def write(self, layer: int, s: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``, ``v`` (each ``[T, N_KV, d_h]``, the cache's dtype and device) at

@@ -1,13 +1,14 @@
-"""Growing a sequence: the one allocation call, its query, and the pages mapped ahead.
+"""Growing a sequence, planned: what the one allocation call (``cache.allocate``, run by the
+coordinator through its transactional core) will do, as pure functions of the core ``c``
+(:mod:`.core`); nothing here changes anything.
 
-    allocate(c, s, n, ids, ahead)   length += n and, when ``ahead`` > 0, pages for ``ahead``
-                                    more tokens mapped now; an :class:`Allocation`, or None
-                                    when the pool is short (nothing changed)
-    can_grow(c, s, n)               the same plan, a pure query
-    map_ahead(c, s, n)              only the pages mapped ahead (``allocate(s, 0, ahead=n)``)
+    plan_grow(c, s, n)     a grow of ``s`` by ``n``: a :class:`GrowPlan`
+    can_grow(c, s, n)      the same plan, as a query for schedulers
+    ahead_plan(c, s, n)    the pages a later grow by up to ``n`` would map, to map them now
+    mapped_pages(c, s)     pages ``s`` maps, every table, those mapped ahead included
 
-A grow's plan (:class:`GrowPlan`) is built once per call: per group, the shared tail pages to
-copy and the pages before and after; the sliding groups' pages their window gives back first.
+A grow's plan is built once per call: per group, the shared tail pages to copy and the pages
+before and after; the sliding groups' pages their window gives back first.
 Pages mapped ahead (vAttention maps the next step's pages while the current one computes; the
 engine maps them after launching a step) belong to each
 :class:`~vmcache.sequences.tables.PageTables` group, mapped and holding a pool reference but
@@ -17,20 +18,17 @@ outside the page table:
     ahead:                           | r0 |       mapped at index 3, taken by the next grow
 
 A grow takes them first; ``free``, ``assign``, ``truncate`` and ``swap.out`` give them back
-first (``tx.drop_ahead``). Functions of the core ``c`` (:mod:`.core`): every change goes through
-its transactional core (``c.tx``).
+first (``tx.drop_ahead``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from vmcache.errors import CacheFull
-
 
 @dataclasses.dataclass(frozen=True)
 class Allocation:
-    """What one :func:`allocate` did: ``pages`` taken from the pool for the grow (every table;
+    """What one ``cache.allocate`` did: ``pages`` taken from the pool for the grow (every table;
     ``copied`` of them copies of shared tail pages), ``ahead`` mapped past the new length."""
 
     pages: int
@@ -90,38 +88,17 @@ def can_grow(c, s: int, n: int) -> bool:
     return plan_grow(c, s, n).fits
 
 
-def allocate(c, s: int, n: int, token_ids, ahead: int) -> Allocation | GrowPlan:
-    """Grow ``s`` (checked live) by ``n`` (checked) and map ``ahead`` tokens' pages past it:
-    the :class:`Allocation`, or the plan that did not fit (nothing changed). A sliding group's
-    release of pages its window no longer needs is made first, a change of its own."""
-    if n == 0:
-        return Allocation(0, 0, map_ahead(c, s, ahead) if ahead else 0)
-    plan = plan_grow(c, s, n)  # a window release leaves it valid: it is all before the
-    if not plan.fits:  # tail page the plan may copy
-        return plan
-    if plan.releases:
-        c.tx.release_window(s, plan.releases)
-    try:
-        c.tx.grow(s, plan.groups)
-    except CacheFull:  # a shared budget's pages went to another process first
-        return plan
-    c.seqs.grow(s, n, token_ids)
-    c.changed()
-    copied = sum(len(splits) for _, splits, _, _ in plan.groups)
-    return Allocation(plan.need, copied, map_ahead(c, s, ahead) if ahead else 0)
-
-
-def map_ahead(c, s: int, n: int) -> int:
-    """Map now the pages a later ``grow(s, k ≤ n)`` would map; returns pages mapped (0 when
-    the pool is short: nothing changed)."""
+def ahead_plan(c, s: int, n: int) -> list:
+    """What mapping now the pages of a later ``grow(s, k ≤ n)`` takes: per group (group, first
+    index not yet mapped, pages per table), for ``tx.map_ahead``."""
     n = min(n, c.config.max_seq_len - c.seqs.length(s))
-    plan = []  # (group, first index not yet mapped, pages per table)
+    plan = []
     for g in c.groups:
         first = g.num_pages(s) + len(g.ahead(s)[0])
         extra = g.pages_for(c.seqs.length(s) + n) - first
         if extra > 0:
             plan.append((g, first, extra))
-    return c.tx.map_ahead(s, plan)
+    return plan
 
 
 def mapped_pages(c, s: int) -> int:

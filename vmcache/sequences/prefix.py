@@ -1,5 +1,6 @@
-"""Prefix caching of a cache (``cache.prefix``): turning it (and its tiers) on, attaching a
-new sequence's cached prefix, indexing a sequence's pages, and the questions a scheduler asks.
+"""Prefix caching of a cache (``cache.prefix``): turning it (and its tiers) on, finding what a
+new sequence's prefix has cached, indexing a sequence's pages, and the questions a scheduler
+asks.
 
     index                 the :class:`~vmcache.prefix.index.PrefixIndex` (None when off):
                           its entries, LRU eviction, stats, tiers
@@ -7,16 +8,17 @@ new sequence's cached prefix, indexing a sequence's pages, and the questions a s
     tokens_per_block      tokens one cached block holds (None when off)
     hit_unit              the granularity of a hit in tokens: 16 (a partial block found in
                           16-token units) or the block when it is shorter (None when off)
+    hit(s, ids)           per table, the cached pages a new sequence ``s`` starting with
+                          ``ids`` maps, and the tokens they hold (the coordinator's
+                          ``new_sequence`` maps them: ``tx.share_rows``)
     publish(s)            index ``s``'s full pages of known tokens now (``free`` does it too)
     cached_tokens(ids)    leading tokens a new sequence would find cached now
     tier_stats()          the tiers' counters (None without tiers)
 
-Touches, through the core it is handed (:mod:`.core`): lengths, token ids and salts (read;
-``attach`` sets a new sequence's tokens and length through ``Slots``), the transactional core
-(``tx.share_rows``: the cached pages mapped into the new sequence's one full-attention group, a
-reference each; the index is the pool's reclaimer) and the cache's page hooks (``_read_pages``,
-``_write_pages``) for the tiers. The index owns its entries, the pool the refcounts. Refused for
-sliding-window models.
+Touches, through the core it is handed (:mod:`.core`): lengths, token ids and salts (read),
+the index (``hit`` marks the entries it finds as used; the index is the pool's reclaimer) and
+the cache's page hooks (``_read_pages``, ``_write_pages``) for the tiers; it maps no page.
+The index owns its entries, the pool the refcounts. Refused for sliding-window models.
 """
 
 from __future__ import annotations
@@ -61,10 +63,12 @@ class Prefix:
     def hit_unit(self) -> int | None:
         return None if self.index is None else self.index.hit_unit
 
-    def attach(self, s: int, tokens: list[int]) -> None:
-        """Map the cached blocks that begin ``tokens`` into new sequence ``s``, and the pages
-        of a partial block's tail after them (nothing copied: the first write into a shared
-        page copies it); its length is then the tokens found."""
+    def hit(self, s: int, tokens: list[int]) -> tuple[list[list[int]], int] | None:
+        """What new sequence ``s`` (of ``s``'s salt) finds cached at the start of ``tokens``:
+        per table, the pages of the cached blocks that begin them and of a partial block's
+        tail after them, and the tokens those hold; None when nothing. Changes no table (the
+        coordinator maps the pages, ``tx.share_rows``: nothing copied, the first write into
+        a shared page copies it); the index marks the entries found as recently used."""
         c, ix = self._c, self.index
         P, salt = ix.tokens_per_block, c.seqs.salt(s)
         entries = ix.match(tokens, salt, max_pages=c.config.max_seq_len // P)
@@ -72,17 +76,14 @@ class Prefix:
         tail, extra = ix.match_tail(entries[-1] if entries else None, tokens, len(entries), salt,
                                     limit=c.config.max_seq_len - full)  # fmt: skip
         if not entries and tail is None:
-            return
+            return None
         k = ix.pages_per_table
         rows = [[p for e in entries for p in e.pages[i * k : (i + 1) * k]] for i in range(c.T)]
         if tail is not None:  # the pages its matched units lie in, of each table's
             per, need = len(tail.pages) // c.T, ix.pages_over(extra)
             for i, r in enumerate(rows):
                 r += tail.pages[i * per : i * per + need]
-        c.tx.share_rows(s, rows)
-        n = full + extra
-        c.seqs.set_tokens(s, tokens[:n])
-        c.set_len(s, n)
+        return rows, full + extra
 
     def close_tiers(self) -> None:
         """The disk tier's directory given up (the cache's close)."""

@@ -6,8 +6,9 @@ that cannot fail.
 
     split_pages(splits, s_ext, ext)    copy-on-write of shared pages (any sequences) and new
                                        pages mapped at the end of one sequence's tables
-    grow(s, groups)                    a grow's plan (:mod:`.grow`): pages mapped ahead taken
-                                       first, then split_pages
+    grow(s, groups)                    a grow's plan (:mod:`.grow`; run by the coordinator's
+                                       allocate): pages mapped ahead taken first, then
+                                       split_pages
     map_ahead(s, plan)                 pages mapped past a sequence's length, or none
     drop_ahead(s)                   those pages unmapped and given back
     release_window(s, releases)        pages wholly before a sliding window given back
