@@ -176,7 +176,7 @@ class CompiledRunner:
             return self.eager.step(slots, starts, tokens, rows=rows, trees=trees)
         q_lens = [len(t) for t in tokens]
         cache = self.eager.cache
-        cache.plan(slots, starts, q_lens)  # checked, copied on write, indexed once
+        cache.begin(slots, starts, q_lens)  # checked, copied on write, indexed once
         b = cache.batch
         read, _, _ = b.read_index(0)
         write, lens = b.write_index(0), [list(b.q_lens), list(b.kv_lens)]

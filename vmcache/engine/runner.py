@@ -71,7 +71,7 @@ class StepCache(Cache):
         self.plans: dict = {}  # the step's kernel plans (vmcache.kernels.plan), new each step
         super().__init__(layers=[_StepLayer(self, i) for i in range(kv.spec.num_layers)])
 
-    def plan(self, slots: list[int], starts: list[int], q_lens: list[int], masks=None) -> None:
+    def begin(self, slots: list[int], starts: list[int], q_lens: list[int], masks=None) -> None:
         """The step's sequences: checked, copied on write and indexed once here
         (``kv.batch``), then every layer writes and reads them in one call each."""
         self.masks = masks
@@ -172,7 +172,7 @@ class ModelRunner:
         on_device = [None if m is None else m.to(self.device) for m in masks]
         trees_here = any(m is not None for m in masks)
         # one object for every layer: the Triton prefill packs its ancestor words once a step
-        self.cache.plan(slots, starts, q_lens, TreeMasks(on_device) if trees_here else None)
+        self.cache.begin(slots, starts, q_lens, TreeMasks(on_device) if trees_here else None)
         ids = torch.tensor([t for ts in tokens for t in ts], device=self.device)[None]
         pos = torch.cat([a + o for a, o in zip(starts, offsets)])
         pos = pos.to(self.device)[None]
