@@ -15,7 +15,8 @@ padded to the longest of their group and a boolean mask keeps each query to its 
         padded query rows (i >= q_len_b) keep key 0 only; their output is dropped
 
 A step of float32 decodes on the CPU (no window, no soft-capping) skips all of this:
-:func:`~vmcache.kernels.cpu_decode.decode_rows` reads every history where it lies.
+:class:`~vmcache.kernels.cpu_decode.DecodeRows` (checked once a step) reads every history
+where it lies.
 
 The masks and row indices are built once per step and window (kept in ``batch.memo``),
 then every layer of that group reuses them: per layer, two gathers, one or two SDPA calls
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from vmcache.kernels.common import _softcapped, layer_window
-from vmcache.kernels.cpu_decode import decode_rows, serves
+from vmcache.kernels.cpu_decode import DecodeRows, serves
 
 
 @dataclass(frozen=True)
@@ -102,11 +103,16 @@ def attend_batch(cache, layer: int, q: torch.Tensor, batch, scale: float | None 
     if (batch.max_q == 1 and window is None and softcap is None and not cache.spec.quantized
             and serves(q, cache.spec.dtype)
             and (stored := batch.stored(layer)) is not None):  # fmt: skip
-        # decodes only: every history read where it lies, nothing gathered
-        lens = batch.memo.get("kv_lens")
-        if lens is None:
-            lens = batch.memo["kv_lens"] = torch.tensor(batch.kv_lens)
-        return decode_rows(q, *stored, batch.read_index(layer)[0], lens, scale)
+        # decodes only: every history read where it lies, nothing gathered; the kernel's
+        # checks and scratch planned once a step for the layers that share a read index
+        store, layout = stored
+        key = ("decode", batch.group(layer), layout[0])
+        plan = batch.memo.get(key)
+        if plan is None:
+            plan = batch.memo[key] = DecodeRows(batch.read_index(layer)[0],
+                                                torch.tensor(batch.kv_lens), layout[0],
+                                                q.shape[1], q.shape[2])  # fmt: skip
+        return plan(q, store, layout, scale)
     k, v = batch.kv(layer)  # [B, span, N_KV, d_h]
     _, lo, span = batch.read_index(layer)
     key = ("attend", batch.group(layer), window)
