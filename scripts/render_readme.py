@@ -10,7 +10,7 @@ Every generated block sits between two markers, and only this script writes insi
     python scripts/render_readme.py          # rewrite the blocks in README.md, docs/results.md
     python scripts/render_readme.py --check  # exit 1 naming every block that differs
 
-tests/test_readme_results.py runs the check, so a figure edited by hand, or JSON changed
+tests/project/test_readme_results.py runs the check, so a figure edited by hand, or JSON changed
 without re-rendering, fails the test suite. Each block names the JSON it came from, with the
 date, the machine and the commit that produced it.
 """

@@ -1,5 +1,5 @@
 """Render docs/results.md's coverage table from benchmarks/results/coverage.json (``make
-coverage``): what the fixed-seed randomized tests actually reached. tests/test_gpu_check.py
+coverage``): what the fixed-seed randomized tests actually reached. tests/gpu/test_gpu_check.py
 fails when docs/results.md and the JSON disagree.
 
     python scripts/render_reliability.py [benchmarks/results/coverage.json]

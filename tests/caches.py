@@ -3,7 +3,7 @@
 Every VMKVCache here runs over the host backend wrapped in :class:`StrictBackend`, which
 refuses what the CUDA driver would (a map over a mapped page, an unmap of an unmapped one, a
 reservation freed with pages in it, misaligned addresses), at the 4 KiB pages these tests use;
-``tests/test_backends_strict.py`` runs the cache at CUDA's own 2 MiB granularity.
+``tests/memory/test_backends_strict.py`` runs the cache at CUDA's own 2 MiB granularity.
 """
 
 import torch

@@ -33,12 +33,13 @@ def pytest_collection_modifyitems(config, items):
     # the end-to-end runs first (a stable sort: each module's tests stay together): with a
     # worker per core they start at once rather than leave one worker running the last of
     # them alone (`make test`'s wall time)
-    items.sort(key=lambda item: "slow" not in item.keywords)
+    # (markers, not keywords: a test's keywords hold its folders' names too, tests/gpu/'s "gpu")
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if HAS_CUDA_VMM:
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU with the CUDA driver")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
 
 

@@ -1,14 +1,13 @@
-"""What each rank of tests/test_transfer_fuzz.py runs: rank 0 is a hostile peer that sends
-random and mutated hand-off messages at every step of the protocol; rank 1 receives with
+"""What each rank of tests/distributed/test_transfer_fuzz.py runs: rank 0 is a hostile peer that
+sends random and mutated hand-off messages at every step of the protocol; rank 1 receives with
 :func:`recv_sequence` under a short deadline and reports, per trial, what happened and whether
 its cache is as it was (another sequence's K/V, pages, slots, invariants).
 
 Both ranks draw the same trials from one seed. Each trial runs in a fresh process group (a
-deadline closes gloo's connection; leftovers of a broken trial never reach the next one).
-The hostile peer never sends a message *longer* than the receive the receiver posts: gloo
-ends the receiving process on that (see vmcache/distributed/handoff.py); shorter ones, any
-content, any header, any order of stopping are fair.
-"""
+deadline closes gloo's connection; leftovers of a broken trial never reach the next one). The
+hostile peer never sends a message *longer* than the receive the receiver posts: gloo ends the
+receiving process on that (see vmcache/distributed/handoff.py); shorter ones, any content, any
+header, any order of stopping are fair."""
 
 import random
 import struct

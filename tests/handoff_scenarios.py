@@ -1,4 +1,4 @@
-"""What each rank of tests/test_transfer.py runs (spawned processes import this module).
+"""What each rank of tests/distributed/test_transfer.py runs (spawned processes import this module).
 
 Rank 0 builds sequences and sends them; rank 1 receives. Each returns what the test asserts
 on: per scenario, the K/V and state a sequence had on the sender and what arrived, and

@@ -1,6 +1,6 @@
 """What compute mode's rows in an ab file must say, checked the same way wherever a test runs
-the harness (tests/test_bench_e2e.py's default path, tests/test_docs_commands.py's README
-command)."""
+the harness (tests/bench/test_bench_e2e.py's default path, tests/project/test_docs_commands.py's
+README command)."""
 
 from vmcache.bench import real
 

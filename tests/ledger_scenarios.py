@@ -1,4 +1,4 @@
-"""What each rank of tests/test_ledger.py runs: caches in separate processes drawing pages
+"""What each rank of tests/memory/test_ledger.py runs: caches in separate processes drawing pages
 from one SharedBudget (host backend under the CUDA page rules), one of them killed."""
 
 import os

@@ -1,5 +1,5 @@
-"""The prefix-caching helpers and state machine shared by tests/test_prefix.py and
-tests/test_tiers.py: both caches on a small pool, K/V a function of (token, position) (so any
+"""The prefix-caching helpers and state machine shared by tests/prefix/test_prefix.py and
+tests/prefix/test_tiers.py: both caches on a small pool, K/V a function of (token, position) (so any
 reuse of a wrong page shows), and the machine that drives lookups, growth, forks, swaps and
 eviction against the tokens each sequence should hold."""
 

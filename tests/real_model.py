@@ -66,7 +66,7 @@ def tiny_chat():
     config, fewer and narrower layers: :data:`TINY_SHAPE`, seed 0) with its tokenizer and chat
     template, built once per process:
     the server's tests run on it (the same prompts and vocabulary, a fraction of the time); the
-    trained model's own answers are tests/test_real_model.py's. A skip as :func:`smol`'s."""
+    trained model's own answers are tests/models/test_real_model.py's. A skip as :func:`smol`'s."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = _tiny_source()

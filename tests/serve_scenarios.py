@@ -1,5 +1,5 @@
-"""What each rank of tests/test_serve_distributed.py runs: the disaggregated engine (rank 0
-prefills, rank 1 decodes) and tensor parallelism (transformers' tp_plan load, KV heads
+"""What each rank of tests/distributed/test_serve_distributed.py runs: the disaggregated engine
+(rank 0 prefills, rank 1 decodes) and tensor parallelism (transformers' tp_plan load, KV heads
 sharded), each against one process's engine."""
 
 import copy

@@ -17,7 +17,7 @@ Growing here, before the model runs, is the step's map phase (timed by the engin
 Owned here: the three queues and each sequence's ``slot``, ``cached``, ``status`` and
 ``admitted_at``. The engine and the disaggregated receiver change them only through
 :meth:`Scheduler.add`, ``join``, ``advance``, ``rewind``, ``finish``, ``hand_off`` and
-``release`` (tests/test_architecture.py parses the package for other writes).
+``release`` (tests/project/test_architecture.py parses the package for other writes).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import torch
 
 class PhysicalHooks(Protocol):
     """What a cache implements (subclassed explicitly: the defaults raise, or do nothing where
-    nothing is needed). ``tests/test_architecture.py`` fails on a physical call the
+    nothing is needed). ``tests/project/test_architecture.py`` fails on a physical call the
     coordinator, its transactions or its facets make that is not declared here."""
 
     def _attach(self, s: int, t: int, j0: int, pages: list[int]) -> None:

@@ -1,0 +1,195 @@
+"""The compiled engine step (Engine(compile=True), vmcache.engine.compiled): the same tokens
+as the eager step on both caches, under preemption and prefix caching; one graph, built at
+warm-up and never again while batches, lengths and pages change; the operator it calls
+against the eager batched kernel; a clear refusal where it cannot compile."""
+
+import copy
+
+import pytest
+import torch
+from caches import strict_host
+from engine_cases import CFG, SPEC, make, prefix_vm, requests
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from transformers import LlamaForCausalLM
+
+from vmcache import KVSpec, VMKVCache, kernels
+from vmcache.engine import Engine, NgramDrafter, Request, SamplingParams
+from vmcache.engine.compiled import unsupported
+from vmcache.kernels.reference import dense_attention
+from vmcache.kernels.step_op import step_attention
+from vmcache.paged_fallback import PagedKVCache
+from vmcache.sequences.batch import layout_of, store_of
+from vmcache.sequences.invariants import check_invariants
+
+pytestmark = pytest.mark.slow  # end to end: scheduled first (tests/conftest.py)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = copy.deepcopy(CFG)
+    cfg.initializer_range = 0.2  # logits far apart: greedy ties cannot flip on rounding
+    m = LlamaForCausalLM(cfg).eval()
+    m.generation_config.eos_token_id = None
+    return m
+
+
+# prompts of 1 to 40 tokens, 1 to 12 new: batches grow and shrink to one sequence (a lone
+# decode), prefills and decodes share steps
+SHAPES = [(1, 6), (7, 12), (40, 3), (17, 9), (2, 1), (33, 10), (5, 12)]
+
+
+def outputs(engine, reqs):
+    out = engine.run(copy.deepcopy(reqs))
+    return {r.req_id: out[r.req_id] for r in reqs}
+
+
+@pytest.mark.parametrize("kind,pages", [("vm", 40), ("paged", 40), ("vm", 10), ("paged", 8)])
+def test_compiled_tokens_equal_eager_and_nothing_recompiles(model, kind, pages):
+    """Few pages: preemption (recompute) re-prefills sequences mid-run, so the graph sees
+    prefills after decodes, lone decodes, and every batch size from 1 up."""
+    reqs = requests(SHAPES, seed=3)
+    want = outputs(Engine(model, make(kind, pages)), reqs)
+    kv = make(kind, pages)
+    engine = Engine(model, kv, compile=True)
+    warm = engine.runner.compiles
+    assert warm <= 1  # the first runner on this model compiles; later ones share its graph
+    got = outputs(engine, reqs)
+    assert got == want
+    assert engine.runner.compiles == warm  # no recompilation after warm-up
+    assert engine.stats.steps > len(SHAPES)
+    check_invariants(kv)
+    assert model.config._attn_implementation != "vmcache_compiled_step"  # restored
+
+
+class _CountGemms(CustomGraphPass):
+    """inductor's last graph pass: counts the linear layers' weights packed for oneDNN in the
+    graphs it lowers (one a GEMM: some GEMMs are lowered already, fused with an add)."""
+
+    def __init__(self) -> None:
+        self.gemms = 0
+
+    def __call__(self, graph) -> None:
+        self.gemms += sum(n.op == "get_attr" and n.name.startswith("_reorder_linear_weight")
+                          for n in graph.nodes)  # fmt: skip
+
+    def uuid(self):
+        return None  # never served from inductor's cache: this pass must see the graph
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+def test_projections_sharing_an_input_run_as_one_gemm(model):
+    """q, k and v become one GEMM, gate and up another (inductor's concat-linear pass on the
+    frozen weights): 4 GEMMs a layer, and the lm_head's, in the one graph of the step."""
+    fresh = copy.deepcopy(model)  # a model of its own: its graph is compiled here
+    count = _CountGemms()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=count):
+        engine = Engine(fresh, make("vm", 40), compile=True)
+    assert engine.runner.compiles == 1
+    assert count.gemms == 4 * CFG.num_hidden_layers + 1
+    reqs = requests([(9, 4), (3, 4)], seed=5)
+    assert outputs(engine, reqs) == outputs(Engine(fresh, make("vm", 40)), reqs)
+
+
+def test_prefix_caching_and_swap_under_the_compiled_step(model):
+    shared = tuple(range(3, 60))  # 57 shared tokens: whole 32-token pages hit
+    reqs = [Request(f"p{i}", shared + (i + 1, 2 * i + 5), SamplingParams(max_new_tokens=6))
+            for i in range(5)]  # fmt: skip
+    want = outputs(Engine(model, prefix_vm(40)), reqs)
+    kv = prefix_vm(14)
+    engine = Engine(model, kv, compile=True, preemption="swap")
+    got = outputs(engine, reqs)
+    assert got == want
+    assert engine.stats.prefix_hit_tokens > 0
+    check_invariants(kv)
+
+
+def test_drafts_run_the_eager_step_and_keep_the_tokens(model):
+    reqs = [Request("s", (1, 2, 3, 1, 2, 3, 1, 2, 3), SamplingParams(max_new_tokens=10))]
+    want = outputs(Engine(model, make("vm", 40)), reqs)
+    engine = Engine(model, make("vm", 40), compile=True, speculative=NgramDrafter(k=3))
+    assert outputs(engine, reqs) == want
+
+
+@pytest.mark.parametrize("kind", ["vm", "paged"])
+def test_step_attention_equals_the_batched_kernel_and_the_reference(kind):
+    """The operator on its own (eager): writes where the batch writes, attends as the eager
+    step does, over awkward lengths and a mix of prefills and decodes."""
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                  num_q_heads=6)  # fmt: skip
+    if kind == "vm":
+        kv = VMKVCache(spec, 6, 96, page_size=4096, backend=strict_host(), own_backend=True,
+                       pool_bytes=64 * 4096)  # fmt: skip
+    else:
+        kv = PagedKVCache(spec, num_blocks=64, block_size=16, max_seq_len=96, max_seqs=6)
+    g = torch.Generator().manual_seed(1)
+    seqs, q_lens, written = [], [17, 1, 33, 1, 5], []
+    for history in [0, 15, 31, 64, 2]:
+        s = kv.new_sequence()
+        kv.grow(s, history)
+        for layer in range(2):
+            k, v = torch.randn(2, history, 2, 16, generator=g)
+            if history:
+                kv.write(layer, s, 0, k, v)
+        written.append((k, v))  # layer 1's
+        seqs.append(s)
+    for s, q in zip(seqs, q_lens):
+        kv.grow(s, q)
+    n = sum(q_lens)
+    q = torch.randn(n, 6, 16, generator=g)
+    k, v = torch.randn(2, n, 2, 16, generator=g)
+    layer = 1
+    b = kv.batch(seqs, q_lens)
+    read, _, _ = b.read_index(layer)
+    lens = torch.tensor([b.q_lens, b.kv_lens])
+    store = store_of(kv._flat_rows(0, 0))
+    layout = layout_of(store, kv._flat_rows(layer, 0), kv._flat_rows(layer, 1))
+    with torch.inference_mode():
+        got = step_attention(q, k.reshape(n, -1), v.reshape(n, -1), store, layout,
+                             b.write_index(layer), read, lens, 0.25)  # fmt: skip
+        b.write(layer, k, v)  # the same K/V again, through the eager path
+        want = kernels.attend(kv, layer, q, seqs, q_lens, scale=0.25, batch=b)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    at = 0
+    for (hk, hv), ql in zip(written, q_lens):  # against the plain reference, one by one
+        keys = torch.cat([hk, k[at : at + ql]])
+        values = torch.cat([hv, v[at : at + ql]])
+        ref = dense_attention(q[at : at + ql], keys, values, scale=0.25)
+        torch.testing.assert_close(got[at : at + ql], ref, rtol=1e-4, atol=1e-4)
+        at += ql
+    kv.close()
+
+
+def test_what_it_cannot_compile_is_refused_with_the_reason(model):
+    windows = KVSpec(2, 2, 16, torch.float32, layer_windows=(None, 8))
+    assert "sliding-window" in unsupported(model, _Spec(windows))
+    fp8 = KVSpec(2, 2, 16, torch.float32, kv_dtype=torch.float8_e4m3fn)
+    assert "K/V" in unsupported(model, _Spec(fp8))
+    assert unsupported(model, _Spec(SPEC)) is None
+    quantized = KVSpec.from_hf_config(model.config, kv_dtype=torch.float8_e4m3fn)
+    kv = VMKVCache(quantized, 4, 64, pool_bytes=64 << 10, page_size=4096)
+    with pytest.raises(ValueError, match="compile=True cannot compile.*use compile=False"):
+        Engine(model, kv, compile=True)
+    assert kv.stats().num_sequences == 0 and kv.stats().physical_pages == 0  # nothing left
+
+
+class _Spec:
+    """What ``unsupported`` reads of a cache: its spec and whether rows lie per sequence."""
+
+    def __init__(self, spec) -> None:
+        self.spec = spec
+
+    def _seq_rows(self, layer, kv):
+        return torch.empty(0)
+
+
+def test_the_server_flag_builds_the_compiled_engine(model):
+    from vmcache.engine.compiled import CompiledRunner
+    from vmcache.server.cli import build_engine, parse_args
+
+    args = parse_args(["--compile", "--pool-mib", "1", "--max-seqs", "4", "--max-seq-len", "64"])
+    engine = build_engine(args, model)
+    assert isinstance(engine.runner, CompiledRunner)
+    out = engine.run([Request("a", (5, 6, 7), SamplingParams(max_new_tokens=4))])
+    assert len(out["a"][0]) == 4
+    assert not isinstance(build_engine(parse_args([]), model).runner, CompiledRunner)

@@ -1,0 +1,163 @@
+"""Every shell command README.md and docs/guide.md show runs as a user would type it: the
+ones no other test runs are run here, through bash, with the venv's executables first on the
+PATH and results sent to a temporary directory ($VMCACHE_RESULTS, which the harness reads);
+the others are named with the test or script that runs them, which must hold the command's
+words in order. A command added to the docs and run nowhere fails
+`test_every_shown_command_is_run_somewhere`."""
+
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from harness_rows import check_compute_rows
+from repo import ROOT
+
+from vmcache.bench import real, traces
+
+DOCS = ("README.md", "docs/guide.md")
+BIN = str(Path(sys.executable).parent)
+STARTS = ("python", "make", "pip", "curl", "torchrun", "vmcache-server", "vmcache-bench")
+
+SERVER = "vmcache-server --cache vm --pool-mib 256"
+# (max_tokens: a chat's default is what the context leaves, and it samples at temperature 1
+# unless told: an unbounded answer ran past two minutes once on a busy machine)
+CURL = ("curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' -d "
+        "'{\"model\": \"smollm2-135m-instruct\", \"messages\": [{\"role\": \"user\", "
+        "\"content\": \"Hi!\"}], \"max_tokens\": 64}'")  # fmt: skip
+HARNESS = ("python -m vmcache.bench --mode sizing --quick",
+           "python -m vmcache.bench --mode compute --quick")  # fmt: skip
+DISAGG = "python -m vmcache.distributed.launch --mode disagg --check"
+TORCHRUN = "torchrun --nproc_per_node 2 -m vmcache.distributed.launch --mode disagg --cache paged"
+# beside another `make test` worker: one thread, as tests/conftest.py gives each worker (two
+# processes of 2 OpenMP threads each on 2 cores ran the compute mode 4x slower)
+ONE_THREAD = {"OMP_NUM_THREADS": "1"} if os.environ.get("PYTEST_XDIST_WORKER") else {}
+RUN_HERE = {SERVER, CURL, *HARNESS, DISAGG, TORCHRUN}
+# command -> the file that runs it as typed
+RUN_ELSEWHERE = {
+    "python -m vmcache.distributed.launch --mode tp --nproc 2 --check":
+        "tests/distributed/test_serve_distributed.py",
+    "make test": ".ci/run",  # CI's command
+    "make bench": "scripts/time_fresh_clone.py",  # the committed fresh-clone measurement
+}  # fmt: skip
+
+
+def shown_commands() -> list[str]:
+    """The command lines of the docs' shell blocks (```bash, or unlabeled ones whose lines
+    start with a command), continuation lines joined, comments and prompts dropped."""
+    out = []
+    for doc in DOCS:
+        text = (ROOT / doc).read_text()
+        for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
+            if lang not in ("bash", "sh", "shell", ""):
+                continue
+            joined = re.sub(r"\\\n\s*", "", body)
+            for line in joined.splitlines():
+                try:
+                    words = shlex.split(line, comments=True)
+                except ValueError:  # prose or a diagram in an unlabeled block
+                    continue
+                if words and (lang or words[0] in STARTS):
+                    out.append(shlex.join(words))
+    return out
+
+
+def _norm(cmd: str) -> str:
+    return shlex.join(shlex.split(cmd, comments=True))
+
+
+def test_every_shown_command_is_run_somewhere():
+    shown = shown_commands()
+    assert len(shown) >= 9, shown  # the parser still finds the blocks
+    known = {_norm(c) for c in RUN_HERE} | {_norm(c) for c in RUN_ELSEWHERE}
+    assert not [c for c in shown if c not in known], "shown but run by no test"
+    assert not [c for c in known if c not in shown], "run here but no longer shown"
+    for cmd, where in RUN_ELSEWHERE.items():
+        text = (ROOT / where).read_text()
+        words = shlex.split(cmd)
+        # each word in order, as a string literal or on a command line
+        at = 0
+        for w in words[1:] if words[0] == "python" else words:
+            found = text.find(w, at)
+            assert found >= 0, f"{where} does not run `{cmd}` (no {w!r} after offset {at})"
+            at = found + len(w)
+
+
+def _bash(cmd: str, tmp_path, timeout: float, **kw):
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}",
+           "VMCACHE_RESULTS": str(tmp_path), **ONE_THREAD}  # fmt: skip
+    return subprocess.run(["bash", "-c", cmd], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=timeout, **kw)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cmd", HARNESS)
+def test_the_readme_harness_commands(cmd, tmp_path):
+    done = _bash(cmd, tmp_path, 240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (saved,) = tmp_path.glob("ab-*.json")
+    doc = json.loads(saved.read_text())
+    rows = doc["rows"]
+    assert doc["args"]["quick"] and rows and "wall time" in done.stdout
+    if "sizing" in cmd:  # every trace, the heavy-tailed one also at --quick's one rate
+        assert {r["trace"] for r in rows if "trace" in r} == set(traces.TRACES)
+        assert any(r.get("rate_rps") == 8.0 for r in rows if "trace" in r)
+        plots = ("waste", "latency")
+    else:  # both caches, the radix rows, the trained model's rows
+        check_compute_rows(rows)
+        plots = ("compute",)
+    for suffix in plots:  # the report's plots beside the JSON
+        assert saved.with_name(f"{saved.stem}-{suffix}.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cmd", [DISAGG, TORCHRUN])
+def test_the_guides_launcher_commands(cmd, tmp_path):
+    done = _bash(cmd, tmp_path, 300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["world"] == 2
+    if "--check" in cmd:  # (the launcher's defaults: 16 requests, a 4-layer random Llama)
+        r0, r1 = report["ranks"]
+        assert r0["equal_to_one_process"] is True and r0["digest"] == r1["digest"]
+        assert r0["handoff"]["handoffs"] == r1["handoff"]["handoffs"] == r0["requests"] == 16
+        assert r0["handoff"]["data_messages"] == 16 * 8  # 4 layers x K/V, one message each
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.mark.slow
+def test_the_readme_server_and_curl(tmp_path):
+    if not real.available():
+        pytest.skip("the embedded model is not cached; `make test` fetches it")
+    if not _port_free(8000):
+        pytest.skip("port 8000 is taken on this machine")
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", **ONE_THREAD}
+    log = tmp_path / "server.log"  # a file, not a pipe nobody reads while the server runs
+    with log.open("w") as err:
+        server = subprocess.Popen(["bash", "-c", f"exec {SERVER}"], env=env, cwd=tmp_path,
+                                  stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while _port_free(8000):
+            assert server.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < deadline, "the server did not listen within 120 s"
+            time.sleep(0.2)
+        assert server.poll() is None, log.read_text()[-2000:]  # ours listens, not another
+        done = _bash(CURL, tmp_path, 120)
+        assert done.returncode == 0, done.stderr + log.read_text()[-2000:]
+        answer = json.loads(done.stdout)
+        assert answer["object"] == "chat.completion"
+        assert answer["choices"][0]["message"]["content"].strip()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -1,0 +1,43 @@
+"""Every result table in the README and docs/results.md is rendered from committed JSON: the
+check passes on the files as committed, and catches a figure edited by hand."""
+
+import importlib.util
+import os
+import re
+
+from repo import ROOT
+
+PATH = os.path.join(ROOT, "scripts", "render_readme.py")
+spec = importlib.util.spec_from_file_location("render_readme", PATH)
+render_readme = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(render_readme)
+
+
+def readme() -> str:
+    """The files with generated blocks, one after the other (a block's name is unique)."""
+    return "\n".join(open(p).read() for p in render_readme.DOCS)
+
+
+def test_every_generated_block_matches_its_json():
+    text = readme()
+    names = [m.group(2) for m in render_readme.BLOCK.finditer(text)]
+    assert set(names) == set(render_readme.BLOCKS), names  # every renderer has its block
+    assert render_readme.differing(text) == []
+
+
+def test_a_figure_edited_by_hand_is_caught():
+    text = readme()
+    for m in render_readme.BLOCK.finditer(text):
+        body = m.group(3)
+        digit = re.search(r"\| [^|]*?(\d)", body) or re.search(r"(\d)", body)  # a figure
+        assert digit, m.group(2)
+        k = m.start(3) + digit.start(1)
+        edited = text[:k] + str((int(text[k]) + 1) % 10) + text[k + 1 :]
+        assert render_readme.differing(edited) == [m.group(2)]
+
+
+def test_no_figure_outside_the_blocks_cites_a_stale_results_file():
+    text = readme()
+    results = os.path.join(ROOT, "benchmarks", "results")
+    for name in re.findall(r"benchmarks/results/([\w.-]+\.(?:png|json))", text):
+        assert os.path.exists(os.path.join(results, name)), name
