@@ -14,7 +14,7 @@ from transformers import LlamaForCausalLM
 
 from vmcache import KVSpec, VMKVCache, kernels
 from vmcache.engine import Engine, NgramDrafter, Request, SamplingParams
-from vmcache.engine.compiled import unsupported
+from vmcache.engine.compiled import CompiledRunner, unsupported
 from vmcache.kernels.reference import dense_attention
 from vmcache.kernels.step_op import step_attention
 from vmcache.paged_fallback import PagedKVCache
@@ -89,6 +89,37 @@ def test_projections_sharing_an_input_run_as_one_gemm(model):
     assert count.gemms == 4 * CFG.num_hidden_layers + 1
     reqs = requests([(9, 4), (3, 4)], seed=5)
     assert outputs(engine, reqs) == outputs(Engine(fresh, make("vm", 40)), reqs)
+
+
+def test_steps_above_the_graph_size_run_the_eager_step(model):
+    """A step of more tokens than max_graph_tokens (a prefill, where the GEMMs tuned for a
+    decode lose) runs the eager step; the rest run the graph; the tokens stay the eager
+    engine's and nothing recompiles."""
+    reqs = requests([(40, 5), (3, 6), (12, 4)], seed=7)
+    want = outputs(Engine(model, make("vm", 40)), reqs)
+    engine = Engine(model, make("vm", 40), compile=True)
+    runner, warm = engine.runner, engine.runner.compiles
+    runner.max_graph_tokens = 16
+    eager_sizes, eager_step = [], runner.eager.step
+
+    def counted(slots, starts, tokens, **kw):
+        eager_sizes.append(sum(len(t) for t in tokens))
+        return eager_step(slots, starts, tokens, **kw)
+
+    runner.eager.step = counted  # this runner's own eager runner, built for this test
+    assert outputs(engine, reqs) == want
+    assert eager_sizes and min(eager_sizes) > 16  # the prefill went eager, nothing else
+    assert engine.stats.steps > len(eager_sizes)  # the decodes went through the graph
+    assert runner.compiles == warm
+
+
+def test_the_graph_size_is_checked_before_anything_compiles(model):
+    kv = make("vm", 40)
+    with pytest.raises(ValueError, match="max_graph_tokens must be at least 10"):
+        CompiledRunner(model, kv, max_graph_tokens=9)
+    with pytest.raises(TypeError, match="max_graph_tokens must be an int"):
+        CompiledRunner(model, kv, max_graph_tokens=True)
+    assert kv.stats().num_sequences == 0
 
 
 def test_prefix_caching_and_swap_under_the_compiled_step(model):

@@ -30,7 +30,10 @@ own packed GEMMs), and it concatenates the projections that share an input (q, k
 gate and up) into one GEMM each, as vLLM's merged linear layers are: 4 GEMMs a layer instead
 of 7, the same products (7 % less step time on SmolLM2 at batch 16 on 2 cores, same tokens).
 The graph's own wrapper, which calls those kernels, is C++ too (inductor's ``cpp_wrapper``:
-5 % less again, no Python between the ~250 kernel calls of a step).
+5 % less again, no Python between the ~250 kernel calls of a step). Each GEMM shape is timed
+at compile time between inductor's C++ GEMM template and oneDNN's, at a decode's size
+(:data:`CPU_GEMM_TUNING`); steps of more than ``max_graph_tokens`` tokens, where those
+kernels lose, run the eager step.
 The packed copies double the memory of the linear weights, and the compiled step keeps
 computing with the weights as they were at warm-up.
 
@@ -38,13 +41,15 @@ The dynamo and inductor settings this needs (no duck sizing, freezing) are set f
 length of each call only; nothing of the user's model changes.
 What it cannot compile it refuses at construction with the reason (``ValueError``):
 sliding-window layers, FP8 / INT8 K/V, soft-capped attention; steps that verify drafts or
-token trees run the eager step (:class:`~vmcache.engine.runner.ModelRunner`) instead.
+token trees, and steps of more than ``max_graph_tokens`` tokens, run the eager step
+(:class:`~vmcache.engine.runner.ModelRunner`) instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 
 import torch
 from transformers.masking_utils import AttentionMaskInterface
@@ -99,6 +104,24 @@ def unsupported(model, kv) -> str | None:
     return None
 
 
+# The CPU step's GEMMs: inductor times its own C++ GEMM template (weights packed for its
+# micro-kernel at compile time) against oneDNN's packed matmul once per shape and keeps the
+# faster; a step's sizes are symbolic, so the timing runs at the sizes the warm-up compiles
+# with (a few tokens: a decode's shape) and, for sizes that are never specialized (the logits
+# kept: one row a sequence), at UNBACKED_HINT rows, the batch of a typical decode step. The
+# choices are not printed. Kernels chosen at a decode's size lose to oneDNN's on a prefill's
+# (SmolLM2's 30 layers on 2 cores: 33 % less time at 4 tokens, 18 % at 16, equal at 64, 13 %
+# more at 256, 20 % more at 1024), and at those sizes the GEMMs are bound by arithmetic, the
+# model's eager forward as fast as the compiled one: steps of more than MAX_GRAPH_TOKENS
+# tokens run the eager step (as vLLM runs batches larger than its CUDA graphs eagerly).
+UNBACKED_HINT = 16
+MAX_GRAPH_TOKENS = 256
+CPU_GEMM_TUNING = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                   "unbacked_symint_fallback": UNBACKED_HINT,
+                   "autotune_num_choices_displayed": 0,
+                   "max_autotune_report_choices_stats": False}  # fmt: skip
+
+
 def _inductor_frozen(gm, example_inputs):
     """inductor, with the weights frozen on the CPU (and CUDA graphs on a GPU). One function
     for every runner: TorchDynamo keeps a graph for the backend that built it, so runners on
@@ -109,7 +132,11 @@ def _inductor_frozen(gm, example_inputs):
     cuda = dev is not None and dev.type == "cuda"
     patch = {"freezing": not cuda, "cpp.dynamic_threads": True, "triton.cudagraphs": cuda,
              "cpp.enable_concat_linear": not cuda, "cpp_wrapper": not cuda}  # fmt: skip
-    with torch._inductor.config.patch(patch):
+    if not cuda:  # each GEMM shape: inductor's C++ GEMM template or oneDNN's, the faster
+        patch.update(CPU_GEMM_TUNING)
+    with torch._inductor.config.patch(patch), warnings.catch_warnings():
+        # inductor's own GEMM timing calls a deprecated storage API (torch's, not the user's)
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
         return compile_fx(gm, example_inputs)
 
 
@@ -123,8 +150,13 @@ class CompiledRunner:
     compiles (:meth:`warm_up`) and raises ``ValueError`` (with the reason) where the model,
     the cache or the compiler cannot. ``startup_s``: how long that took."""
 
-    def __init__(self, model, kv) -> None:
-        self.eager = ModelRunner(model, kv)  # drafts, trees, and the warm-up's reference
+    def __init__(self, model, kv, max_graph_tokens: int = MAX_GRAPH_TOKENS) -> None:
+        if isinstance(max_graph_tokens, bool) or not isinstance(max_graph_tokens, int):
+            raise TypeError("max_graph_tokens must be an int")
+        if max_graph_tokens < 10:  # the warm-up's largest step: 10 tokens
+            raise ValueError(f"max_graph_tokens must be at least 10, got {max_graph_tokens}")
+        self.max_graph_tokens = max_graph_tokens  # larger steps run the eager step
+        self.eager = ModelRunner(model, kv)  # drafts, trees, large steps, warm-up's reference
         why = unsupported(model, kv)
         if why is not None:
             raise ValueError(f"compile=True cannot compile this model's step: {why}; "
@@ -171,10 +203,11 @@ class CompiledRunner:
     @torch.inference_mode()
     def step(self, slots: list[int], starts: list[int], tokens: list[list[int]],
              rows: list[int] | None = None, trees: list | None = None) -> torch.Tensor:  # fmt: skip
-        """As :meth:`ModelRunner.step`; drafts (``rows``) and token trees run eagerly."""
-        if rows is not None or trees is not None:
-            return self.eager.step(slots, starts, tokens, rows=rows, trees=trees)
+        """As :meth:`ModelRunner.step`; drafts (``rows``), token trees and steps of more
+        than ``max_graph_tokens`` tokens run eagerly."""
         q_lens = [len(t) for t in tokens]
+        if rows is not None or trees is not None or sum(q_lens) > self.max_graph_tokens:
+            return self.eager.step(slots, starts, tokens, rows=rows, trees=trees)
         cache = self.eager.cache
         cache.begin(slots, starts, q_lens)  # checked, copied on write, indexed once
         b = cache.batch
