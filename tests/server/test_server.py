@@ -14,19 +14,8 @@ import time
 
 import openai
 import pytest
-from real_model import QUESTIONS, SYSTEM, generate, prompt, tiny_chat
+from real_model import QUESTIONS, SYSTEM, generate, prompt
 from server_cases import MODEL, chat, client, http, oversized, root, settled, start, streamed
-
-
-@pytest.fixture(scope="module")
-def real():
-    return tiny_chat()
-
-
-@pytest.fixture(scope="module", params=["vm", "paged"])
-def srv(real, request):
-    with start(real, "--cache", request.param) as running:
-        yield running
 
 
 def test_models_and_health(srv):

@@ -9,15 +9,10 @@ import socket
 import time
 
 import pytest
-from real_model import QUESTIONS, tiny_chat
+from real_model import QUESTIONS
 from server_cases import MODEL, settled, start
 
 MOMENTS = ["queued", "prefill", "decode"]
-
-
-@pytest.fixture(scope="module")
-def real():
-    return tiny_chat()
 
 
 @pytest.fixture(scope="module", params=["vm", "paged"])

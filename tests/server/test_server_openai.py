@@ -15,21 +15,10 @@ import urllib.request
 import pytest
 import torch
 from engine_cases import penalized_greedy
-from real_model import QUESTIONS, SYSTEM, generate, tiny_chat
+from real_model import QUESTIONS, SYSTEM, generate
 from server_cases import MODEL, client, http, root, settled, start
 
 PROMPT = "The three primary colors are"
-
-
-@pytest.fixture(scope="module")
-def real():
-    return tiny_chat()
-
-
-@pytest.fixture(scope="module", params=["vm", "paged"])
-def srv(real, request):
-    with start(real, "--cache", request.param) as running:
-        yield running
 
 
 @torch.no_grad()
