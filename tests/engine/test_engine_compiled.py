@@ -115,8 +115,8 @@ def test_steps_above_the_graph_size_run_the_eager_step(model):
 
 def test_the_graph_size_is_checked_before_anything_compiles(model):
     kv = make("vm", 40)
-    with pytest.raises(ValueError, match="max_graph_tokens must be at least 10"):
-        CompiledRunner(model, kv, max_graph_tokens=9)
+    with pytest.raises(ValueError, match="max_graph_tokens must be at least 6"):
+        CompiledRunner(model, kv, max_graph_tokens=5)
     with pytest.raises(TypeError, match="max_graph_tokens must be an int"):
         CompiledRunner(model, kv, max_graph_tokens=True)
     assert kv.stats().num_sequences == 0

@@ -116,6 +116,7 @@ def unsupported(model, kv) -> str | None:
 # tokens run the eager step (as vLLM runs batches larger than its CUDA graphs eagerly).
 UNBACKED_HINT = 16
 MAX_GRAPH_TOKENS = 256
+WARM_UP_TOKENS = 6  # the warm-up's largest step (CompiledRunner.warm_up): one decode + 5
 CPU_GEMM_TUNING = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                    "unbacked_symint_fallback": UNBACKED_HINT,
                    "autotune_num_choices_displayed": 0,
@@ -153,8 +154,9 @@ class CompiledRunner:
     def __init__(self, model, kv, max_graph_tokens: int = MAX_GRAPH_TOKENS) -> None:
         if isinstance(max_graph_tokens, bool) or not isinstance(max_graph_tokens, int):
             raise TypeError("max_graph_tokens must be an int")
-        if max_graph_tokens < 10:  # the warm-up's largest step: 10 tokens
-            raise ValueError(f"max_graph_tokens must be at least 10, got {max_graph_tokens}")
+        if max_graph_tokens < WARM_UP_TOKENS:  # the warm-up's steps must run the graph
+            raise ValueError(f"max_graph_tokens must be at least {WARM_UP_TOKENS}, got "
+                             f"{max_graph_tokens}")  # fmt: skip
         self.max_graph_tokens = max_graph_tokens  # larger steps run the eager step
         self.eager = ModelRunner(model, kv)  # drafts, trees, large steps, warm-up's reference
         why = unsupported(model, kv)
