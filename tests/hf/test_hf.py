@@ -10,16 +10,11 @@ import pytest
 import torch
 from hf_cases import CACHES, KW, gen, model, prompts
 from repo import ROOT
-from transformers import (
-    PretrainedConfig,
-)
+from transformers import PretrainedConfig
 
 from vmcache import CacheFull
 from vmcache.hf import PagedCache, VMCache
 from vmcache.sequences.invariants import check_invariants
-
-REPO = str(ROOT)
-
 
 MODES = {
     "greedy_1": lambda: dict(input_ids=prompts([11])[0], max_new_tokens=20, do_sample=False),
@@ -163,11 +158,11 @@ def test_no_folder_of_the_checkout_shadows_a_top_level_package():
         "mine = [m.name for m in pkgutil.iter_modules(['.'])]\n"
         "print(sorted(mine), importlib.util.find_spec('vmcache.kernels').origin)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout  # fmt: skip
     packages, origin = out.strip().splitlines()[-1].rsplit(" ", 1)
     assert packages == "['vmcache']", packages
-    assert origin == os.path.join(os.path.realpath(REPO), "vmcache", "kernels", "__init__.py")
+    assert origin == os.path.join(os.path.realpath(ROOT), "vmcache", "kernels", "__init__.py")
     import vmcache.kernels
 
     assert vmcache.kernels.__name__ == "vmcache.kernels" and hasattr(vmcache.kernels, "decode")

@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 from caches import FACTORIES
-from repo import ROOT as REPO
+from repo import ROOT
 
 from vmcache.sequences.invariants import check_invariants
 
-ROOT = os.path.join(REPO, "vmcache", "sequences")
+SEQUENCES = os.path.join(ROOT, "vmcache", "sequences")
 FACETS = {"beams": "beams.py", "swap": "swap.py", "handoff": "handoff.py",
           "elastic": "elastic.py", "capacity": "capacity.py", "prefix": "prefix.py",
           "views": "views.py"}  # fmt: skip
@@ -85,5 +85,5 @@ def test_each_facet_is_an_object_of_the_cache_with_its_calls(kind):
 
 def test_every_facet_file_says_what_it_touches():
     for facet, f in FACETS.items():
-        head = open(os.path.join(ROOT, f)).read().split('"""')[1]
+        head = open(os.path.join(SEQUENCES, f)).read().split('"""')[1]
         assert "Touches" in head and f"cache.{facet}" in head, f
