@@ -135,16 +135,23 @@ def vllm(name, doc) -> str:
     st, names = doc["startup_s"], {"vllm": "vLLM", "engine_vm": "engine VM",
                                    "engine_vm_compiled": "engine VM compiled",
                                    "engine_paged_compiled": "engine paged compiled"}  # fmt: skip
+    built = doc.get("startup_compiled", {})  # runs before packages: absent
+
+    def how(key: str) -> str:
+        return {1: ", compiled", 0: ", loaded its package"}.get(built.get(key), "")
+
     starts = "; ".join(
-        f"{label} " + ", ".join(f"{f(st[f'{k}_{t}'])} s ({t} thread{'s' if t > 1 else ''})"
+        f"{label} " + ", ".join(f"{f(st[f'{k}_{t}'])} s ({t} thread{'s' if t > 1 else ''}"
+                                f"{how(f'{k}_{t}')})"
                                 for t in sorted({r['threads'] for r in doc['rows']}))
         for k, label in names.items())  # fmt: skip
+    note = doc.get("startup_note", "model load and compile; a compiled engine after the "
+                   "first on the same model reuses its graph")  # fmt: skip
     return (md(["workload", "threads", "vLLM s", "engine VM s", "engine VM compiled s",
                 "engine paged compiled s", "VM / vLLM", "VM compiled / vLLM",
                 "paged compiled / vLLM", "tokens equal to vLLM (VM / VM compiled / paged "
                 "compiled)", "recompiles after warm-up (VM / paged)"], rows)
-            + "\n" + "; ".join(verdicts) + ".\n\nStart-up (model load and compile; a "
-            "compiled engine after the first on the same model reuses its graph): "
+            + "\n" + "; ".join(verdicts) + f".\n\nStart-up ({note}): "
             + starts + ".\n\n" + source(name, doc))  # fmt: skip
 
 

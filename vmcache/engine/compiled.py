@@ -48,13 +48,17 @@ token trees, and steps of more than ``max_graph_tokens`` tokens, run the eager s
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
 import time
-import warnings
+from functools import partial
+from pathlib import Path
 
 import torch
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
+from vmcache.engine import packaged
 from vmcache.engine.runner import ModelRunner
 from vmcache.hf.attention import no_mask
 from vmcache.kernels.step_op import default_scale, step_attention
@@ -123,26 +127,31 @@ CPU_GEMM_TUNING = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN
                    "max_autotune_report_choices_stats": False}  # fmt: skip
 
 
-def _inductor_frozen(gm, example_inputs):
-    """inductor, with the weights frozen on the CPU (and CUDA graphs on a GPU). One function
-    for every runner: TorchDynamo keeps a graph for the backend that built it, so runners on
-    the same model share the graph."""
+def _inductor_cuda(gm, example_inputs):
+    """inductor with CUDA graphs (the GPU's step, through TorchDynamo). One function for every
+    runner: TorchDynamo keeps a graph for the backend that built it, so runners on the same
+    model share the graph."""
     from torch._inductor.compile_fx import compile_fx
 
-    dev = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
-    cuda = dev is not None and dev.type == "cuda"
-    patch = {"freezing": not cuda, "cpp.dynamic_threads": True, "triton.cudagraphs": cuda,
-             "cpp.enable_concat_linear": not cuda, "cpp_wrapper": not cuda}  # fmt: skip
-    if not cuda:  # each GEMM shape: inductor's C++ GEMM template or oneDNN's, the faster
-        patch.update(CPU_GEMM_TUNING)
-    with torch._inductor.config.patch(patch), warnings.catch_warnings():
-        # inductor's own GEMM timing calls a deprecated storage API (torch's, not the user's)
-        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+    with torch._inductor.config.patch({"triton.cudagraphs": True}):
         return compile_fx(gm, example_inputs)
 
 
 def _graphs() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+class _Step(torch.nn.Module):
+    """The step as a module, for ``torch.export``: the model (its weights, to be frozen) and
+    the runner's forward over the step's inputs."""
+
+    def __init__(self, runner: CompiledRunner) -> None:
+        super().__init__()
+        self.model = runner.model
+        self._forward = runner._forward
+
+    def forward(self, ids, pos, keep, store, layout, write, read, lens):
+        return self._forward(ids, pos, keep, store, layout, write, read, lens)
 
 
 class CompiledRunner:
@@ -151,7 +160,8 @@ class CompiledRunner:
     compiles (:meth:`warm_up`) and raises ``ValueError`` (with the reason) where the model,
     the cache or the compiler cannot. ``startup_s``: how long that took."""
 
-    def __init__(self, model, kv, max_graph_tokens: int = MAX_GRAPH_TOKENS) -> None:
+    def __init__(self, model, kv, max_graph_tokens: int = MAX_GRAPH_TOKENS,
+                 compile_cache: str | os.PathLike | None = None) -> None:  # fmt: skip
         if isinstance(max_graph_tokens, bool) or not isinstance(max_graph_tokens, int):
             raise TypeError("max_graph_tokens must be an int")
         if max_graph_tokens < WARM_UP_TOKENS:  # the warm-up's steps must run the graph
@@ -166,13 +176,21 @@ class CompiledRunner:
         self.model, self.kv, self.device = model, kv, self.eager.device
         # the cache's storage (every layer's rows lie in it) and each layer's place there
         self.store = store_of(kv._flat_rows(0, 0))
-        self.layout = [layout_of(self.store, kv._flat_rows(i, 0), kv._flat_rows(i, 1))
-                       for i in range(kv.spec.num_layers)]  # fmt: skip
-        self.compiles = 0  # graphs TorchDynamo built for this runner's calls (warm-up: ≤ 1)
-        self._compiled = torch.compile(self._forward, backend=_inductor_frozen, dynamic=True,
-                                       fullgraph=True)  # fmt: skip
+        self.layout = torch.stack(
+            [
+                layout_of(self.store, kv._flat_rows(i, 0), kv._flat_rows(i, 1))
+                for i in range(kv.spec.num_layers)
+            ]
+        )  # [L, 4] fmt: skip
+        self.compiles = 0  # graphs built for this runner (CPU: a package; ≤ 1)
+        self.package: Path | None = None  # CPU: the package the step runs (compile_cache)
         t = time.perf_counter()
         try:
+            if self.device.type == "cpu":
+                self._graph = self._packaged(compile_cache)
+            else:  # TorchDynamo, each call (CUDA graphs): see _run
+                self._graph = torch.compile(self._forward, backend=_inductor_cuda,
+                                            dynamic=True, fullgraph=True)  # fmt: skip
             self.warm_up()
         except ValueError:
             raise
@@ -182,10 +200,35 @@ class CompiledRunner:
                              "use compile=False") from e  # fmt: skip
         self.startup_s = time.perf_counter() - t
 
-    def _forward(self, ids, pos, keep, step):
+    def _forward(self, ids, pos, keep, store, layout, write, read, lens):
+        """The step's inputs (:func:`~vmcache.engine.packaged.step_dims`) → logits of each
+        sequence's last token ``[B, vocab]`` fp32, through the model's own forward."""
+        step = {"store": store, "layout": layout, "write": write, "read": read, "lens": lens}
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep,
                          **{STEP_KWARG: step})  # fmt: skip
         return out.logits[0].float()
+
+    def _packaged(self, compile_cache):
+        """The CPU step as an AOTInductor package (:mod:`vmcache.engine.packaged`): loaded from
+        ``compile_cache`` when it holds this step's, else compiled (into it; None: into a
+        directory of this runner's, removed with it)."""
+        settings = {"freezing": True, "cpp.enable_concat_linear": True,
+                    "cpp.dynamic_threads": True, **CPU_GEMM_TUNING}  # fmt: skip
+        if compile_cache is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="vmcache-step-")
+            compile_cache = self._scratch.name
+        where = packaged.PackageDir(compile_cache)
+        key = packaged.package_key(self.model, self.store.dtype, self.max_graph_tokens, settings)
+        self.package = where.lookup(key)
+        if self.package is None:
+            example = packaged.example_inputs(self.store, self.layout,
+                                              min(16, self.max_graph_tokens))  # fmt: skip
+            module = _Step(self)
+            with torch.inference_mode(), self._settings():
+                build = partial(packaged.build, module, example, self.max_graph_tokens, settings)
+                self.package = where.save(key, build)
+            self.compiles = 1
+        return packaged.load(self.package)
 
     @contextlib.contextmanager
     def _settings(self):
@@ -226,20 +269,23 @@ class CompiledRunner:
             read, write = read.repeat(2, 1), write.repeat(2)
             lens, flat, pos, q_lens = [[1, 1], lens[1] * 2], flat * 2, pos * 2, [1, 1]
         dev = self.device
-        step = {"store": self.store, "layout": self.layout, "write": write, "read": read,
-                "lens": torch.tensor(lens)}  # fmt: skip
-        ids = torch.tensor(flat, device=dev)[None]
-        positions = torch.tensor(pos, device=dev)[None]
-        keep = (torch.tensor(q_lens).cumsum(0) - 1).to(dev)
+        args = (torch.tensor(flat, device=dev)[None], torch.tensor(pos, device=dev)[None],
+                (torch.tensor(q_lens).cumsum(0) - 1).to(dev), self.store, self.layout, write,
+                read, torch.tensor(lens))  # fmt: skip
+        out = self._graph(*args) if self.device.type == "cpu" else self._run_dynamo(args)
+        return out[:1] if one else out
+
+    def _run_dynamo(self, args) -> torch.Tensor:
+        _, _, keep, _, _, write, read, lens = args
         # no size-1 specialization of the batch's sizes (the token count is ≥ 2 already)
-        for t, dims in ((keep, (0,)), (write, (0,)), (read, (0, 1)), (step["lens"], (1,))):
+        for t, dims in ((keep, (0,)), (write, (0,)), (read, (0, 1)), (lens, (1,))):
             for d in dims:
                 torch._dynamo.decorators.mark_unbacked(t, d)
         before = _graphs()
         with self._settings():
-            out = self._compiled(ids, positions, keep, step)
+            out = self._graph(*args)
         self.compiles += _graphs() - before
-        return out[:1] if one else out
+        return out
 
     def warm_up(self) -> None:
         """Compile the step's graph on scratch sequences (freed after; nothing else in the

@@ -20,6 +20,7 @@ The scheduler writes its counters into the engine's :class:`EngineStats`, the sp
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,7 +56,8 @@ class Engine:
                  max_batch_tokens: int = 2048, map_ahead: bool = True,
                  keep_free_pages: int | None = None,
                  speculative: NgramDrafter | DraftModel | None = None,
-                 compile: bool = False) -> None:  # fmt: skip
+                 compile: bool = False, compile_cache: str | os.PathLike | None = None,
+                 ) -> None:  # fmt: skip
         """``keep_free_pages``: after each step, give back the memory of free pages beyond
         that many (elastic memory: an engine sharing a device's budget returns what it does
         not use); None keeps every page it created. ``speculative``: draft tokens for every
@@ -63,7 +65,10 @@ class Engine:
         (:mod:`vmcache.engine.drafts`); a sliding-window cache must keep
         ``rollback_tokens`` ≥ its ``k`` (a rejected draft is truncated away). ``compile``:
         run the model's forward compiled (:mod:`vmcache.engine.compiled`: warmed up here,
-        ``runner.startup_s`` long; ``ValueError`` with the reason where it cannot).
+        ``runner.startup_s`` long; ``ValueError`` with the reason where it cannot);
+        ``compile_cache``: a directory to keep it in (created private), so that later
+        engines on the same model load it instead of compiling (CPU: seconds instead of
+        minutes); None compiles for this engine only.
 
         Sequences stop at the model's end-of-sequence ids (:attr:`eos_token_ids`, read from
         its ``generation_config`` here) unless a request says ``ignore_eos``; why each
@@ -75,7 +80,11 @@ class Engine:
         self._stalled_since: float | None = None
         # compile: the model's forward compiled over the cache's stable rows (warmed up
         # here; ValueError with the reason where it cannot: vmcache.engine.compiled)
-        self.runner = CompiledRunner(model, cache) if compile else ModelRunner(model, cache)
+        if compile_cache is not None and not compile:
+            raise ValueError("compile_cache is where compile=True keeps the compiled step; "
+                             "pass compile=True with it")  # fmt: skip
+        self.runner = (CompiledRunner(model, cache, compile_cache=compile_cache) if compile
+                       else ModelRunner(model, cache))  # fmt: skip
         self.vocab = model.config.get_text_config().vocab_size
         self.eos_token_ids = model_eos_ids(model)  # stop ids of every request but ignore_eos
         self.stats = EngineStats()  # the scheduler and the speculation write their parts

@@ -84,6 +84,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the compiled engine step (compiles at start: a minute or more on a CPU)",
     )
     p.add_argument(
+        "--compile-cache",
+        metavar="DIR",
+        help="with --compile: keep the compiled step in DIR (created private); later starts "
+        "on the same model load it (CPU: seconds) instead of compiling",
+    )
+    p.add_argument(
         "--speculative",
         action="store_true",
         help="prompt-lookup drafts (k=4), verified in the next step",
@@ -105,6 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_waiting < 0:
         p.error("--max-waiting must be >= 0")
+    if args.compile_cache is not None and not args.compile:
+        p.error("--compile-cache keeps the compiled step of --compile; pass --compile with it")
     if args.api_key_file is not None:
         args.api_key = args.api_key_file.read_text().strip()
         if not args.api_key:
@@ -145,7 +153,7 @@ def build_engine(args, model):
     drafter = NgramDrafter(k=4) if args.speculative else None
     return Engine(model, kv, preemption=args.preemption,
                   max_batch_tokens=args.max_batch_tokens, speculative=drafter,
-                  compile=args.compile)  # fmt: skip
+                  compile=args.compile, compile_cache=args.compile_cache)  # fmt: skip
 
 
 def build_server(args, model=None, tokenizer=None):

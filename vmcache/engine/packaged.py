@@ -1,0 +1,171 @@
+"""The CPU's compiled step kept as an AOTInductor package: exported once (``torch.export``,
+the step's sizes as dims), compiled ahead of time by inductor with the weights frozen
+(``torch._inductor.aoti_compile_and_package``), and loaded by later processes in seconds.
+torch.compile cannot do that: inductor's own cache refuses a graph with frozen weights (oneDNN's
+packed weights cannot be serialized by it), so every process compiled the whole model again.
+
+A package is code (a shared library the process loads), so it is treated as a file from outside
+the process even when this process wrote it:
+
+    <dir>/                 created 0700; refused unless this user owns it and nobody else
+      <key>.pt2            can write it (the same for each file in it)
+      <key>.json           {"sha256", "bytes"} of the package, checked before loading
+
+``<key>`` is a SHA-256 over everything that shapes the compiled code: the model's class,
+config and every weight's bytes, the cache's storage dtype, the step's largest token count,
+the compiler's settings, torch's and vmcache's versions, the CPU's vector ISA and the thread
+count (the cache's size and layout come in as inputs: one package serves every cache).
+Files are written under a temporary name and moved into place (``os.replace``), so a reader
+sees a whole package or none. A package that fails its checksum
+is compiled again and replaced. After loading, the runner's warm-up still checks the logits
+against the eager step's, as after a fresh compile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import stat
+from pathlib import Path
+
+import torch
+
+import vmcache
+
+KEY_VERSION = 1  # bump when what goes into a package changes
+
+
+def _private_dir(root: Path) -> Path:
+    """``root`` created 0700 if missing; ``ValueError`` unless this user owns it and no one
+    else may write to it."""
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_private(root)
+    return root
+
+
+def _check_private(path: Path) -> None:
+    st = path.lstat()
+    if stat.S_ISLNK(st.st_mode):
+        raise ValueError(f"compile cache: {path} is a symbolic link; refusing to use it")
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise ValueError(f"compile cache: {path} must be owned by this user and writable by "
+                         f"no one else (mode {stat.filemode(st.st_mode)}); refusing to load "
+                         "code from it")  # fmt: skip
+
+
+def _digest_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def package_key(model: torch.nn.Module, store_dtype: torch.dtype, max_tokens: int,
+                settings: dict) -> str:  # fmt: skip
+    """The package's name: SHA-256 (hex) over everything that shapes its code (module
+    docstring): the model, the cache's storage dtype, the step's largest token count and the
+    compiler's ``settings``."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    h = hashlib.sha256()
+    head = {"key": KEY_VERSION, "vmcache": vmcache.__version__, "torch": torch.__version__,
+            "python": platform.python_version(), "machine": platform.machine(),
+            "isa": str(pick_vec_isa()), "threads": torch.get_num_threads(),
+            "model": type(model).__qualname__, "config": model.config.to_json_string(),
+            "store": str(store_dtype), "max_tokens": max_tokens,
+            "settings": {k: repr(v) for k, v in sorted(settings.items())}}  # fmt: skip
+    h.update(json.dumps(head, sort_keys=True).encode())
+    for name, t in model.state_dict(keep_vars=False).items():
+        t = t.detach().contiguous().cpu()
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+class PackageDir:
+    """A private directory of compiled-step packages (module docstring)."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = _private_dir(Path(root))
+
+    def path(self, key: str) -> Path:
+        return self.root / f"{key}.pt2"
+
+    def lookup(self, key: str) -> Path | None:
+        """The package's path if it is here, private and whole (its checksum matches)."""
+        pkg, meta = self.path(key), self.root / f"{key}.json"
+        if not (pkg.is_file() and meta.is_file()):
+            return None
+        _check_private(pkg)
+        _check_private(meta)
+        try:
+            want = json.loads(meta.read_text())
+            ok = (isinstance(want, dict) and want.get("bytes") == pkg.stat().st_size
+                  and want.get("sha256") == _digest_file(pkg))  # fmt: skip
+        except (OSError, ValueError):
+            ok = False
+        return pkg if ok else None
+
+    def save(self, key: str, build) -> Path:
+        """``build(path)`` writes the package at a temporary path of this process; it, then
+        its checksum, are moved into place (atomic replace). → the package's path."""
+        tmp = self.root / f".building-{key}-{os.getpid()}.pt2"
+        tmp_meta = tmp.with_suffix(".json")
+        try:
+            build(str(tmp))
+            os.chmod(tmp, 0o600)
+            meta = {"sha256": _digest_file(tmp), "bytes": tmp.stat().st_size}
+            fd = os.open(tmp_meta, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(meta, f)
+            os.replace(tmp, self.path(key))  # a reader that sees the checksum sees the package
+            os.replace(tmp_meta, self.root / f"{key}.json")
+        finally:
+            tmp.unlink(missing_ok=True)
+            tmp_meta.unlink(missing_ok=True)
+        return self.path(key)
+
+
+def step_dims(max_tokens: int) -> tuple:
+    """``torch.export`` dims of the step's inputs ``(ids [1, N], pos [1, N], keep [B],
+    store [E], layout [L, 4], write [N], read [B, S], lens [2, B])``: N from 2 (a lone decode
+    runs as two copies of itself) to ``max_tokens``; B, S and the storage's size E from 1,
+    unbounded, so one package serves every cache of the model (each layer's place in the
+    storage comes in ``layout``)."""
+    from torch.export import Dim
+
+    n, b, s = Dim("tokens", min=2, max=max_tokens), Dim("seqs", min=1), Dim("span", min=1)
+    return {1: n}, {1: n}, {0: b}, {0: Dim("storage", min=1)}, None, {0: n}, {0: b, 1: s}, {1: b}
+
+
+def example_inputs(store: torch.Tensor, layout: torch.Tensor, tokens: int) -> tuple:
+    """Step inputs for export: ``tokens`` decodes over 8 positions each (the values are not
+    read: export traces shapes; inductor times each GEMM at these sizes, a decode step's)."""
+    span = 8
+    return (torch.zeros(1, tokens, dtype=torch.long), torch.zeros(1, tokens, dtype=torch.long),
+            torch.arange(tokens), store, layout, torch.arange(tokens),
+            torch.zeros(tokens, span, dtype=torch.long),
+            torch.tensor([[1] * tokens, [span] * tokens]))  # fmt: skip
+
+
+def build(module: torch.nn.Module, example: tuple, max_tokens: int, settings: dict,
+          path: str) -> None:  # fmt: skip
+    """Export ``module`` (the step: ``example``'s inputs → logits) and compile it into an
+    AOTInductor package at ``path`` with inductor's ``settings``."""
+    import warnings
+
+    ep = torch.export.export(module, example, dynamic_shapes=step_dims(max_tokens),
+                             strict=False)  # fmt: skip
+    with warnings.catch_warnings():
+        # inductor's own GEMM timing calls a deprecated storage API (torch's, not the user's)
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        torch._inductor.aoti_compile_and_package(ep, package_path=path,
+                                                 inductor_configs=settings)  # fmt: skip
+
+
+def load(path: Path):
+    """The package at ``path`` as a callable: the step's inputs → logits."""
+    return torch._inductor.aoti_load_package(str(path))
