@@ -1,44 +1,45 @@
 """The engine step compiled (``Engine(model, cache, compile=True)``): the model's own forward
-traced once by TorchDynamo and compiled by inductor, every layer's K/V written into and read
-from the cache inside the compiled graph through one operator
-(:func:`~vmcache.kernels.step_op.step_attention`).
+compiled by inductor, every layer's K/V written into and read from the cache inside the
+compiled graph through one operator (:func:`~vmcache.kernels.step_op.step_attention`).
 
 What makes the graph reusable step after step is that the cache never moves: a VMKVCache
 layer's K and V are one flat tensor of rows over a virtual range reserved once (pages are
 mapped under it as sequences grow; PagedKVCache: its block pool), so every step hands the
-graph the same tensors, and only the step's small index tensors change:
+graph the same storage, and only the step's small index tensors change:
 
     per step, on the host (once)          per layer, inside the graph
     ids, positions  [1, N]            ─►  the model's embedding, norms, projections, rotary
-    write  int64 [N]                  ─►  step_attention: K/V stored, history gathered,
-    read   int64 [B, S]                   causal SDPA per sequence
+    store [E], layout int64 [L, 4]    ─►  step_attention on layer l's rows (layout[l]):
+    write  int64 [N]                       K/V stored, history gathered,
+    read   int64 [B, S]                    causal SDPA per sequence
     lens   int64 [2, B] (q, kv)       ─►  (its output [N, N_Q, d_h] back into the model)
     keep   int64 [B]                  ─►  logits of each sequence's last token only
 
-Shapes are symbolic, so one graph serves every step: the token count N is at least 2 (a
+Sizes are symbolic, so one graph serves every step: the token count N is at least 2 (a
 lone decode runs as two copies of itself, one row of logits kept: a size of 1 would be
-specialized by TorchDynamo into a second graph), and the batch's sizes are *unbacked*
-(never specialized). ``warm_up`` compiles it on scratch sequences before the first request
-(one prefill, one decode, two sequences at once) and checks the compiled logits against the
-eager step's there; :attr:`CompiledRunner.compiles` counts the graphs this runner's calls
-built, so a caller can see that serving compiled nothing more. Runners on the same model
-share the graph (a second engine starts in milliseconds).
+specialized into a second graph). ``warm_up`` runs it on scratch sequences before the first
+request (one prefill, one decode, two sequences at once) and checks the compiled logits
+against the eager step's there; :attr:`CompiledRunner.compiles` counts the graphs this
+runner built, so a caller can see that serving compiled nothing more.
 
-On the CPU inductor *freezes* the weights: it folds them into the graph as constants and
-packs every linear layer's weight for oneDNN's matmul (what vLLM's CPU build does with its
-own packed GEMMs), and it concatenates the projections that share an input (q, k and v;
-gate and up) into one GEMM each, as vLLM's merged linear layers are: 4 GEMMs a layer instead
-of 7, the same products (7 % less step time on SmolLM2 at batch 16 on 2 cores, same tokens).
-The graph's own wrapper, which calls those kernels, is C++ too (inductor's ``cpp_wrapper``:
-5 % less again, no Python between the ~250 kernel calls of a step). Each GEMM shape is timed
-at compile time between inductor's C++ GEMM template and oneDNN's, at a decode's size
-(:data:`CPU_GEMM_TUNING`); steps of more than ``max_graph_tokens`` tokens, where those
-kernels lose, run the eager step.
-The packed copies double the memory of the linear weights, and the compiled step keeps
-computing with the weights as they were at warm-up.
+On the CPU the step is exported (``torch.export``) and compiled ahead of time into an
+AOTInductor package (:mod:`vmcache.engine.packaged`), kept in ``compile_cache`` when one is
+given: a later engine on the same model, in this process or another, over any cache, loads
+it in seconds instead of compiling for minutes. inductor *freezes* the weights: it folds
+them into the graph as constants and packs every linear layer's weight for its GEMMs (what
+vLLM's CPU build does with its own packed GEMMs), and it concatenates the projections that
+share an input (q, k and v; gate and up) into one GEMM each, as vLLM's merged linear layers
+are: 4 GEMMs a layer instead of 7, the same products. The package's wrapper, which calls
+those kernels, is C++ (no Python between the ~250 kernel calls of a step). Each GEMM shape
+is timed at compile time between inductor's C++ GEMM template and oneDNN's, at a decode
+step's size (:data:`CPU_GEMM_TUNING`); steps of more than ``max_graph_tokens`` tokens, where
+those kernels lose, run the eager step. The packed copies double the memory of the linear
+weights, and the compiled step keeps computing with the weights it was built from (a changed
+model is another package). On a GPU TorchDynamo compiles the step in the process, with CUDA
+graphs.
 
-The dynamo and inductor settings this needs (no duck sizing, freezing) are set for the
-length of each call only; nothing of the user's model changes.
+The settings this needs are set for the length of each call only; nothing of the user's
+model changes.
 What it cannot compile it refuses at construction with the reason (``ValueError``):
 sliding-window layers, FP8 / INT8 K/V, soft-capped attention; steps that verify drafts or
 token trees, and steps of more than ``max_graph_tokens`` tokens, run the eager step
@@ -110,19 +111,15 @@ def unsupported(model, kv) -> str | None:
 
 # The CPU step's GEMMs: inductor times its own C++ GEMM template (weights packed for its
 # micro-kernel at compile time) against oneDNN's packed matmul once per shape and keeps the
-# faster; a step's sizes are symbolic, so the timing runs at the sizes the warm-up compiles
-# with (a few tokens: a decode's shape) and, for sizes that are never specialized (the logits
-# kept: one row a sequence), at UNBACKED_HINT rows, the batch of a typical decode step. The
-# choices are not printed. Kernels chosen at a decode's size lose to oneDNN's on a prefill's
-# (SmolLM2's 30 layers on 2 cores: 33 % less time at 4 tokens, 18 % at 16, equal at 64, 13 %
-# more at 256, 20 % more at 1024), and at those sizes the GEMMs are bound by arithmetic, the
-# model's eager forward as fast as the compiled one: steps of more than MAX_GRAPH_TOKENS
-# tokens run the eager step (as vLLM runs batches larger than its CUDA graphs eagerly).
-UNBACKED_HINT = 16
+# faster, at the sizes the step is exported at (packaged.EXAMPLE_TOKENS). The choices are not
+# printed. Kernels chosen at a decode's size lose to oneDNN's on a prefill's (SmolLM2's 30
+# layers on 2 cores: 33 % less time at 4 tokens, 18 % at 16, equal at 64, 13 % more at 256,
+# 20 % more at 1024), and at those sizes the GEMMs are bound by arithmetic, the model's eager
+# forward as fast as the compiled one: steps of more than MAX_GRAPH_TOKENS tokens run the
+# eager step (as vLLM runs batches larger than its CUDA graphs eagerly).
 MAX_GRAPH_TOKENS = 256
 WARM_UP_TOKENS = 6  # the warm-up's largest step (CompiledRunner.warm_up): one decode + 5
 CPU_GEMM_TUNING = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
-                   "unbacked_symint_fallback": UNBACKED_HINT,
                    "autotune_num_choices_displayed": 0,
                    "max_autotune_report_choices_stats": False}  # fmt: skip
 
@@ -221,8 +218,7 @@ class CompiledRunner:
         key = packaged.package_key(self.model, self.store.dtype, self.max_graph_tokens, settings)
         self.package = where.lookup(key)
         if self.package is None:
-            example = packaged.example_inputs(self.store, self.layout,
-                                              min(16, self.max_graph_tokens))  # fmt: skip
+            example = packaged.example_inputs(self.store, self.layout)
             module = _Step(self)
             with torch.inference_mode(), self._settings():
                 build = partial(packaged.build, module, example, self.max_graph_tokens, settings)
@@ -232,17 +228,14 @@ class CompiledRunner:
 
     @contextlib.contextmanager
     def _settings(self):
-        """For one call: freezing (TorchDynamo must see it while it traces, to hand the
-        parameters to inductor as constants), no duck sizing (sizes equal by chance must not
-        become one symbol, or a later step recompiles), the model's float constants (norm
-        epsilons, rotary and attention scales) as constants: traced as symbols, inductor
-        cannot keep them and starts the whole trace again, a second full trace of the model
-        (SmolLM2: 180 -> 141 s of start-up), and the compiled attention on the model's
-        configs."""
+        """For one trace (the CPU's export; each of TorchDynamo's calls on a GPU): no duck
+        sizing (sizes equal by chance must not become one symbol, or a later step recompiles),
+        the model's float constants (norm epsilons, rotary and attention scales) as constants
+        (traced as symbols, inductor cannot keep them and TorchDynamo starts the whole trace
+        again), and the compiled attention on the model's configs."""
         import torch.fx.experimental._config as fx_config
 
         with (
-            torch._inductor.config.patch(freezing=self.device.type == "cpu"),
             torch._dynamo.config.patch(specialize_float=True),
             fx_config.patch(use_duck_shape=False),
             self.eager._attention(COMPILED_ATTN_NAME),
