@@ -155,7 +155,9 @@ class CompiledRunner:
     """``step(slots, starts, tokens)`` → next-token logits ``[len(slots), vocab]`` (fp32), as
     :class:`~vmcache.engine.runner.ModelRunner`, through the compiled graph; construction
     compiles (:meth:`warm_up`) and raises ``ValueError`` (with the reason) where the model,
-    the cache or the compiler cannot. ``startup_s``: how long that took."""
+    the cache or the compiler cannot. ``startup_s``: how long that took. ``compile_cache``
+    (CPU): the directory of packages to load the step from or compile it into
+    (:class:`~vmcache.engine.packaged.PackageDir`); None: a temporary one of this runner's."""
 
     def __init__(self, model, kv, max_graph_tokens: int = MAX_GRAPH_TOKENS,
                  compile_cache: str | os.PathLike | None = None) -> None:  # fmt: skip
@@ -173,19 +175,16 @@ class CompiledRunner:
         self.model, self.kv, self.device = model, kv, self.eager.device
         # the cache's storage (every layer's rows lie in it) and each layer's place there
         self.store = store_of(kv._flat_rows(0, 0))
-        self.layout = torch.stack(
-            [
-                layout_of(self.store, kv._flat_rows(i, 0), kv._flat_rows(i, 1))
-                for i in range(kv.spec.num_layers)
-            ]
-        )  # [L, 4] fmt: skip
+        per_layer = [layout_of(self.store, kv._flat_rows(i, 0), kv._flat_rows(i, 1))
+                     for i in range(kv.spec.num_layers)]  # fmt: skip
+        self.layout = torch.stack(per_layer)  # int64 [L, 4]
         self.compiles = 0  # graphs built for this runner (CPU: a package; ≤ 1)
         self.package: Path | None = None  # CPU: the package the step runs (compile_cache)
         t = time.perf_counter()
         try:
             if self.device.type == "cpu":
                 self._graph = self._packaged(compile_cache)
-            else:  # TorchDynamo, each call (CUDA graphs): see _run
+            else:  # TorchDynamo, at each call (CUDA graphs): _run_dynamo
                 self._graph = torch.compile(self._forward, backend=_inductor_cuda,
                                             dynamic=True, fullgraph=True)  # fmt: skip
             self.warm_up()

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 import vmcache
+from vmcache.models.embedded import sha256_of
 
 KEY_VERSION = 1  # bump when what goes into a package changes
 # The sizes the step is exported at: inductor times each GEMM shape between its C++ template
@@ -62,14 +63,6 @@ def _check_private(path: Path) -> None:
         raise ValueError(f"compile cache: {path} must be owned by this user and writable by "
                          f"no one else (mode {stat.filemode(st.st_mode)}); refusing to load "
                          "code from it")  # fmt: skip
-
-
-def _digest_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def package_key(model: torch.nn.Module, store_dtype: torch.dtype, max_tokens: int,
@@ -114,7 +107,7 @@ class PackageDir:
         try:
             want = json.loads(meta.read_text())
             ok = (isinstance(want, dict) and want.get("bytes") == pkg.stat().st_size
-                  and want.get("sha256") == _digest_file(pkg))  # fmt: skip
+                  and want.get("sha256") == sha256_of(pkg))  # fmt: skip
         except (OSError, ValueError):
             ok = False
         return pkg if ok else None
@@ -127,7 +120,7 @@ class PackageDir:
         try:
             build(str(tmp))
             os.chmod(tmp, 0o600)
-            meta = {"sha256": _digest_file(tmp), "bytes": tmp.stat().st_size}
+            meta = {"sha256": sha256_of(tmp), "bytes": tmp.stat().st_size}
             fd = os.open(tmp_meta, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
                 json.dump(meta, f)
