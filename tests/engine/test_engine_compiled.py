@@ -53,7 +53,7 @@ def test_compiled_tokens_equal_eager_and_nothing_recompiles(model, steps, kind, 
     kv = make(kind, pages)
     engine = Engine(model, kv, compile=True, compile_cache=steps)
     warm = engine.runner.compiles
-    assert warm <= 1  # the first runner on this model compiles; later ones share its graph
+    assert warm == 0  # the module's package (the compiled fixture), loaded: nothing compiled
     got = outputs(engine, reqs)
     assert got == want
     assert engine.runner.compiles == warm  # no recompilation after warm-up
@@ -77,18 +77,35 @@ class _CountGemms(CustomGraphPass):
         return None  # never served from inductor's cache: this pass must see the graph
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
-def test_projections_sharing_an_input_run_as_one_gemm(model):
-    """q, k and v become one GEMM, gate and up another (inductor's concat-linear pass on the
-    frozen weights): 4 GEMMs a layer, and the lm_head's, in the one graph of the step."""
-    fresh = copy.deepcopy(model)  # a model of its own: its graph is compiled here
+@pytest.fixture(scope="module")
+def compiled(model, tmp_path_factory):
+    """The model's step compiled once for this module (in each xdist worker that runs it)
+    into a private directory, with inductor's last graph pass counting its GEMMs: → (the
+    directory, the GEMMs counted, the compiles of that first engine). Every engine of this
+    module loads that package."""
+    where = tmp_path_factory.mktemp("steps")
+    where.chmod(0o700)
     count = _CountGemms()
     with torch._inductor.config.patch(post_grad_custom_post_pass=count):
-        engine = Engine(fresh, make("vm", 40), compile=True)
-    assert engine.runner.compiles == 1
-    assert count.gemms == 4 * CFG.num_hidden_layers + 1
+        engine = Engine(model, make("vm", 40), compile=True, compile_cache=where)
+    return where, count.gemms, engine.runner.compiles
+
+
+@pytest.fixture
+def steps(compiled):
+    return compiled[0]
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+def test_projections_sharing_an_input_run_as_one_gemm(model, compiled):
+    """q, k and v become one GEMM, gate and up another (inductor's concat-linear pass on the
+    frozen weights): 4 GEMMs a layer, and the lm_head's, in the one graph of the step."""
+    where, gemms, compiles = compiled
+    assert compiles == 1
+    assert gemms == 4 * CFG.num_hidden_layers + 1
     reqs = requests([(9, 4), (3, 4)], seed=5)
-    assert outputs(engine, reqs) == outputs(Engine(fresh, make("vm", 40)), reqs)
+    engine = Engine(model, make("vm", 40), compile=True, compile_cache=where)
+    assert outputs(engine, reqs) == outputs(Engine(model, make("vm", 40)), reqs)
 
 
 def test_engines_on_one_model_share_one_package_whatever_their_cache(model, steps):
