@@ -16,8 +16,8 @@ config and every weight's bytes, the cache's storage dtype, the step's largest t
 the compiler's settings, torch's and vmcache's versions, the CPU's vector ISA and the thread
 count (the cache's size and layout come in as inputs: one package serves every cache).
 Files are written under a temporary name and moved into place (``os.replace``), so a reader
-sees a whole package or none. A package that fails its checksum
-is compiled again and replaced. After loading, the runner's warm-up still checks the logits
+sees a whole package or none. A package that fails its checksum is compiled again and
+replaced. After loading, the runner's warm-up still checks the logits
 against the eager step's, as after a fresh compile.
 """
 
@@ -41,8 +41,7 @@ KEY_VERSION = 1  # bump when what goes into a package changes
 # at a few rows (EXAMPLE_TOKENS), the logits' at a decode step's batch (EXAMPLE_SEQS), as the
 # TorchDynamo step that came before timed them. Timed at 16 rows instead, oneDNN's won every
 # linear layer of SmolLM2 and a decode step of 16 sequences took 11 % longer (86.4 against
-# 77.8 ms, 2 threads): timed alone, a GEMM's weights sit in the cache, in a step they stream
-# from memory, where the template's packed panels read faster.
+# 77.8 ms, 2 threads; why the timing misjudges at 16 rows was not measured).
 EXAMPLE_TOKENS = 4
 EXAMPLE_SEQS = 16
 
@@ -84,7 +83,7 @@ def package_key(model: torch.nn.Module, store_dtype: torch.dtype, max_tokens: in
     for name, t in model.state_dict(keep_vars=False).items():
         t = t.detach().contiguous().cpu()
         h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
-        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.view(-1).view(torch.uint8).numpy())  # the bytes in place, not a copy
     return h.hexdigest()
 
 
