@@ -122,8 +122,11 @@ fetch-model: $(STAMP)
 
 # tests/conftest.py interprets Triton only where no GPU is visible. Without a GPU, TEST_WORKERS
 # pytest processes (pytest-xdist) share the tests, one torch thread each; with one, a single
-# process (0), since tests that read the device's free memory must not share it
+# process (0), since tests that read the device's free memory must not share it. A worker that
+# runs out of tests takes queued ones from the other (--dist worksteal): with xdist's default
+# queues one worker ran the last ~100 s alone, the other core idle (a whole-tier run, 2 cores)
 TEST_WORKERS ?= $(if $(shell command -v nvidia-smi),0,2)
+XDIST = -n $(TEST_WORKERS) --dist worksteal
 test: test-setup
 	$(MAKE) test-newest
 	$(MAKE) test-oldest
@@ -137,7 +140,7 @@ test-setup:
 # (fetch-model has just parsed the GGUF file under this transformers: its test runs in the
 # oldest tier only)
 test-newest: $(STAMP) fetch-model
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) --durations=15 \
+	$(VENV)/bin/pytest $(XDIST) --durations=15 \
 		--deselect tests/models/test_models.py::test_the_gguf_file_itself_loads_as_its_converted_copy
 
 # the oldest supported transformers and triton: the drop-in, the engine, the sm_90 compile,
@@ -147,7 +150,7 @@ test-newest: $(STAMP) fetch-model
 # (one run: the sliding-window file's Gemma 3 tests and the trained model's "stops" tests
 # picked by -k beside every test of the other files)
 test-oldest: $(OLD_STAMP)
-	$(OLD)/bin/pytest -n $(TEST_WORKERS) tests/hf/test_hf.py tests/hf/test_hf_layers.py \
+	$(OLD)/bin/pytest $(XDIST) tests/hf/test_hf.py tests/hf/test_hf_layers.py \
 		tests/hf/test_hf_assisted.py tests/engine/test_engine.py tests/engine/test_engine_logprobs.py \
 		tests/gpu/test_compile_sm90.py tests/hf/test_hf_adapter.py tests/models/test_models.py \
 		tests/hf/test_hf_sliding.py tests/models/test_real_model.py \
