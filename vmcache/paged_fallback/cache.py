@@ -155,7 +155,7 @@ class PagedKVCache(SequenceCache):
         w, n = self._window_start(layer, s), self._seqs.length(s)
         t, slot = self._layer_at[layer]
         blocks, offs = self._slots(s, t, w, n - w)
-        k, v = self._kv_pool[slot, 0, blocks, offs], self._kv_pool[slot, 1, blocks, offs]
+        k, v = self._kv_pool[slot, :, blocks, offs]  # [2, n, ...]: one gather for both
         return self._decode(layer, k, v)
 
     def _rows(self, layer: int, kv: int) -> torch.Tensor:
