@@ -34,6 +34,10 @@ def test_the_key_follows_what_shapes_the_code_and_nothing_else(model):
     assert key(model, dtype=torch.bfloat16) != base
     assert key(model, tokens=128) != base
     assert key(model, settings={**SETTINGS, "max_autotune": False}) != base
+    with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):  # the user's own
+        assert key(model) != base
+    with torch._inductor.config.patch(post_grad_custom_post_pass=None, compile_threads=1):
+        assert key(model) == base  # (inductor's cache ignores both: they shape no code)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)  # the GEMM templates are blocked for a thread count

@@ -13,8 +13,10 @@ the process even when this process wrote it:
 
 ``<key>`` is a SHA-256 over everything that shapes the compiled code: the model's class,
 config and every weight's bytes, the cache's storage dtype, the step's largest token count,
-the compiler's settings, torch's and vmcache's versions, the CPU's vector ISA and the thread
-count (the cache's size and layout come in as inputs: one package serves every cache).
+the compiler's settings and the rest of inductor's configuration as the process has it (a
+user's ``TORCHINDUCTOR_*`` setting, e.g. kernel profiling, changes the code), torch's and
+vmcache's versions, the CPU's vector ISA and the thread count (the cache's size and layout
+come in as inputs: one package serves every cache).
 Files are written under a temporary name and moved into place (``os.replace``), so a reader
 sees a whole package or none. A package that fails its checksum is compiled again and
 replaced. After loading, the runner's warm-up still checks the logits
@@ -35,7 +37,10 @@ import torch
 import vmcache
 from vmcache.models.embedded import sha256_of
 
-KEY_VERSION = 1  # bump when what goes into a package changes
+KEY_VERSION = 2  # bump when what goes into a package changes
+# inductor's setting that a package build writes and leaves behind (build() restores it; the
+# key leaves it out, so a process that built one keys the next as a fresh process does)
+LEAKED = "aot_inductor.metadata"
 # The sizes the step is exported at: inductor times each GEMM shape between its C++ template
 # and oneDNN's once, at these sizes, and keeps the faster for every size. The model's GEMMs
 # at a few rows (EXAMPLE_TOKENS), the logits' at a decode step's batch (EXAMPLE_SEQS), as the
@@ -67,10 +72,17 @@ def _check_private(path: Path) -> None:
 def package_key(model: torch.nn.Module, store_dtype: torch.dtype, max_tokens: int,
                 settings: dict) -> str:  # fmt: skip
     """The package's name: SHA-256 (hex) over everything that shapes its code (module
-    docstring): the model, the cache's storage dtype, the step's largest token count and the
-    compiler's ``settings``."""
+    docstring): the model, the cache's storage dtype, the step's largest token count, the
+    compiler's ``settings`` and inductor's configuration."""
+    from torch._inductor import config as inductor_config
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
+    # (the portable form, as inductor's own cache keys it: without trace dirs and compile
+    # threads, which shape no code, and custom graph passes, which inductor keys by their
+    # uuid() and this key does not: a package built under a user's own pass is not told apart)
+    portable = inductor_config.save_config_portable()  # (a new dict)
+    portable.pop(LEAKED, None)  # (what it holds is the machine's: keyed below)
+    inductor = repr(sorted(portable.items()))
     h = hashlib.sha256()
     head = {"key": KEY_VERSION, "vmcache": vmcache.__version__, "torch": torch.__version__,
             "python": platform.python_version(), "machine": platform.machine(),
@@ -78,7 +90,8 @@ def package_key(model: torch.nn.Module, store_dtype: torch.dtype, max_tokens: in
             "model": type(model).__qualname__, "config": model.config.to_json_string(),
             "store": str(store_dtype), "max_tokens": max_tokens,
             "example": [EXAMPLE_TOKENS, EXAMPLE_SEQS],
-            "settings": {k: repr(v) for k, v in sorted(settings.items())}}  # fmt: skip
+            "settings": {k: repr(v) for k, v in sorted(settings.items())},
+            "inductor": hashlib.sha256(inductor.encode()).hexdigest()}  # fmt: skip
     h.update(json.dumps(head, sort_keys=True).encode())
     for name, t in model.state_dict(keep_vars=False).items():
         t = t.detach().contiguous().cpu()
@@ -160,7 +173,10 @@ def build(module: torch.nn.Module, example: tuple, max_tokens: int, settings: di
 
     ep = torch.export.export(module, example, dynamic_shapes=step_dims(max_tokens),
                              strict=False)  # fmt: skip
-    with warnings.catch_warnings():
+    config = torch._inductor.config
+    # (the build writes the machine's AOTI_* metadata into inductor's global configuration
+    # and leaves it there: patched, the process's own comes back after)
+    with warnings.catch_warnings(), config.patch(LEAKED, dict(config.aot_inductor.metadata)):
         # inductor's own GEMM timing calls a deprecated storage API (torch's, not the user's)
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
         torch._inductor.aoti_compile_and_package(ep, package_path=path,
