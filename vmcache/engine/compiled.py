@@ -264,7 +264,8 @@ class CompiledRunner:
         args = (torch.tensor(flat, device=dev)[None], torch.tensor(pos, device=dev)[None],
                 (torch.tensor(q_lens).cumsum(0) - 1).to(dev), self.store, self.layout, write,
                 read, torch.tensor(lens))  # fmt: skip
-        out = self._graph(*args) if self.device.type == "cpu" else self._run_dynamo(args)
+        with torch.profiler.record_function("vmcache: model"):  # (a profiler's scope)
+            out = self._graph(*args) if self.device.type == "cpu" else self._run_dynamo(args)
         return out[:1] if one else out
 
     def _run_dynamo(self, args) -> torch.Tensor:

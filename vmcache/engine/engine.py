@@ -15,7 +15,9 @@ A step has three stages, as vLLM's ``schedule`` / ``update_from_output``:
 
 A request with ``n > 1`` is prefilled once; its other sequences are forks (copy-on-write).
 The scheduler writes its counters into the engine's :class:`EngineStats`, the speculation its
-:class:`~vmcache.engine.speculation.SpeculationStats` (``stats.speculation``).
+:class:`~vmcache.engine.speculation.SpeculationStats` (``stats.speculation``). Each stage is a
+scope of torch.profiler's traces (``vmcache: schedule`` / ``run`` / ``postprocess``; the
+model's call in ``run`` is ``vmcache: model``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from vmcache.engine.compiled import CompiledRunner
 from vmcache.engine.drafts import DraftModel, NgramDrafter
@@ -73,13 +76,9 @@ class Engine:
         Sequences stop at the model's end-of-sequence ids (:attr:`eos_token_ids`, read from
         its ``generation_config`` here) unless a request says ``ignore_eos``; why each
         finished is in :attr:`finish_reasons`."""
-        self.kv = cache
-        self.map_ahead = map_ahead
-        self.keep_free_pages = keep_free_pages
+        self.kv, self.map_ahead, self.keep_free_pages = cache, map_ahead, keep_free_pages
         self.max_wait_s = 60.0  # on a shared budget: how long nothing may run before CacheFull
         self._stalled_since: float | None = None
-        # compile: the model's forward compiled over the cache's stable rows (warmed up
-        # here; ValueError with the reason where it cannot: vmcache.engine.compiled)
         if compile_cache is not None and not compile:
             raise ValueError("compile_cache is where compile=True keeps the compiled step; "
                              "pass compile=True with it")  # fmt: skip
@@ -221,6 +220,7 @@ class Engine:
         st.max_running = max(st.max_running, len(self.scheduler.running))
 
     # --- stage 1: schedule ---------------------------------------------------------------
+    @record_function("vmcache: schedule")
     def _schedule(self) -> list[Seq]:
         """Drafts for decoding sequences, then the scheduler's batch (its grows map pages;
         it may preempt); drafts of sequences left out are dropped."""
@@ -243,6 +243,7 @@ class Engine:
         time.sleep(0.002)
 
     # --- stage 2: run --------------------------------------------------------------------
+    @record_function("vmcache: run")
     def _run(self, batch: list[Seq]) -> _StepWork:
         """One packed model call over ``batch`` (and a token tree's forks): the logits rows
         each sequence needs (all of a verified draft's, else its last)."""
@@ -262,6 +263,7 @@ class Engine:
         return _StepWork(logits, starts, verifies, decodes, prompt_rows, forks)
 
     # --- stage 3: postprocess ------------------------------------------------------------
+    @record_function("vmcache: postprocess")
     def _postprocess(self, batch: list[Seq], work: _StepWork) -> float:
         """Pages of the next step mapped ahead (returns the seconds it took), then per
         sequence: verify its drafts, or take its prompt chunk / decode's token; finished

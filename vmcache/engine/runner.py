@@ -186,8 +186,9 @@ class ModelRunner:
         else:
             last = torch.cat([torch.arange(int(e) - r, int(e)) for e, r in zip(ends, rows)])
         keep = last.to(self.device)
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=keep,
-                         **{self.cache_arg: self.cache})  # fmt: skip
+        with torch.profiler.record_function("vmcache: model"):  # (a profiler's scope)
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=True,
+                             logits_to_keep=keep, **{self.cache_arg: self.cache})  # fmt: skip
         missing = len(self.inner.layers) - len(self.cache.layers_written)
         if missing:
             raise RuntimeError(
