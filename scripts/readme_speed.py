@@ -139,8 +139,9 @@ def vllm(name, doc) -> str:
         equal = all(r["engine_vm_compiled"]["equal"] == r["requests"] for r in mine)
         verdicts.append(f"{w}: {'MEETS' if ratio <= 1.0 and equal else 'MISSES'} the goal "
                         f"(compiled engine on VMKVCache ≤ 1.0× vLLM, each at its faster "
-                        f"setting: {ours['threads']} thread(s), and {theirs['threads']} "
-                        f"thread(s) {mode}; measured {f(ratio)}×; tokens equal to vLLM's: "
+                        f"setting: ours {ours['threads']} thread(s), vLLM its "
+                        f"{theirs['threads']}-thread setting, {mode}; measured {f(ratio)}×; "
+                        f"tokens equal to vLLM's: "
                         f"{'yes' if equal else '**no**'})")  # fmt: skip
     st, names = doc["startup_s"], {"vllm": "vLLM",
                                    **({"vllm_inproc": "vLLM in-process"} if inproc else {}),
