@@ -70,7 +70,7 @@ def one(head_dim, kv_heads, storage, layout, backend) -> dict:
     big_pages = tables * -(-(SYSTEM + OWN) * row // big)
     return {"head_dim": head_dim, "kv_heads": kv_heads, "storage": storage, "layout": layout,
             "backend": backend, "row_bytes": row, "page_bytes": c.config.page_bytes,
-            "pages_per_block": ix.pages_per_table, "tokens_per_block": ix.tokens_per_block,
+            "pages_per_block": ix.pages_per_table, "tokens_per_block": ix.tokens_per_entry,
             "hit_tokens": sum(hits), "shareable_tokens": (REQUESTS - 1) * SYSTEM,
             "hit_pct": 100 * sum(hits) / ((REQUESTS - 1) * SYSTEM),
             "pages_per_seq": statistics.median(pages), "physical_pages": physical,

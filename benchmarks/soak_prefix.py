@@ -57,7 +57,7 @@ def factories() -> dict:
 def soak(make, ops: int, seed: int = 0, check_every: int = 200) -> dict:
     rng = random.Random(seed)
     c = make()
-    P = c.prefix.tokens_per_block
+    P = c.prefix.tokens_per_entry
     chunks = [[0] * P, [1] * P, [0, 1] * (P // 2), [2] * P]
     tokens: dict[int, list[int]] = {}
     swapped: list[tuple[object, list[int]]] = []

@@ -56,7 +56,7 @@ def append(c, s, tokens):
 
 
 def tpp(c):
-    return c.prefix.tokens_per_block
+    return c.prefix.tokens_per_entry
 
 
 class PrefixMachine(RuleBasedStateMachine):

@@ -125,7 +125,7 @@ def test_prefix_caching_changes_no_output_and_skips_shared_prefill(model, kind):
     cached.add_request(reqs[0])
     cached.step()  # the first request's prefill indexes the system prompt's full pages
     assert cached.run(reqs[1:]) == want
-    full = 70 // kv.prefix.tokens_per_block * kv.prefix.tokens_per_block
+    full = 70 // kv.prefix.tokens_per_entry * kv.prefix.tokens_per_entry
     assert cached.stats.prefix_hit_tokens == 3 * full
     assert cached.stats.prefill_tokens == plain.stats.prefill_tokens - 3 * full
     check_invariants(kv)
@@ -250,7 +250,7 @@ def test_requests_sharing_a_prefix_in_one_step_share_it(model, kind):
     kv = prefix_cache(kind)
     engine = Engine(model, kv)
     assert engine.run(reqs) == want
-    full = 70 // kv.prefix.tokens_per_block * kv.prefix.tokens_per_block
+    full = 70 // kv.prefix.tokens_per_entry * kv.prefix.tokens_per_entry
     assert engine.stats.prefix_waits >= 3 and engine.stats.prefix_hit_tokens == 3 * full
     assert engine.stats.prefill_tokens == sum(len(r.prompt) for r in reqs) - 3 * full
     check_invariants(kv)

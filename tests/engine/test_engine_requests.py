@@ -129,7 +129,7 @@ class RequestsMachine(RuleBasedStateMachine):
             hit = self.engine.records.prefix_hit(rid)
             assert 0 <= hit <= len(self.sent[rid].prompt)
             if hit:
-                assert hit % kv.prefix.tokens_per_block == 0  # whole cached pages only
+                assert hit % kv.prefix.tokens_per_entry == 0  # whole cached pages only
 
     def teardown(self):
         for rid in [r for r in self.sent if r in self.engine.outputs]:
@@ -190,6 +190,6 @@ def test_prefix_hit_reports_the_cached_prompt_tokens():
     first = Request("a", SHARED + (9, 9), SamplingParams(max_new_tokens=2))
     engine.run([first])
     engine.run([Request("b", SHARED + (7,), SamplingParams(max_new_tokens=2))])
-    page = engine.kv.prefix.tokens_per_block
+    page = engine.kv.prefix.tokens_per_entry
     assert engine.records.prefix_hit("a") == 0
     assert engine.records.prefix_hit("b") == len(SHARED) // page * page > 0

@@ -151,7 +151,7 @@ def test_prefix_cache_hits_across_a_multi_turn_chat(real, conversation, kind):
         req = Request(f"t{i}", tuple(p), SamplingParams(max_new_tokens=16))
         assert cached.run([req])[f"t{i}"] == [answer[:16]]  # generate's own greedy tokens
     hits = cached.stats.prefix_hit_tokens
-    tpb = cached.kv.prefix.tokens_per_block
+    tpb = cached.kv.prefix.tokens_per_entry
     # every later turn finds at least the whole blocks of the turn before it
     assert hits >= sum(len(p) // tpb * tpb for p in prompts[:-1]) - tpb
     print(f"{kind}: {hits} of {sum(map(len, prompts))} prompt tokens from the prefix cache "

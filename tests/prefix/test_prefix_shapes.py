@@ -46,7 +46,7 @@ def test_every_shape_builds_with_prefix_caching_by_default(layout, strict):
                     u, P = table_row_bytes(spec, layout), c.config.page_bytes
                     ix = c.prefix.index
                     assert ix.pages_per_table == math.lcm(P, u) // P, (d, h, storage)
-                    assert ix.tokens_per_block * u == ix.pages_per_table * P
+                    assert ix.tokens_per_entry * u == ix.pages_per_table * P
                     assert P == c._backend.default_page_size
 
 
@@ -59,7 +59,7 @@ def _kv_of(tokens, spec):
 
 
 def _shared_prompt_hits(c, spec, extra=3):
-    tpb = c.prefix.tokens_per_block
+    tpb = c.prefix.tokens_per_entry
     system = [(7 * i + 3) % 97 for i in range(2 * tpb)]
     a_tokens, b_tokens = system + [1] * extra, system + [2] * extra
     a = c.new_sequence(prefix_tokens=a_tokens)
@@ -98,7 +98,7 @@ def _shared_prompt_hits(c, spec, extra=3):
 def test_a_hit_maps_the_written_kv_on_the_host(head_dim, kv_heads, storage):
     spec = spec_of(head_dim, kv_heads, storage, layers=1)
     with VMKVCache(spec, max_seqs=4, max_seq_len=1, prefix_caching=True) as probe:
-        tpb = probe.prefix.tokens_per_block
+        tpb = probe.prefix.tokens_per_entry
     with VMKVCache(spec, max_seqs=4, max_seq_len=2 * tpb + 8, prefix_caching=True) as c:
         _shared_prompt_hits(c, spec)
 
@@ -110,7 +110,7 @@ def test_smollm_shape_under_cuda_page_rules(layout):
     spec = spec_of(64, 3, "bf16", layers=2)
     kw = dict(layout=layout, prefix_caching=True, own_backend=True)
     with VMKVCache(spec, 2, 1, backend=StrictBackend(HostBackend()), **kw) as probe:
-        tpb, k = probe.prefix.tokens_per_block, probe.prefix.index.pages_per_table
+        tpb, k = probe.prefix.tokens_per_entry, probe.prefix.index.pages_per_table
     assert k == 3
     with VMKVCache(spec, 4, 2 * tpb + 8, backend=StrictBackend(HostBackend()), **kw) as c:
         _shared_prompt_hits(c, spec)

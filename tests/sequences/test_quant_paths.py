@@ -106,7 +106,7 @@ def test_prefix_hits_and_tiers_keep_quantized_kv_and_their_scales(kind, granular
     assert hit < len(tokens)  # the last token is recomputed, never served
     c.free(s)
     c.prefix.index.clear()  # demoted to disk: whole blocks (a partial block's tail is not)
-    hit = hit // c.prefix.tokens_per_block * c.prefix.tokens_per_block
+    hit = hit // c.prefix.tokens_per_entry * c.prefix.tokens_per_entry
     s = c.new_sequence(prefix_tokens=tokens)  # promoted back
     assert c.seq_len(s) == hit and same(read(c, s), [(k[:hit], v[:hit]) for k, v in want])
     c.free(s)

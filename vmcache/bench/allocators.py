@@ -231,7 +231,7 @@ class CacheAlloc:
     @property
     def prefix_page_tokens(self) -> int:
         """Tokens of one prefix-index entry (a full page of every table)."""
-        return self.kv.prefix.tokens_per_block
+        return self.kv.prefix.tokens_per_entry
 
     def free_bytes(self) -> int:
         return self.kv._pool.num_free * self.kv.config.page_bytes

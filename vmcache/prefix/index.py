@@ -1,6 +1,6 @@
 """Prefix index: full pages of K/V found again by their tokens, across requests.
 
-A chain of entries, one per full block of ``tokens_per_block`` tokens; an entry's key is
+A chain of entries, one per full block of ``tokens_per_entry`` tokens; an entry's key is
 (parent entry, the block's token ids, tenant salt), so a block is found only after the same
 tokens *and* the same prefix before them, and never across salts:
 
@@ -51,7 +51,7 @@ from vmcache.prefix.tiers.digest import page_digest, salt_bytes
 @dataclass(eq=False)
 class PrefixIndex:
     pool: object
-    tokens_per_block: int  # tokens one entry covers (its k pages per table end on a token)
+    tokens_per_entry: int  # tokens one entry covers (its k pages per table end on a token)
     pages_per_entry: int  # T·k: the pages of one block in every table
     pages_per_table: int = 1  # k
     _entries: dict[tuple, Entry] = field(default_factory=dict)
@@ -71,41 +71,41 @@ class PrefixIndex:
     tails: Tails | None = None  # partial blocks' keys (None: the block is one unit already)
 
     def __post_init__(self) -> None:
-        if self.tokens_per_block > UNIT_TOKENS:
-            self.tails = Tails(UNIT_TOKENS, self.tokens_per_block)
+        if self.tokens_per_entry > UNIT_TOKENS:
+            self.tails = Tails(UNIT_TOKENS, self.tokens_per_entry)
 
     def pages_over(self, n_tokens: int) -> int:
         """Pages of one table a block's first ``n_tokens`` lie in (a partial hit's pages)."""
-        return -(-n_tokens * self.pages_per_table // self.tokens_per_block)
+        return -(-n_tokens * self.pages_per_table // self.tokens_per_entry)
 
     @property
     def hit_unit(self) -> int:
         """The granularity of a hit in tokens."""
-        return self.tokens_per_block if self.tails is None else self.tails.unit
+        return self.tokens_per_entry if self.tails is None else self.tails.unit
 
     def _key(self, parent: Entry | None, tokens: Sequence[int], j: int, salt) -> tuple:
         """Page ``j`` of ``tokens`` after ``parent``: exact, so no two prefixes collide."""
-        P = self.tokens_per_block
+        P = self.tokens_per_entry
         return (id(parent), tuple(tokens[j * P : (j + 1) * P]), salt)
 
     def peek(self, tokens: Sequence[int], salt=None) -> int:
         """Tokens of ``tokens`` the index holds now (whole pages), touching nothing: no
         recency, no stats (for schedulers deciding whether to wait for a prefix)."""
         parent, j = None, 0
-        while j < len(tokens) // self.tokens_per_block:
+        while j < len(tokens) // self.tokens_per_entry:
             e = self._entries.get(self._key(parent, tokens, j, salt))
             if e is None:
                 break
             parent, j = e, j + 1
         if self.tiers is not None:
-            held = len(self._held(parent, tokens, salt, j, len(tokens) // self.tokens_per_block))
+            held = len(self._held(parent, tokens, salt, j, len(tokens) // self.tokens_per_entry))
             if held:
-                return (j + held) * self.tokens_per_block
+                return (j + held) * self.tokens_per_entry
         extra = 0 if self.tails is None else self.tails.find(parent, self._rest(tokens, j), salt)[1]
-        return j * self.tokens_per_block + extra
+        return j * self.tokens_per_entry + extra
 
     def _rest(self, tokens: Sequence[int], j: int) -> Sequence[int]:
-        return tokens[j * self.tokens_per_block : (j + 1) * self.tokens_per_block]
+        return tokens[j * self.tokens_per_entry : (j + 1) * self.tokens_per_entry]
 
     def match_tail(self, parent: Entry | None, tokens: Sequence[int], j: int, salt=None,
                    limit: int | None = None) -> tuple[Entry | None, int]:  # fmt: skip
@@ -126,7 +126,7 @@ class PrefixIndex:
         ``tokens``, touched as used; with tiers, their next pages promoted if they hold them."""
         self._tick += 1
         found: list[Entry] = []
-        n = len(tokens) // self.tokens_per_block
+        n = len(tokens) // self.tokens_per_entry
         n = n if max_pages is None else min(n, max_pages)
         for j in range(n):
             e = self._entries.get(self._key(found[-1] if found else None, tokens, j, salt))
@@ -140,14 +140,14 @@ class PrefixIndex:
         st = self._stats
         st.lookups += 1
         st.lookup_tokens += len(tokens)
-        st.hit_tokens += len(found) * self.tokens_per_block
-        st.tier_hit_tokens += (len(found) - device) * self.tokens_per_block
+        st.hit_tokens += len(found) * self.tokens_per_entry
+        st.tier_hit_tokens += (len(found) - device) * self.tokens_per_entry
         return found
 
     def _held(self, parent, tokens, salt, j0: int, j1: int) -> list[bytes]:
         """Tier names of pages ``j0 ..`` of ``tokens`` (``parent`` holds page j0-1), as far
         as some tier holds them (no I/O; hashing stops at the first miss)."""
-        P, sb = self.tokens_per_block, salt_bytes(salt)
+        P, sb = self.tokens_per_entry, salt_bytes(salt)
         d, out = parent.digest if parent is not None else self.root, []
         for j in range(j0, j1):
             d = page_digest(d, sb, tokens[j * P : (j + 1) * P])
@@ -214,7 +214,7 @@ class PrefixIndex:
         lists); blocks already indexed keep their first copy. Returns the pages newly
         referenced."""
         self._tick += 1
-        P, k = self.tokens_per_block, self.pages_per_table
+        P, k = self.tokens_per_entry, self.pages_per_table
         n = min(len(tokens) // P, min(len(t) for t in tables) // k)
         new = 0
         parent = None

@@ -5,9 +5,10 @@ asks.
     index                 the :class:`~vmcache.prefix.index.PrefixIndex` (None when off):
                           its entries, LRU eviction, stats, tiers
     enabled               whether prefix caching is on
-    tokens_per_block      tokens one cached block holds (None when off)
-    hit_unit              the granularity of a hit in tokens: 16 (a partial block found in
-                          16-token units) or the block when it is shorter (None when off)
+    tokens_per_entry      tokens one index entry holds: the least run of whole pages that
+                          ends on a whole token (None when off)
+    hit_unit              the granularity of a hit in tokens: 16 (a partial entry found in
+                          16-token units) or the entry when it is shorter (None when off)
     hit(s, ids)           per table, the cached pages a new sequence ``s`` starting with
                           ``ids`` maps, and the tokens they hold (the coordinator's
                           ``new_sequence`` maps them: ``tx.share_rows``)
@@ -56,8 +57,8 @@ class Prefix:
         return self.index is not None
 
     @property
-    def tokens_per_block(self) -> int | None:
-        return None if self.index is None else self.index.tokens_per_block
+    def tokens_per_entry(self) -> int | None:
+        return None if self.index is None else self.index.tokens_per_entry
 
     @property
     def hit_unit(self) -> int | None:
@@ -70,7 +71,7 @@ class Prefix:
         coordinator maps the pages, ``tx.share_rows``: nothing copied, the first write into
         a shared page copies it); the index marks the entries found as recently used."""
         c, ix = self._c, self.index
-        P, salt = ix.tokens_per_block, c.seqs.salt(s)
+        P, salt = ix.tokens_per_entry, c.seqs.salt(s)
         entries = ix.match(tokens, salt, max_pages=c.config.max_seq_len // P)
         full = len(entries) * P
         tail, extra = ix.match_tail(entries[-1] if entries else None, tokens, len(entries), salt,
@@ -99,7 +100,7 @@ class Prefix:
         kind = c.config.layout
         layout = {"cache": type(c).__name__, "spec": repr(c.spec), "tables": c.T,
                   "layout": None if kind == "paged" else kind, "page_bytes": c.config.page_bytes,
-                  "tokens_per_page": ix.tokens_per_block}  # fmt: skip
+                  "tokens_per_page": ix.tokens_per_entry}  # fmt: skip
         if ix.pages_per_table > 1:  # (absent for one page a block: older tier files still match)
             layout["pages_per_table"] = ix.pages_per_table
         ix.root = tiers.bind(layout, ix.pages_per_entry * c.config.page_bytes)
