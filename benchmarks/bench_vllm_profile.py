@@ -26,19 +26,15 @@ from __future__ import annotations
 import argparse
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from bench_speed import cut, eos_ids, workloads
-from bench_vllm import ROOT, VllmWorker, run_ours
+from bench_vllm import ROOT, VllmWorker, build, run_ours
 from common import add_out_arg, save
-from step_parts import parts
+from step_parts import parts, trace
 
 from vmcache.bench.real import NAME, smol
-from vmcache.engine import Engine
-from vmcache.sequences.cache import VMKVCache
-from vmcache.sequences.spec import KVSpec
 
 WORKLOAD = "uniform"
 PHASES = ("warm", "timed", "traced")
@@ -47,24 +43,17 @@ SYSTEMS = (("vllm", None, None), ("engine_vm_compiled", True, False),
 
 
 def engine(model, w: dict, compiled: bool, steps: str, kernel_profile: bool = False):
-    spec = KVSpec.from_hf_config(model.config)
-    longest = max(len(p) + n for p, n in zip(w["prompts"], w["new"]))
-    kv = VMKVCache(spec, max_seqs=len(w["prompts"]), max_seq_len=longest + 16,
-                   pool_bytes=512 << 20)  # fmt: skip
-    t = time.perf_counter()
+    """bench_vllm's engine over VMKVCache for workload ``w`` → (engine, start-up seconds),
+    built under inductor's cpp.enable_kernel_profile when ``kernel_profile``."""
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": kernel_profile}):
-        e = Engine(model, kv, max_batch_tokens=2048, compile=compiled,
-                   compile_cache=steps if compiled else None)  # fmt: skip
-    return e, time.perf_counter() - t
+        return build(model, "vm", compiled, {WORKLOAD: w}, steps)
 
 
 def traced(run, profile: bool) -> tuple[float, list, dict | None]:
     """``run()`` → (seconds, tokens); under torch.profiler when ``profile``."""
-    if not profile:
-        return (*run(), None)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with trace(profile) as prof:
         dt, toks = run()
-    return dt, toks, parts(prof.events(), dt)
+    return dt, toks, parts(prof.events(), dt) if profile else None
 
 
 def main(argv=None) -> int:

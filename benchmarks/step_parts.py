@@ -22,6 +22,7 @@ VLLM_CUSTOM_SCOPES_FOR_PROFILING=1, our engine's stages always (vmcache.engine.e
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 # (inductor's kernels are named "graph_<n>_" and the ops they fuse, which may be an attention
@@ -35,6 +36,16 @@ SAMPLE_SCOPES = ("gpu_model_runner: sample", "gpu_model_runner: bookkeep",
 TOP = 15  # the names of most own time kept beside the parts, to check what each part holds
 PARTS = ("linear layers", "attention", "rest of the model", "sampling, outputs",
          "everything else")  # fmt: skip
+
+
+def trace(on: bool):
+    """A torch.profiler trace of the CPU's ops when ``on``, else a context that records
+    nothing (either way ``with trace(on) as prof``; ``prof`` is None when off)."""
+    import torch  # (imported here: vLLM's worker loads this file before vLLM sets it up)
+
+    if not on:
+        return contextlib.nullcontext()
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
 
 
 def _outermost(events, match) -> list:

@@ -29,6 +29,8 @@ import os
 import sys
 import time
 
+from step_parts import parts, trace  # (beside this file; it imports torch only when tracing)
+
 
 def main(argv: list[str]) -> int:
     src, fd = argv[0], int(argv[1])
@@ -59,29 +61,17 @@ def main(argv: list[str]) -> int:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in w["prompts"]]
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=not w["stop"])
                   for n in w["new"]]  # fmt: skip
-        with _profiler(profiled) as prof:
+        with trace(profiled) as prof:
             t = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             dt = time.perf_counter() - t
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         answer = {"seconds": dt, "tokens": tokens}
         if profiled:
-            from step_parts import parts
-
             answer["parts"] = parts(prof.events(), dt)
         out.write(json.dumps(answer) + "\n")
     out.close()
     return 0
-
-
-def _profiler(on: bool):
-    import contextlib
-
-    import torch
-
-    if not on:
-        return contextlib.nullcontext()
-    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
 
 
 if __name__ == "__main__":

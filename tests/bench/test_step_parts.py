@@ -10,7 +10,7 @@ import torch
 from repo import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from step_parts import PARTS, parts  # noqa: E402
+from step_parts import PARTS, parts, trace  # noqa: E402
 
 
 def _step(x, w):
@@ -32,7 +32,10 @@ def _step(x, w):
 
 def test_each_part_is_counted_once_and_they_add_up_to_the_wall_time():
     x, w = torch.randn(64, 256), torch.randn(256, 256)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with trace(False) as off:
+        _step(x, w)
+    assert off is None  # (the untraced run's context records nothing)
+    with trace(True) as prof:
         t = time.perf_counter()
         for _ in range(3):
             _step(x, w)
