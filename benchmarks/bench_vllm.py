@@ -39,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import cpu_use
 import torch
 from bench_speed import cut, eos_ids, med, rotated, workloads
 from common import add_out_arg, save
@@ -134,32 +135,36 @@ def build(model, kind: str, compiled: bool, loads: dict, steps: str) -> tuple[En
     return engine, time.perf_counter() - t
 
 
-def run_ours(engine: Engine, name: str, w: dict, tag: str) -> tuple[float, list]:
+def run_ours(engine: Engine, name: str, w: dict, tag: str) -> tuple[float, list, dict]:
+    """One run of workload ``w``: (seconds, tokens, CPU use (cpu_use.used): this process's
+    threads; vLLM's idle processes are its children, not its threads)."""
     reqs = [Request(f"{tag}-{i}", tuple(p), SamplingParams(max_new_tokens=n,
                                                            ignore_eos=not w["stop"]))
             for i, (p, n) in enumerate(zip(w["prompts"], w["new"]))]  # fmt: skip
-    t = time.perf_counter()
+    before, t = cpu_use.snapshot(tree=False), time.perf_counter()
     out = engine.run(reqs)
     dt = time.perf_counter() - t
+    cpu = cpu_use.used(before, cpu_use.snapshot(tree=False), dt)
     for r in reqs:
         engine.records.release(r.req_id)
-    return dt, [out[r.req_id][0] for r in reqs]
+    return dt, [out[r.req_id][0] for r in reqs], cpu
 
 
-def _row(name, threads, w, times, outs, engines, warm) -> dict:
-    """One table row: vLLM's times and tokens, and each of ours against them."""
+def _row(name, threads, w, times, outs, cpus, engines, warm) -> dict:
+    """One table row: vLLM's times and tokens, and each of ours against them; every system's
+    CPU use (cpu_use.used) in its median run."""
     ref, base = outs["vllm"], statistics.median(times["vllm"])
     row = {"workload": name, "threads": threads, "requests": len(w["prompts"]),
-           "generated_tokens": sum(len(x) for x in ref),
-           "vllm": {"seconds": med(times["vllm"])},
-           "vllm_inproc": {"seconds": med(times["vllm_inproc"]),
-                           "vs_vllm": statistics.median(times["vllm_inproc"]) / base,
-                           "equal": sum(a == b for a, b in zip(outs["vllm_inproc"], ref))},
-           }  # fmt: skip
-    for k in SYSTEMS:
-        row[k] = {"seconds": med(times[k]), "vs_vllm": statistics.median(times[k]) / base,
-                  "equal": sum(a == b for a, b in zip(outs[k], ref)),
-                  "recompiles": getattr(engines[k].runner, "compiles", 0) - warm[k]}  # fmt: skip
+           "generated_tokens": sum(len(x) for x in ref)}  # fmt: skip
+    for k in (*VLLM, *SYSTEMS):
+        mid = times[k].index(statistics.median_low(times[k]))
+        row[k] = {"seconds": med(times[k]), "cpu": cpus[k][mid]}
+        if k == "vllm":
+            continue
+        row[k].update(vs_vllm=statistics.median(times[k]) / base,
+                      equal=sum(a == b for a, b in zip(outs[k], ref)))  # fmt: skip
+        if k in engines:
+            row[k]["recompiles"] = getattr(engines[k].runner, "compiles", 0) - warm[k]
     return row
 
 
@@ -195,18 +200,21 @@ def main(argv=None) -> int:
                 built[f"{k}_{threads}"] = getattr(engines[k].runner, "compiles", None)
             warm = {k: getattr(e.runner, "compiles", 0) for k, e in engines.items()}
             for name, w in loads.items():
-                times, outs = {k: [] for k in systems}, {}
+                times, outs, cpus = {k: [] for k in systems}, {}, {k: [] for k in systems}
                 for rep in range(args.repeats):
                     for k in rotated(systems, rep):
                         if k in workers:
                             got = workers[k].run(name)
-                            dt, o = got["seconds"], got["tokens"]
+                            dt, o, cpu = got["seconds"], got["tokens"], got["cpu"]
                         else:
-                            dt, o = run_ours(engines[k], name, w, f"{name}{threads}{rep}")
+                            dt, o, cpu = run_ours(engines[k], name, w, f"{name}{threads}{rep}")
                         times[k].append(dt)
+                        cpus[k].append(cpu)
                         outs[k] = [cut(x, eos, w["stop"]) for x in o]
-                        print(f"{name:8s} {k:22s} {threads} thread(s) {dt:7.2f} s", flush=True)
-                rows.append(_row(name, threads, w, times, outs, engines, warm))
+                        print(f"{name:8s} {k:22s} {threads} thread(s) {dt:7.2f} s, CPU "
+                              f"{cpu['cpu_s']:6.2f} s, {cpu['busy_threads']} busy thread(s)",
+                              flush=True)  # fmt: skip
+                rows.append(_row(name, threads, w, times, outs, cpus, engines, warm))
             for e in engines.values():
                 e.kv.close()
         finally:

@@ -85,7 +85,7 @@ def main(argv=None) -> int:
                     dt, toks, prof = got["seconds"], got["tokens"], got.get("parts")
                 else:
                     e = engines[key]
-                    dt, toks, prof = traced(lambda: run_ours(e, WORKLOAD, w, f"{key}{phase}"),
+                    dt, toks, prof = traced(lambda: run_ours(e, WORKLOAD, w, f"{key}{phase}")[:2],
                                             phase == "traced")  # fmt: skip
                 toks = [cut(x, eos, w["stop"]) for x in toks]
                 ref = toks if ref is None else ref  # vLLM's first run

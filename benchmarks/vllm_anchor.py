@@ -7,12 +7,13 @@ older than this project's), never imported by the project.
 IN: {"model": dir, "threads": 1 or 2, "workloads": {name: {"prompts": [[ids]], "new": [n],
 "stop": bool}}}. After start-up it writes one JSON line to file descriptor RESULT_FD
 ({"startup_s", "vllm"}), then for each workload name read as a line on stdin runs that
-workload once and writes {"seconds", "tokens": [[ids]]}; an empty line (or stdin's end)
-ends it. The driver interleaves these runs with its own systems' repeats, so every system's
-repeats meet the same machine (vLLM's own logs go to stdout and stderr, never to RESULT_FD).
-Greedy (temperature 0), fp32, each request's own max_tokens; EOS ignored where ``stop`` is
-false. The model's compute threads are bound to the first ``threads`` cores
-(VLLM_CPU_OMP_THREADS_BIND), set before vLLM is imported.
+workload once and writes {"seconds", "tokens": [[ids]], "cpu"} (``cpu``: the CPU time of
+this process's threads and its engine core's during the run, cpu_use.py beside this file);
+an empty line (or stdin's end) ends it. The driver interleaves these runs with its own
+systems' repeats, so every system's repeats meet the same machine (vLLM's own logs go to
+stdout and stderr, never to RESULT_FD). Greedy (temperature 0), fp32, each request's own
+max_tokens; EOS ignored where ``stop`` is false. The model's compute threads are bound to
+the first ``threads`` cores (VLLM_CPU_OMP_THREADS_BIND), set before vLLM is imported.
 
 With "inproc": true in IN, vLLM's engine core runs in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) rather than in a process of its own beside it (vLLM's
@@ -29,6 +30,7 @@ import os
 import sys
 import time
 
+import cpu_use  # (beside this file, as step_parts is)
 from step_parts import parts, trace  # (beside this file; it imports torch only when tracing)
 
 
@@ -62,11 +64,12 @@ def main(argv: list[str]) -> int:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=not w["stop"])
                   for n in w["new"]]  # fmt: skip
         with trace(profiled) as prof:
-            t = time.perf_counter()
+            before, t = cpu_use.snapshot(), time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             dt = time.perf_counter() - t
+            cpu = cpu_use.used(before, cpu_use.snapshot(), dt)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
-        answer = {"seconds": dt, "tokens": tokens}
+        answer = {"seconds": dt, "tokens": tokens, "cpu": cpu}
         if profiled:
             answer["parts"] = parts(prof.events(), dt)
         out.write(json.dumps(answer) + "\n")

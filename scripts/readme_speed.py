@@ -113,6 +113,17 @@ def _vllm_best(r) -> float:
     return min(r[k]["seconds"]["median"] for k in ("vllm", "vllm_inproc") if k in r)
 
 
+def _cpu(ours: dict, theirs: dict) -> str:
+    """The CPU time both spent in their median runs (runs before it was recorded: nothing)."""
+    if "cpu" not in ours or "cpu" not in theirs:
+        return ""
+    a, b = ours["cpu"], theirs["cpu"]
+    return (
+        f"; CPU time {f(a['cpu_s'])} s ours, {f(b['cpu_s'])} s vLLM's, threads busy "
+        f"a quarter of the run or more: {a['busy_threads']} / {b['busy_threads']}"
+    )
+
+
 def vllm(name, doc) -> str:
     """The engine (eager, compiled on both caches) against vLLM's CPU build (both modes), per
     workload and thread setting; the verdict compares each system at its own faster setting
@@ -133,16 +144,17 @@ def vllm(name, doc) -> str:
         mine = [r for r in doc["rows"] if r["workload"] == w]
         ours = min(mine, key=lambda r: r["engine_vm_compiled"]["seconds"]["median"])
         theirs = min(mine, key=_vllm_best)
-        mode = ("in-process" if inproc and theirs["vllm_inproc"]["seconds"]["median"]
-                < theirs["vllm"]["seconds"]["median"] else "its default")  # fmt: skip
+        fast = ("vllm_inproc" if inproc and theirs["vllm_inproc"]["seconds"]["median"]
+                < theirs["vllm"]["seconds"]["median"] else "vllm")  # fmt: skip
+        mode = "in-process" if fast == "vllm_inproc" else "its default"
         ratio = ours["engine_vm_compiled"]["seconds"]["median"] / _vllm_best(theirs)
         equal = all(r["engine_vm_compiled"]["equal"] == r["requests"] for r in mine)
         verdicts.append(f"{w}: {'MEETS' if ratio <= 1.0 and equal else 'MISSES'} the goal "
                         f"(compiled engine on VMKVCache ≤ 1.0× vLLM, each at its faster "
                         f"setting: ours {ours['threads']} thread(s), vLLM its "
                         f"{theirs['threads']}-thread setting, {mode}; measured {f(ratio)}×; "
-                        f"tokens equal to vLLM's: "
-                        f"{'yes' if equal else '**no**'})")  # fmt: skip
+                        f"tokens equal to vLLM's: {'yes' if equal else '**no**'}"
+                        + _cpu(ours["engine_vm_compiled"], theirs[fast]) + ")")  # fmt: skip
     st, names = doc["startup_s"], {"vllm": "vLLM",
                                    **({"vllm_inproc": "vLLM in-process"} if inproc else {}),
                                    "engine_vm": "engine VM",
