@@ -261,9 +261,9 @@ def _calls(path: str):
 
 def test_tables_and_refcounts_change_in_the_transactional_core_only():
     """Every method of PageTables is a read or one of its writes, and those writes are called
-    from vmcache/sequences/transactions.py alone; the pool's refcounts (allocate, incref,
-    decref, indexed marks) are changed from there and from the prefix index, which changes
-    only the references its own entries hold."""
+    from vmcache/sequences/transactions.py alone; so are the pool's refcounts (allocate,
+    incref, decref, indexed marks): the prefix index states the references its entries hold
+    through transactions.IndexRefs, whose lines are there."""
     from vmcache.sequences.tables import PageTables
 
     methods = {n for n, v in vars(PageTables).items() if callable(v) or isinstance(v, property)}
@@ -279,7 +279,7 @@ def test_tables_and_refcounts_change_in_the_transactional_core_only():
             if method in REFCOUNT_WRITES and (pool or method in ("incref", "decref")):
                 refcounts.add(name)
     assert tables == {"vmcache.sequences.transactions"}, tables
-    assert refcounts == {"vmcache.sequences.transactions", "vmcache.prefix.index"}, refcounts
+    assert refcounts == {"vmcache.sequences.transactions"}, refcounts
 
 
 def test_the_cache_layer_reaches_few_private_names_of_other_objects():

@@ -1,4 +1,4 @@
-"""The prefix index's records: an entry (one block's pages, or a tail's), the index's
+"""The prefix index's records: an entry (one span's pages, or a tail's), the index's
 counters, and the page arithmetic a scheduler shares with it."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class Entry:
     whole: bool = False  # its pages and every descendant's are only the index's
     digest: bytes = b""  # its name in the tiers (with tiers only)
     unit_keys: tuple = ()  # its keys in the index's Tails (found by unit prefixes)
-    partial: bool = False  # a tail: a sequence's partial last block
+    partial: bool = False  # a tail: a sequence's partial last span
 
     @property
     def freeable(self) -> bool:

@@ -1,29 +1,31 @@
 """Prefix index: full pages of K/V found again by their tokens, across requests.
 
-A chain of entries, one per full block of ``tokens_per_entry`` tokens; an entry's key is
-(parent entry, the block's token ids, tenant salt), so a block is found only after the same
+A chain of entries, one per full span of ``tokens_per_entry`` tokens; an entry's key is
+(parent entry, the span's token ids, tenant salt), so a span is found only after the same
 tokens *and* the same prefix before them, and never across salts:
 
-    "You are a helpful ... | ... assistant. User: | hi"      (blocks of 4 tokens)
-     entry A -------------> entry B -------------> (tail: a partial block)
+    "You are a helpful ... | ... assistant. User: | hi"      (spans of 4 tokens)
+     entry A -------------> entry B -------------> (tail: a partial span)
      pages (a0, a1, ...)    pages (b0, b1, ...)    k pages per table (T tables)
 
-A block longer than 16 tokens is also found by its first 16-token units, and a sequence's
-partial last block is indexed (:mod:`vmcache.prefix.tails`: hits as fine as a 16-token paged
+A span longer than 16 tokens is also found by its first 16-token units, and a sequence's
+partial last span is indexed (:mod:`vmcache.prefix.tails`: hits as fine as a 16-token paged
 cache's).
 
-A block is the least run of whole pages that ends on a whole token: one page (k = 1) when a
+A span is the least run of whole pages that ends on a whole token: one page (k = 1) when a
 page holds whole tokens, else k = lcm(page, token row) / page pages (768-byte rows on 64 KiB
 pages: k = 3, 256 tokens), so any head shape can share its prefixes. An entry holds its k
 pages of table 0, then table 1's, ... (``pages_per_entry`` = T·k pages in all).
 
-Every entry holds one pool reference per page, so cached pages outlive the sequence that
+Every entry holds one reference per page, so cached pages outlive the sequence that
 wrote them. Entries whose pages nobody else maps (refcount 1) are evictable, least recently
 used first (a chain's entries share the tick of their last use), leaves before parents; the
 pool calls :meth:`reclaim` before it would raise ``CacheFull``. :meth:`reclaimable` counts
 only what eviction can really free: an entry whose pages nobody else maps but below which a
 sequence still maps a descendant stays, so its pages do not count (a scheduler trusts
-``can_grow``). The index alone changes its entries; refcounts change only through the pool.
+``can_grow``). The index alone changes its entries; it states the references it holds
+(``refs``: hold, let go, take fresh pages, mark indexed) and the cache's transactional core
+writes them into the pool's refcounts.
 
     A (alone) ── B (mapped by a sequence) ── C (alone)
     evictable now: C.   reclaimable: C's pages only (A waits for B).
@@ -50,9 +52,9 @@ from vmcache.prefix.tiers.digest import page_digest, salt_bytes
 
 @dataclass(eq=False)
 class PrefixIndex:
-    pool: object
+    refs: object  # the index's page references (sequences.transactions.IndexRefs)
     tokens_per_entry: int  # tokens one entry covers (its k pages per table end on a token)
-    pages_per_entry: int  # T·k: the pages of one block in every table
+    pages_per_entry: int  # T·k: the pages of one span in every table
     pages_per_table: int = 1  # k
     _entries: dict[tuple, Entry] = field(default_factory=dict)
     _tick: int = 0
@@ -68,14 +70,14 @@ class PrefixIndex:
     read_pages: Callable[[list[int]], torch.Tensor] | None = None  # the cache's page bytes
     write_pages: Callable[[list[int], torch.Tensor], None] | None = None
     root: bytes = b""  # the tiers' digest of the empty prefix
-    tails: Tails | None = None  # partial blocks' keys (None: the block is one unit already)
+    tails: Tails | None = None  # partial spans' keys (None: the span is one unit already)
 
     def __post_init__(self) -> None:
         if self.tokens_per_entry > UNIT_TOKENS:
             self.tails = Tails(UNIT_TOKENS, self.tokens_per_entry)
 
     def pages_over(self, n_tokens: int) -> int:
-        """Pages of one table a block's first ``n_tokens`` lie in (a partial hit's pages)."""
+        """Pages of one table a span's first ``n_tokens`` lie in (a partial hit's pages)."""
         return -(-n_tokens * self.pages_per_table // self.tokens_per_entry)
 
     @property
@@ -109,8 +111,8 @@ class PrefixIndex:
 
     def match_tail(self, parent: Entry | None, tokens: Sequence[int], j: int, salt=None,
                    limit: int | None = None) -> tuple[Entry | None, int]:  # fmt: skip
-        """After the full blocks ``match`` found (the last ``parent``, ``j`` of them): the tail
-        sharing the most 16-token units with block ``j`` of ``tokens`` (at most ``limit``
+        """After the full spans ``match`` found (the last ``parent``, ``j`` of them): the tail
+        sharing the most 16-token units with span ``j`` of ``tokens`` (at most ``limit``
         tokens), touched as used; (entry, tokens shared) or (None, 0)."""
         if self.tails is None:
             return None, 0
@@ -167,16 +169,16 @@ class PrefixIndex:
         if want == 0:
             return
         pinned = [p for e in found for p in e.pages]
-        self.pool.incref(pinned)  # not evictable while pages are found for the rest
+        self.refs.hold(pinned)  # not evictable while pages are found for the rest
         try:
-            want = min(want, self.pool.num_available // T)
+            want = min(want, self.refs.num_available // T)
             try:
-                pages = self.pool.allocate(want * T) if want else []
+                pages = self.refs.take(want * T) if want else []
             except CacheFull:
                 return
             blobs = self.tiers.fetch(digests[:want])
             if len(blobs) < want:
-                self.pool.decref(pages[len(blobs) * T :])
+                self.refs.let_go(pages[len(blobs) * T :])
             if not blobs:
                 return
             self.write_pages(pages[: len(blobs) * T], torch.stack(blobs).view(len(blobs) * T, -1))
@@ -189,7 +191,7 @@ class PrefixIndex:
                 found.append(e)
                 parent = e
         finally:
-            self.pool.decref(pinned)
+            self.refs.let_go(pinned)
 
     def _add(self, key: tuple, parent: Entry | None, pages: tuple[int, ...], digest: bytes,
              partial: bool = False) -> Entry:  # fmt: skip
@@ -205,13 +207,13 @@ class PrefixIndex:
             parent.children += 1
             parent.blocked += 1  # e is not wholly reclaimable until _refresh says so
             self._refresh(parent)
-        self.pool.set_indexed(pages, True)  # at refcount 1: alone_changed counts them
+        self.refs.mark(pages, True)  # at refcount 1: alone_changed counts them
         self._refresh(e)
         return e
 
     def insert(self, tokens: Sequence[int], tables: Sequence[Sequence[int]], salt=None) -> int:
-        """Index the full blocks of a sequence holding ``tokens`` in ``tables`` (T page
-        lists); blocks already indexed keep their first copy. Returns the pages newly
+        """Index the full spans of a sequence holding ``tokens`` in ``tables`` (T page
+        lists); spans already indexed keep their first copy. Returns the pages newly
         referenced."""
         self._tick += 1
         P, k = self.tokens_per_entry, self.pages_per_table
@@ -223,11 +225,11 @@ class PrefixIndex:
             e = self._entries.get(key)
             if e is None:
                 pages = tuple(t[j * k + m] for t in tables for m in range(k))
-                for p in pages:  # the block a tail began, now whole: the tail gives way
+                for p in pages:  # the span a tail began, now whole: the tail gives way
                     held = self._of_page.get(p)
                     if held is not None and held.partial:
                         self._drop(held)
-                self.pool.incref(pages)
+                self.refs.hold(pages)
                 digest = b""
                 if self.tiers is not None:
                     d = parent.digest if parent is not None else self.root
@@ -242,7 +244,7 @@ class PrefixIndex:
         return new
 
     def _insert_tail(self, parent, tokens, tables, j: int, salt) -> int:
-        """Block ``j`` of ``tokens``, partial, indexed as a tail over the pages its whole
+        """Span ``j`` of ``tokens``, partial, indexed as a tail over the pages its whole
         units lie in (skipped when it is indexed already or one of its pages is)."""
         rest = self._rest(tokens, j)
         units = self.tails.units(len(rest))
@@ -258,7 +260,7 @@ class PrefixIndex:
         pages = tuple(t[j * k + m] for t in tables for m in range(need))
         if any(p in self._of_page for p in pages):
             return 0
-        self.pool.incref(pages)
+        self.refs.hold(pages)
         e = self._add((id(parent), tuple(rest[: units * self.tails.unit]), salt), parent, pages,
                       b"", partial=True)  # fmt: skip
         self._touch(e)
@@ -267,11 +269,11 @@ class PrefixIndex:
     def _drop(self, e: Entry) -> None:
         """Drop leaf ``e`` now, though sequences may map its pages (its references go)."""
         self._unlink(e)
-        self.pool.set_indexed(e.pages, False)
-        self.pool.decref(e.pages)
+        self.refs.mark(e.pages, False)
+        self.refs.let_go(e.pages)
 
     def _unlink(self, e: Entry) -> None:
-        """Leaf ``e`` out of the index's tables (its pool references not dropped yet)."""
+        """Leaf ``e`` out of the index's tables (its references not dropped yet)."""
         del self._entries[e.key]
         self._evictable.pop(e.key, None)
         if e.whole:
@@ -357,18 +359,18 @@ class PrefixIndex:
         pages."""
         pages = [p for e in entries for p in e.pages]
         try:
-            blocks = [e for e in entries if not e.partial]  # tails are not demoted
-            if self.tiers is not None and blocks:
-                data = self.read_pages([p for e in blocks for p in e.pages])
-                self.tiers.demote([e.digest for e in blocks], data, self.pages_per_entry)
+            spans = [e for e in entries if not e.partial]  # tails are not demoted
+            if self.tiers is not None and spans:
+                data = self.read_pages([p for e in spans for p in e.pages])
+                self.tiers.demote([e.digest for e in spans], data, self.pages_per_entry)
         finally:
-            self.pool.set_indexed(pages, False)
-            self.pool.decref(pages)
+            self.refs.mark(pages, False)
+            self.refs.let_go(pages)
         return pages
 
     def clear(self) -> int:
         """Evict everything evictable (pages still mapped by sequences stay)."""
-        return self.reclaim(self.pool.num_pages)
+        return self.reclaim(self.refs.num_pages)
 
     def forget(self) -> int:
         """Drop every entry, also those whose pages sequences map (their K/V are about to be

@@ -1,9 +1,9 @@
-"""Hits finer than a block: every entry of the prefix index is also found by each 16-token
-unit that begins it, so a cache whose block is long (a VM page of 64 KiB holds 85 tokens of a
-768-byte row: 256-token blocks) still hits a prompt that shares less than a block, as a
-16-token paged cache does. A sequence's partial last block is indexed too (a tail entry).
+"""Hits finer than a span: every entry of the prefix index is also found by each 16-token
+unit that begins it, so a cache whose span is long (a VM page of 64 KiB holds 85 tokens of a
+768-byte row: 256-token spans) still hits a prompt that shares less than a span, as a
+16-token paged cache does. A sequence's partial last span is indexed too (a tail entry).
 
-    block j (full entry, or a published sequence's tail):  | t0 ... t207 | t208 ... |
+    span j (full entry, or a published sequence's tail):  | t0 ... t207 | t208 ... |
     found by its unit prefixes:  (parent, t0..t15), (parent, t0..t31), ..., (parent, t0..t207)
 
 A unit hit maps the pages its tokens lie in into the new sequence, its length the tokens
@@ -11,7 +11,7 @@ matched; the page it writes next is shared (index and sequence), so the write co
 (copy on write), as it does for a fork: the indexed page keeps the indexed tokens' K/V. A tail
 is a leaf of the index (never a parent), evicted like any entry, never demoted to the tiers.
 A page belongs to one entry: a tail is skipped when one of its pages is indexed, and dropped
-when the block it began is indexed whole (whose units then find the same tokens). Keys hold a
+when the span it began is indexed whole (whose units then find the same tokens). Keys hold a
 hash of the unit prefix; a hit is checked against the entry's own tokens (a collision is a
 miss). This class owns the keys only; the index owns the entries and their references.
 """
@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-UNIT_TOKENS = 16  # the finest hit: vLLM's default block, the paged cache's
+UNIT_TOKENS = 16  # the finest hit: vLLM's default block size, the paged cache's
 
 
 class Tails:
-    def __init__(self, unit: int, block: int) -> None:
-        self.unit, self.block = unit, block
+    def __init__(self, unit: int, span: int) -> None:
+        self.unit, self.span = unit, span
         self._keys: dict[tuple, object] = {}  # key -> the entry it finds (first wins)
 
     @staticmethod
@@ -33,13 +33,13 @@ class Tails:
         return (id(parent), salt, len(tokens), hash(tuple(tokens)))
 
     def units(self, n_tokens: int) -> int:
-        """Whole units a unit hit can take of a block's first ``n_tokens`` (a block less one
-        token: a whole block is the index's own match)."""
-        return min(n_tokens, self.block - 1) // self.unit
+        """Whole units a unit hit can take of a span's first ``n_tokens`` (a span less one
+        token: a whole span is the index's own match)."""
+        return min(n_tokens, self.span - 1) // self.unit
 
     def find(self, parent, rest: Sequence[int], salt) -> tuple[object | None, int]:
         """(the entry after ``parent`` sharing the most whole units with ``rest``, the tokens
-        shared); (None, 0) when none. An entry's key holds its block's tokens (``key[1]``)."""
+        shared); (None, 0) when none. An entry's key holds its span's tokens (``key[1]``)."""
         for m in range(self.units(len(rest)), 0, -1):
             n = m * self.unit
             e = self._keys.get(self._key(parent, rest[:n], salt))
@@ -48,7 +48,7 @@ class Tails:
         return None, 0
 
     def register(self, entry, parent, tokens: Sequence[int], salt) -> tuple:
-        """Every unit prefix of ``tokens`` (``entry``'s block) not yet finding another entry
+        """Every unit prefix of ``tokens`` (``entry``'s span) not yet finding another entry
         now finds ``entry``; returns the keys it holds."""
         held = []
         for m in range(1, self.units(len(tokens)) + 1):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 
 from vmcache.prefix.index import PrefixIndex
+from vmcache.sequences.transactions import IndexRefs
 
 
 class Prefix:
@@ -46,8 +47,8 @@ class Prefix:
                 "pages those layers release"
             )
         u, P = c.groups[0].u, c.groups[0].P  # a token's and a page's units in one table
-        k = math.lcm(P, u) // P  # pages per block: the least run of whole pages ending on a token
-        self.index = PrefixIndex(c.pool, k * P // u, c.T * k, k)
+        k = math.lcm(P, u) // P  # pages per span: the least run of whole pages ending on a token
+        self.index = PrefixIndex(IndexRefs(c.pool), k * P // u, c.T * k, k)
         c.pool.reclaimer = self.index
         if prefix_tiers is not None:
             self._bind_tiers(prefix_tiers)
@@ -66,7 +67,7 @@ class Prefix:
 
     def hit(self, s: int, tokens: list[int]) -> tuple[list[list[int]], int] | None:
         """What new sequence ``s`` (of ``s``'s salt) finds cached at the start of ``tokens``:
-        per table, the pages of the cached blocks that begin them and of a partial block's
+        per table, the pages of the cached spans that begin them and of a partial span's
         tail after them, and the tokens those hold; None when nothing. Changes no table (the
         coordinator maps the pages, ``tx.share_rows``: nothing copied, the first write into
         a shared page copies it); the index marks the entries found as recently used."""
@@ -101,7 +102,7 @@ class Prefix:
         layout = {"cache": type(c).__name__, "spec": repr(c.spec), "tables": c.T,
                   "layout": None if kind == "paged" else kind, "page_bytes": c.config.page_bytes,
                   "tokens_per_page": ix.tokens_per_entry}  # fmt: skip
-        if ix.pages_per_table > 1:  # (absent for one page a block: older tier files still match)
+        if ix.pages_per_table > 1:  # (absent for one page a span: older tier files still match)
             layout["pages_per_table"] = ix.pages_per_table
         ix.root = tiers.bind(layout, ix.pages_per_entry * c.config.page_bytes)
         ix.tiers, ix.read_pages, ix.write_pages = tiers, c.read_pages, c.write_pages

@@ -1,8 +1,7 @@
-"""The coordinator's transactional core: the one writer of page tables and (with the prefix
-index's own pins) of refcounts. Every change that maps, unmaps or shares pages runs here, all
-or nothing. Plan first; allocate every page (``CacheFull`` here changes nothing a reader can
-see); run the fallible physical steps (copies, maps) with an undo log; then commit bookkeeping
-that cannot fail.
+"""The coordinator's transactional core: the one writer of page tables and of refcounts.
+Every change that maps, unmaps or shares pages runs here, all or nothing. Plan first; allocate
+every page (``CacheFull`` here changes nothing a reader can see); run the fallible physical
+steps (copies, maps) with an undo log; then commit bookkeeping that cannot fail.
 
     split_pages(splits, s_ext, ext)    copy-on-write of shared pages (any sequences) and new
                                        pages mapped at the end of one sequence's tables
@@ -20,6 +19,10 @@ that cannot fail.
     adopt(s, firsts, length)           a hand-off's sequence mapped, its window released
     attach_row(s, tables, j0, rows)    one run of pages into several tables, or none
     map_steps(steps)                   the one undo log: runs mapped and unmapped, all or none
+
+The prefix index holds page references of its own (cached pages outlive their sequence):
+it states them through :class:`IndexRefs` (hold, let go, take fresh pages, mark indexed),
+whose lines are here, so refcounts change in this module alone.
 
 An object the coordinator holds (``cache._tx``), not a base class: it declares what it
 touches. Touches: the pool (allocate, incref, decref), the page-table groups (every write
@@ -270,3 +273,39 @@ class Transactions:
                 else:
                     c.attach(s, t, j0, pages)
             raise
+
+
+class IndexRefs:
+    """The prefix index's page references, as the index states them; their refcount writes
+    are here (this module is the one writer of refcounts). Touches: the pool's refcounts and
+    its indexed marks, for the pages the index names; reads its free count and size."""
+
+    def __init__(self, pool) -> None:
+        self._pool = pool  # the cache's pool (owned by the coordinator)
+
+    @property
+    def num_available(self) -> int:
+        """Pages an allocation could take now (the pool's free ones, eviction included)."""
+        return self._pool.num_available
+
+    @property
+    def num_pages(self) -> int:
+        return self._pool.num_pages
+
+    def take(self, n: int) -> list[int]:
+        """``n`` fresh pages, each held once by the index (``CacheFull``: none taken)."""
+        return self._pool.allocate(n)
+
+    def hold(self, pages) -> None:
+        """One more reference of the index's to each of ``pages``."""
+        self._pool.incref(pages)
+
+    def let_go(self, pages) -> None:
+        """One reference of the index's to each of ``pages`` dropped (a page nobody holds
+        goes back to the pool)."""
+        self._pool.decref(pages)
+
+    def mark(self, pages, indexed: bool) -> None:
+        """``pages`` now held by an index entry (``indexed``) or no longer: the pool tells the
+        index when such a page's refcount reaches or leaves 1 (it becomes evictable)."""
+        self._pool.set_indexed(pages, indexed)
