@@ -119,15 +119,18 @@ def test_engines_on_one_model_share_one_package_whatever_their_cache(model, step
         assert runner.package == first.package and runner.compiles == 0
 
 
-def test_steps_above_the_graph_size_run_the_eager_step(model, steps):
-    """A step of more tokens than max_graph_tokens (a prefill, where the GEMMs tuned for a
-    decode lose) runs the eager step; the rest run the graph; the tokens stay the eager
-    engine's and nothing recompiles."""
+@pytest.mark.parametrize("cap", [None, 16])
+def test_steps_above_the_graph_size_run_the_eager_step(model, steps, cap):
+    """Without a cap every step runs the graph, a 40-token prefill too (one oneDNN GEMM per
+    projection at every size); with ``max_graph_tokens`` set, a step of more tokens runs the
+    eager step and the rest the graph. The tokens stay the eager engine's and nothing
+    recompiles."""
     reqs = requests([(40, 5), (3, 6), (12, 4)], seed=7)
     want = outputs(Engine(model, make("vm", 40)), reqs)
     engine = Engine(model, make("vm", 40), compile=True, compile_cache=steps)
     runner, warm = engine.runner, engine.runner.compiles
-    runner.max_graph_tokens = 16
+    assert runner.max_graph_tokens is None  # the default: no cap
+    runner.max_graph_tokens = cap
     eager_sizes, eager_step = [], runner.eager.step
 
     def counted(slots, starts, tokens, **kw):
@@ -136,8 +139,11 @@ def test_steps_above_the_graph_size_run_the_eager_step(model, steps):
 
     runner.eager.step = counted  # this runner's own eager runner, built for this test
     assert outputs(engine, reqs) == want
-    assert eager_sizes and min(eager_sizes) > 16  # the prefill went eager, nothing else
-    assert engine.stats.steps > len(eager_sizes)  # the decodes went through the graph
+    if cap is None:
+        assert eager_sizes == []  # the prefills went through the graph too
+    else:
+        assert eager_sizes and min(eager_sizes) > cap  # the prefill went eager, nothing else
+        assert engine.stats.steps > len(eager_sizes)  # the decodes went through the graph
     assert runner.compiles == warm
 
 
@@ -145,7 +151,7 @@ def test_the_graph_size_is_checked_before_anything_compiles(model):
     kv = make("vm", 40)
     with pytest.raises(ValueError, match="max_graph_tokens must be at least 6"):
         CompiledRunner(model, kv, max_graph_tokens=5)
-    with pytest.raises(TypeError, match="max_graph_tokens must be an int"):
+    with pytest.raises(TypeError, match="max_graph_tokens must be an int or None"):
         CompiledRunner(model, kv, max_graph_tokens=True)
     assert kv.stats().num_sequences == 0
 

@@ -24,26 +24,24 @@ runner built, so a caller can see that serving compiled nothing more.
 
 On the CPU the step is exported (``torch.export``) and compiled ahead of time into an
 AOTInductor package (:mod:`vmcache.engine.packaged`), kept in ``compile_cache`` when one is
-given: a later engine on the same model, in this process or another, over any cache, loads
-it in seconds instead of compiling for minutes. inductor *freezes* the weights: it folds
-them into the graph as constants and packs every linear layer's weight for its GEMMs (what
-vLLM's CPU build does with its own packed GEMMs), and it concatenates the projections that
-share an input (q, k and v; gate and up) into one GEMM each, as vLLM's merged linear layers
-are: 4 GEMMs a layer instead of 7, the same products. The package's wrapper, which calls
-those kernels, is C++ (no Python between the ~250 kernel calls of a step). Each GEMM shape
-is timed at compile time between inductor's C++ GEMM template and oneDNN's, at a decode
-step's size (:data:`CPU_GEMM_TUNING`); steps of more than ``max_graph_tokens`` tokens, where
-those kernels lose, run the eager step. The packed copies double the memory of the linear
-weights, and the compiled step keeps computing with the weights it was built from (a changed
-model is another package). On a GPU TorchDynamo compiles the step in the process, with CUDA
-graphs.
+given: a later engine on the same model, in this process or another, over any cache, loads it in
+seconds instead of compiling for minutes. inductor *freezes* the weights: it folds them into the
+graph as constants and packs every linear layer's weight for its GEMMs (what vLLM's CPU build
+does with its own packed GEMMs), and it concatenates the projections that share an input (q, k
+and v; gate and up) into one GEMM each, as vLLM's merged linear layers are: 4 GEMMs a layer
+instead of 7, the same products. The package's wrapper, which calls those kernels, is C++ (no
+Python between the ~250 kernel calls of a step). Every GEMM is oneDNN's matmul on its packed
+weights (:data:`CPU_SETTINGS`: no kernel timing at compile time), so one graph serves decodes
+and prefills alike. The packed copies double the memory of the linear weights, and the compiled
+step keeps computing with the weights it was built from (a changed model is another package). On
+a GPU TorchDynamo compiles the step in the process, with CUDA graphs.
 
 The settings this needs are set for the length of each call only; nothing of the user's
 model changes.
 What it cannot compile it refuses at construction with the reason (``ValueError``):
 sliding-window layers, FP8 / INT8 K/V, soft-capped attention; steps that verify drafts or
-token trees, and steps of more than ``max_graph_tokens`` tokens, run the eager step
-(:class:`~vmcache.engine.runner.ModelRunner`) instead.
+token trees, and steps of more than ``max_graph_tokens`` tokens where a cap is given, run
+the eager step (:class:`~vmcache.engine.runner.ModelRunner`) instead.
 """
 
 from __future__ import annotations
@@ -109,19 +107,19 @@ def unsupported(model, kv) -> str | None:
     return None
 
 
-# The CPU step's GEMMs: inductor times its own C++ GEMM template (weights packed for its
-# micro-kernel at compile time) against oneDNN's packed matmul once per shape and keeps the
-# faster, at the sizes the step is exported at (packaged.EXAMPLE_TOKENS). The choices are not
-# printed. Kernels chosen at a decode's size lose to oneDNN's on a prefill's (SmolLM2's 30
-# layers on 2 cores: 33 % less time at 4 tokens, 18 % at 16, equal at 64, 13 % more at 256,
-# 20 % more at 1024), and at those sizes the GEMMs are bound by arithmetic, the model's eager
-# forward as fast as the compiled one: steps of more than MAX_GRAPH_TOKENS tokens run the
-# eager step (as vLLM runs batches larger than its CUDA graphs eagerly).
-MAX_GRAPH_TOKENS = 256
+# The CPU step's inductor settings. Frozen weights, each linear layer's packed for oneDNN's
+# matmul (vLLM's CPU build calls the same library, `_C::onednn_mm`); projections sharing an
+# input concatenated; kernels that read the thread count when they run. No GEMM timing
+# (max_autotune): inductor's timing of its C++ GEMM template against oneDNN, one GEMM alone
+# with its weights in cache, chose the template for SmolLM2 at a decode's size, and in the
+# whole step, its 425 MB of weights streamed from memory, that choice lost on an Intel Xeon
+# (uniform workload, 2 cores: 4.78 s against 4.08 s with oneDNN everywhere, 2026-12-05) while
+# it had won on an AMD EPYC (a 16-sequence decode step 77.8 against 86.4 ms, 2026-12-04); it
+# lost on prefills everywhere, so steps past 256 tokens ran eagerly. oneDNN everywhere: one
+# graph for every step (the uniform workload 4.07 s against 4.26 s with its 612-token prefill
+# eager), and a compile with no timing (56 s against 74 s).
+CPU_SETTINGS = {"freezing": True, "cpp.enable_concat_linear": True, "cpp.dynamic_threads": True}
 WARM_UP_TOKENS = 6  # the warm-up's largest step (CompiledRunner.warm_up): one decode + 5
-CPU_GEMM_TUNING = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
-                   "autotune_num_choices_displayed": 0,
-                   "max_autotune_report_choices_stats": False}  # fmt: skip
 
 
 def _inductor_cuda(gm, example_inputs):
@@ -159,14 +157,15 @@ class CompiledRunner:
     (CPU): the directory of packages to load the step from or compile it into
     (:class:`~vmcache.engine.packaged.PackageDir`); None: a temporary one of this runner's."""
 
-    def __init__(self, model, kv, max_graph_tokens: int = MAX_GRAPH_TOKENS,
+    def __init__(self, model, kv, max_graph_tokens: int | None = None,
                  compile_cache: str | os.PathLike | None = None) -> None:  # fmt: skip
-        if isinstance(max_graph_tokens, bool) or not isinstance(max_graph_tokens, int):
-            raise TypeError("max_graph_tokens must be an int")
-        if max_graph_tokens < WARM_UP_TOKENS:  # the warm-up's steps must run the graph
-            raise ValueError(f"max_graph_tokens must be at least {WARM_UP_TOKENS}, got "
-                             f"{max_graph_tokens}")  # fmt: skip
-        self.max_graph_tokens = max_graph_tokens  # larger steps run the eager step
+        if max_graph_tokens is not None:
+            if isinstance(max_graph_tokens, bool) or not isinstance(max_graph_tokens, int):
+                raise TypeError("max_graph_tokens must be an int or None")
+            if max_graph_tokens < WARM_UP_TOKENS:  # the warm-up's steps must run the graph
+                raise ValueError(f"max_graph_tokens must be at least {WARM_UP_TOKENS}, got "
+                                 f"{max_graph_tokens}")  # fmt: skip
+        self.max_graph_tokens = max_graph_tokens  # larger steps run the eager step; None: none
         self.eager = ModelRunner(model, kv)  # drafts, trees, large steps, warm-up's reference
         why = unsupported(model, kv)
         if why is not None:
@@ -208,19 +207,18 @@ class CompiledRunner:
         """The CPU step as an AOTInductor package (:mod:`vmcache.engine.packaged`): loaded from
         ``compile_cache`` when it holds this step's, else compiled (into it; None: into a
         directory of this runner's, removed with it)."""
-        settings = {"freezing": True, "cpp.enable_concat_linear": True,
-                    "cpp.dynamic_threads": True, **CPU_GEMM_TUNING}  # fmt: skip
+        settings = dict(CPU_SETTINGS)
         if compile_cache is None:
             self._scratch = tempfile.TemporaryDirectory(prefix="vmcache-step-")
             compile_cache = self._scratch.name
         where = packaged.PackageDir(compile_cache)
-        key = packaged.package_key(self.model, self.store.dtype, self.max_graph_tokens, settings)
+        key = packaged.package_key(self.model, self.store.dtype, settings)
         self.package = where.lookup(key)
         if self.package is None:
             example = packaged.example_inputs(self.store, self.layout)
             module = _Step(self)
             with torch.inference_mode(), self._settings():
-                build = partial(packaged.build, module, example, self.max_graph_tokens, settings)
+                build = partial(packaged.build, module, example, settings)
                 self.package = where.save(key, build)
             self.compiles = 1
         return packaged.load(self.package)
@@ -245,9 +243,10 @@ class CompiledRunner:
     def step(self, slots: list[int], starts: list[int], tokens: list[list[int]],
              rows: list[int] | None = None, trees: list | None = None) -> torch.Tensor:  # fmt: skip
         """As :meth:`ModelRunner.step`; drafts (``rows``), token trees and steps of more
-        than ``max_graph_tokens`` tokens run eagerly."""
+        than ``max_graph_tokens`` tokens (where it is set) run eagerly."""
         q_lens = [len(t) for t in tokens]
-        if rows is not None or trees is not None or sum(q_lens) > self.max_graph_tokens:
+        cap = self.max_graph_tokens
+        if rows is not None or trees is not None or (cap is not None and sum(q_lens) > cap):
             return self.eager.step(slots, starts, tokens, rows=rows, trees=trees)
         cache = self.eager.cache
         cache.begin(slots, starts, q_lens)  # checked, copied on write, indexed once

@@ -11,12 +11,12 @@ the process even when this process wrote it:
       <key>.pt2            can write it (the same for each file in it)
       <key>.json           {"sha256", "bytes"} of the package, checked before loading
 
-``<key>`` is a SHA-256 over everything that shapes the compiled code: the model's class,
-config and every weight's bytes, the cache's storage dtype, the step's largest token count,
-the compiler's settings and the rest of inductor's configuration as the process has it (a
-user's ``TORCHINDUCTOR_*`` setting, e.g. kernel profiling, changes the code), torch's and
-vmcache's versions, the CPU's vector ISA and the thread count (the cache's size and layout
-come in as inputs: one package serves every cache).
+``<key>`` is a SHA-256 over everything that shapes the compiled code: the model's class, config
+and every weight's bytes, the cache's storage dtype, the compiler's settings and the rest of
+inductor's configuration as the process has it (a user's ``TORCHINDUCTOR_*`` setting, e.g.
+kernel profiling, changes the code), torch's and vmcache's versions, the CPU's vector ISA and
+the thread count (the cache's size and layout come in as inputs: one package serves every
+cache).
 Files are written under a temporary name and moved into place (``os.replace``), so a reader
 sees a whole package or none. A package that fails its checksum is compiled again and
 replaced. After loading, the runner's warm-up still checks the logits
@@ -37,16 +37,11 @@ import torch
 import vmcache
 from vmcache.models.embedded import sha256_of
 
-KEY_VERSION = 2  # bump when what goes into a package changes
+KEY_VERSION = 3  # bump when what goes into a package changes
 # inductor's setting that a package build writes and leaves behind (build() restores it; the
 # key leaves it out, so a process that built one keys the next as a fresh process does)
 LEAKED = "aot_inductor.metadata"
-# The sizes the step is exported at: inductor times each GEMM shape between its C++ template
-# and oneDNN's once, at these sizes, and keeps the faster for every size. The model's GEMMs
-# at a few rows (EXAMPLE_TOKENS), the logits' at a decode step's batch (EXAMPLE_SEQS), as the
-# TorchDynamo step that came before timed them. Timed at 16 rows instead, oneDNN's won every
-# linear layer of SmolLM2 and a decode step of 16 sequences took 11 % longer (86.4 against
-# 77.8 ms, 2 threads; why the timing misjudges at 16 rows was not measured).
+# The sizes the step is traced at (export traces shapes; every size is symbolic after).
 EXAMPLE_TOKENS = 4
 EXAMPLE_SEQS = 16
 
@@ -69,11 +64,10 @@ def _check_private(path: Path) -> None:
                          "code from it")  # fmt: skip
 
 
-def package_key(model: torch.nn.Module, store_dtype: torch.dtype, max_tokens: int,
-                settings: dict) -> str:  # fmt: skip
+def package_key(model: torch.nn.Module, store_dtype: torch.dtype, settings: dict) -> str:
     """The package's name: SHA-256 (hex) over everything that shapes its code (module
-    docstring): the model, the cache's storage dtype, the step's largest token count, the
-    compiler's ``settings`` and inductor's configuration."""
+    docstring): the model, the cache's storage dtype, the compiler's ``settings`` and
+    inductor's configuration."""
     from torch._inductor import config as inductor_config
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
@@ -88,7 +82,7 @@ def package_key(model: torch.nn.Module, store_dtype: torch.dtype, max_tokens: in
             "python": platform.python_version(), "machine": platform.machine(),
             "isa": str(pick_vec_isa()), "threads": torch.get_num_threads(),
             "model": type(model).__qualname__, "config": model.config.to_json_string(),
-            "store": str(store_dtype), "max_tokens": max_tokens,
+            "store": str(store_dtype),
             "example": [EXAMPLE_TOKENS, EXAMPLE_SEQS],
             "settings": {k: repr(v) for k, v in sorted(settings.items())},
             "inductor": hashlib.sha256(inductor.encode()).hexdigest()}  # fmt: skip
@@ -144,41 +138,35 @@ class PackageDir:
         return self.path(key)
 
 
-def step_dims(max_tokens: int) -> tuple:
+def step_dims() -> tuple:
     """``torch.export`` dims of the step's inputs ``(ids [1, N], pos [1, N], keep [B],
     store [E], layout [L, 4], write [N], read [B, S], lens [2, B])``: N from 2 (a lone decode
-    runs as two copies of itself) to ``max_tokens``; B, S and the storage's size E from 1,
-    unbounded, so one package serves every cache of the model (each layer's place in the
-    storage comes in ``layout``)."""
+    runs as two copies of itself); N, B, S and the storage's size E unbounded, so one package
+    serves every step and every cache of the model (each layer's place in the storage comes
+    in ``layout``)."""
     from torch.export import Dim
 
-    n, b, s = Dim("tokens", min=2, max=max_tokens), Dim("seqs", min=1), Dim("span", min=1)
+    n, b, s = Dim("tokens", min=2), Dim("seqs", min=1), Dim("span", min=1)
     return {1: n}, {1: n}, {0: b}, {0: Dim("storage", min=1)}, None, {0: n}, {0: b, 1: s}, {1: b}
 
 
 def example_inputs(store: torch.Tensor, layout: torch.Tensor) -> tuple:
     """Step inputs for export: EXAMPLE_TOKENS tokens, EXAMPLE_SEQS sequences of 8 positions
-    (the values are not read: export traces shapes; inductor times each GEMM at these sizes)."""
+    (the values are not read: export traces shapes)."""
     n, b, span = EXAMPLE_TOKENS, EXAMPLE_SEQS, 8
     return (torch.zeros(1, n, dtype=torch.long), torch.zeros(1, n, dtype=torch.long),
             torch.arange(b), store, layout, torch.arange(n), torch.zeros(b, span, dtype=torch.long),
             torch.tensor([[1] * b, [span] * b]))  # fmt: skip
 
 
-def build(module: torch.nn.Module, example: tuple, max_tokens: int, settings: dict,
-          path: str) -> None:  # fmt: skip
+def build(module: torch.nn.Module, example: tuple, settings: dict, path: str) -> None:
     """Export ``module`` (the step: ``example``'s inputs → logits) and compile it into an
     AOTInductor package at ``path`` with inductor's ``settings``."""
-    import warnings
-
-    ep = torch.export.export(module, example, dynamic_shapes=step_dims(max_tokens),
-                             strict=False)  # fmt: skip
+    ep = torch.export.export(module, example, dynamic_shapes=step_dims(), strict=False)
     config = torch._inductor.config
     # (the build writes the machine's AOTI_* metadata into inductor's global configuration
     # and leaves it there: patched, the process's own comes back after)
-    with warnings.catch_warnings(), config.patch(LEAKED, dict(config.aot_inductor.metadata)):
-        # inductor's own GEMM timing calls a deprecated storage API (torch's, not the user's)
-        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+    with config.patch(LEAKED, dict(config.aot_inductor.metadata)):
         torch._inductor.aoti_compile_and_package(ep, package_path=path,
                                                  inductor_configs=settings)  # fmt: skip
 
