@@ -40,8 +40,9 @@ The settings this needs are set for the length of each call only; nothing of the
 model changes.
 What it cannot compile it refuses at construction with the reason (``ValueError``):
 sliding-window layers, FP8 / INT8 K/V, soft-capped attention; steps that verify drafts or
-token trees, and steps of more than ``max_graph_tokens`` tokens where a cap is given, run
-the eager step (:class:`~vmcache.engine.runner.ModelRunner`) instead.
+token trees, and steps of more than ``max_graph_tokens`` tokens where a cap is set (on a GPU
+:data:`CUDA_MAX_GRAPH_TOKENS` unless given), run the eager step
+(:class:`~vmcache.engine.runner.ModelRunner`) instead.
 """
 
 from __future__ import annotations
@@ -119,6 +120,9 @@ def unsupported(model, kv) -> str | None:
 # graph for every step (the uniform workload 4.07 s against 4.26 s with its 612-token prefill
 # eager), and a compile with no timing (56 s against 74 s).
 CPU_SETTINGS = {"freezing": True, "cpp.enable_concat_linear": True, "cpp.dynamic_threads": True}
+# On a GPU CUDA graphs are recorded once per step size: steps past this many tokens (prefills,
+# bound by arithmetic) run eagerly, as vLLM runs batches larger than its CUDA graphs
+CUDA_MAX_GRAPH_TOKENS = 256
 WARM_UP_TOKENS = 6  # the warm-up's largest step (CompiledRunner.warm_up): one decode + 5
 
 
@@ -165,13 +169,16 @@ class CompiledRunner:
             if max_graph_tokens < WARM_UP_TOKENS:  # the warm-up's steps must run the graph
                 raise ValueError(f"max_graph_tokens must be at least {WARM_UP_TOKENS}, got "
                                  f"{max_graph_tokens}")  # fmt: skip
-        self.max_graph_tokens = max_graph_tokens  # larger steps run the eager step; None: none
+        # larger steps run the eager step; None: none on the CPU, CUDA_MAX_GRAPH_TOKENS on a GPU
+        self.max_graph_tokens = max_graph_tokens
         self.eager = ModelRunner(model, kv)  # drafts, trees, large steps, warm-up's reference
         why = unsupported(model, kv)
         if why is not None:
             raise ValueError(f"compile=True cannot compile this model's step: {why}; "
                              "use compile=False")  # fmt: skip
         self.model, self.kv, self.device = model, kv, self.eager.device
+        if max_graph_tokens is None and self.device.type == "cuda":
+            self.max_graph_tokens = CUDA_MAX_GRAPH_TOKENS
         # the cache's storage (every layer's rows lie in it) and each layer's place there
         self.store = store_of(kv._flat_rows(0, 0))
         per_layer = [layout_of(self.store, kv._flat_rows(i, 0), kv._flat_rows(i, 1))
