@@ -20,7 +20,9 @@ WORKLOADS  uniform and chat of benchmarks/bench_speed.py (16 × 64 new tokens; 3
            (its start-up, the compile included, is reported apart, as vLLM's is). The
            compiled engines keep their step in one fresh package directory: per thread
            setting the VM engine compiles it and the paged engine loads it, a restart's
-           start-up.
+           start-up. Every run's CPU time is recorded per thread (benchmarks/cpu_use.py:
+           vLLM's processes and threads, this process's threads for ours), so a row shows
+           how many cores a "thread setting" really kept busy.
 
     make bench-vllm      # makes .venv-vllm, then: python benchmarks/bench_vllm.py
     python benchmarks/bench_vllm.py [--repeats 3] [--threads 1,2] [--vllm-python PATH]
