@@ -107,10 +107,16 @@ def profiles():
 SYSTEMS_VS_VLLM = ("engine_vm", "engine_vm_compiled", "engine_paged_compiled")
 
 
+def _vllm_fast(r) -> str:
+    """vLLM's faster mode in row ``r``: "vllm" (its engine core in a process of its own, the
+    default) or "vllm_inproc" (in-process; absent from runs before it was measured)."""
+    return min((k for k in ("vllm", "vllm_inproc") if k in r),
+               key=lambda k: r[k]["seconds"]["median"])  # fmt: skip
+
+
 def _vllm_best(r) -> float:
-    """vLLM's faster mode in row ``r``: its engine core in a process of its own (default) or
-    in-process (absent from runs before it was measured)."""
-    return min(r[k]["seconds"]["median"] for k in ("vllm", "vllm_inproc") if k in r)
+    """The median seconds of vLLM's faster mode in row ``r``."""
+    return r[_vllm_fast(r)]["seconds"]["median"]
 
 
 def _cpu(ours: dict, theirs: dict) -> str:
@@ -144,8 +150,7 @@ def vllm(name, doc) -> str:
         mine = [r for r in doc["rows"] if r["workload"] == w]
         ours = min(mine, key=lambda r: r["engine_vm_compiled"]["seconds"]["median"])
         theirs = min(mine, key=_vllm_best)
-        fast = ("vllm_inproc" if inproc and theirs["vllm_inproc"]["seconds"]["median"]
-                < theirs["vllm"]["seconds"]["median"] else "vllm")  # fmt: skip
+        fast = _vllm_fast(theirs)
         mode = "in-process" if fast == "vllm_inproc" else "its default"
         ratio = ours["engine_vm_compiled"]["seconds"]["median"] / _vllm_best(theirs)
         equal = all(r["engine_vm_compiled"]["equal"] == r["requests"] for r in mine)

@@ -169,16 +169,16 @@ class CompiledRunner:
             if max_graph_tokens < WARM_UP_TOKENS:  # the warm-up's steps must run the graph
                 raise ValueError(f"max_graph_tokens must be at least {WARM_UP_TOKENS}, got "
                                  f"{max_graph_tokens}")  # fmt: skip
-        # larger steps run the eager step; None: none on the CPU, CUDA_MAX_GRAPH_TOKENS on a GPU
-        self.max_graph_tokens = max_graph_tokens
         self.eager = ModelRunner(model, kv)  # drafts, trees, large steps, warm-up's reference
         why = unsupported(model, kv)
         if why is not None:
             raise ValueError(f"compile=True cannot compile this model's step: {why}; "
                              "use compile=False")  # fmt: skip
         self.model, self.kv, self.device = model, kv, self.eager.device
+        # larger steps run the eager step; None: none on the CPU, CUDA_MAX_GRAPH_TOKENS on a GPU
         if max_graph_tokens is None and self.device.type == "cuda":
-            self.max_graph_tokens = CUDA_MAX_GRAPH_TOKENS
+            max_graph_tokens = CUDA_MAX_GRAPH_TOKENS
+        self.max_graph_tokens = max_graph_tokens
         # the cache's storage (every layer's rows lie in it) and each layer's place there
         self.store = store_of(kv._flat_rows(0, 0))
         per_layer = [layout_of(self.store, kv._flat_rows(i, 0), kv._flat_rows(i, 1))
