@@ -63,14 +63,16 @@ def test_compiled_tokens_equal_eager_and_nothing_recompiles(model, steps, kind, 
 
 
 class _CountGemms(CustomGraphPass):
-    """inductor's last graph pass: counts the linear layers' weights packed for oneDNN in the
-    graphs it lowers (one a GEMM: some GEMMs are lowered already, fused with an add)."""
+    """inductor's last graph pass: counts the GEMMs in the graphs it lowers, the calls of
+    vmcache's packed linear (where its kernel builds) or the weights packed for oneDNN (one a
+    GEMM: some GEMMs are lowered already, fused with an add)."""
 
     def __init__(self) -> None:
         self.gemms = 0
 
     def __call__(self, graph) -> None:
-        self.gemms += sum(n.op == "get_attr" and n.name.startswith("_reorder_linear_weight")
+        self.gemms += sum((n.op == "get_attr" and n.name.startswith("_reorder_linear_weight"))
+                          or n.target is torch.ops.vmcache.packed_linear.default
                           for n in graph.nodes)  # fmt: skip
 
     def uuid(self):
@@ -98,8 +100,9 @@ def steps(compiled):
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
 def test_projections_sharing_an_input_run_as_one_gemm(model, compiled):
-    """q, k and v become one GEMM, gate and up another (inductor's concat-linear pass on the
-    frozen weights): 4 GEMMs a layer, and the lm_head's, in the one graph of the step."""
+    """q, k and v become one GEMM, gate and up another (vmcache.engine.packed_linears; without
+    its kernel, inductor's concat-linear pass): 4 GEMMs a layer, and the lm_head's, in the one
+    graph of the step."""
     where, gemms, compiles = compiled
     assert compiles == 1
     assert gemms == 4 * CFG.num_hidden_layers + 1

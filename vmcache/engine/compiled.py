@@ -25,16 +25,20 @@ runner built, so a caller can see that serving compiled nothing more.
 On the CPU the step is exported (``torch.export``) and compiled ahead of time into an
 AOTInductor package (:mod:`vmcache.engine.packaged`), kept in ``compile_cache`` when one is
 given: a later engine on the same model, in this process or another, over any cache, loads it in
-seconds instead of compiling for minutes. inductor *freezes* the weights: it folds them into the
-graph as constants and packs every linear layer's weight for its GEMMs (what vLLM's CPU build
-does with its own packed GEMMs), and it concatenates the projections that share an input (q, k
-and v; gate and up) into one GEMM each, as vLLM's merged linear layers are: 4 GEMMs a layer
-instead of 7, the same products. The package's wrapper, which calls those kernels, is C++ (no
-Python between the ~250 kernel calls of a step). Every GEMM is oneDNN's matmul on its packed
-weights (:data:`CPU_SETTINGS`: no kernel timing at compile time), so one graph serves decodes
-and prefills alike. The packed copies double the memory of the linear weights, and the compiled
-step keeps computing with the weights it was built from (a changed model is another package). On
-a GPU TorchDynamo compiles the step in the process, with CUDA graphs.
+seconds instead of compiling for minutes. Before inductor compiles it, the exported step's
+float32 linear layers go onto vmcache's CPU GEMM (:mod:`vmcache.engine.packed_linears`,
+:mod:`vmcache.kernels.cpu_gemm`): each weight packed once into panels, and the projections that
+share an input (q, k and v; gate and up) stacked into one GEMM each, as vLLM's merged linear
+layers are: 4 GEMMs a layer instead of 7, the same products. At a decode's few rows that kernel
+streams the weights near the memory's rate where oneDNN's matmul (vLLM's CPU GEMM, and
+inductor's) ran at half of it. inductor *freezes* the packed weights into the package as
+constants; the package's wrapper, which calls its kernels, is C++ (the GEMM and attention
+operators are called through the dispatcher). Where the C kernel cannot be built, every GEMM is
+oneDNN's matmul on weights inductor packs (:data:`CPU_SETTINGS`: no kernel timing at compile
+time). One graph serves decodes and prefills alike. The packed copies double the memory of the
+linear weights, and the compiled step keeps computing with the weights it was built from (a
+changed model is another package). On a GPU TorchDynamo compiles the step in the process, with
+CUDA graphs.
 
 The settings this needs are set for the length of each call only; nothing of the user's
 model changes.

@@ -35,9 +35,11 @@ from pathlib import Path
 import torch
 
 import vmcache
+from vmcache.engine.packed_linears import pack_linears
+from vmcache.kernels import cpu_gemm
 from vmcache.models.embedded import sha256_of
 
-KEY_VERSION = 3  # bump when what goes into a package changes
+KEY_VERSION = 4  # bump when what goes into a package changes
 # inductor's setting that a package build writes and leaves behind (build() restores it; the
 # key leaves it out, so a process that built one keys the next as a fresh process does)
 LEAKED = "aot_inductor.metadata"
@@ -64,6 +66,12 @@ def _check_private(path: Path) -> None:
                          "code from it")  # fmt: skip
 
 
+def _linear_layout() -> str:
+    """What the package's linear layers run on: vmcache's packed layout, or inductor's own
+    (oneDNN) where the kernel cannot be built here."""
+    return cpu_gemm.LAYOUT if cpu_gemm.available()[0] else "inductor"
+
+
 def package_key(model: torch.nn.Module, store_dtype: torch.dtype, settings: dict) -> str:
     """The package's name: SHA-256 (hex) over everything that shapes its code (module
     docstring): the model, the cache's storage dtype, the compiler's ``settings`` and
@@ -82,7 +90,7 @@ def package_key(model: torch.nn.Module, store_dtype: torch.dtype, settings: dict
             "python": platform.python_version(), "machine": platform.machine(),
             "isa": str(pick_vec_isa()), "threads": torch.get_num_threads(),
             "model": type(model).__qualname__, "config": model.config.to_json_string(),
-            "store": str(store_dtype),
+            "store": str(store_dtype), "linear": _linear_layout(),
             "example": [EXAMPLE_TOKENS, EXAMPLE_SEQS],
             "settings": {k: repr(v) for k, v in sorted(settings.items())},
             "inductor": hashlib.sha256(inductor.encode()).hexdigest()}  # fmt: skip
@@ -163,6 +171,7 @@ def build(module: torch.nn.Module, example: tuple, settings: dict, path: str) ->
     """Export ``module`` (the step: ``example``'s inputs → logits) and compile it into an
     AOTInductor package at ``path`` with inductor's ``settings``."""
     ep = torch.export.export(module, example, dynamic_shapes=step_dims(), strict=False)
+    ep = pack_linears(ep, example, step_dims())
     config = torch._inductor.config
     # (the build writes the machine's AOTI_* metadata into inductor's global configuration
     # and leaves it there: patched, the process's own comes back after)

@@ -1,9 +1,9 @@
 """Decode attention on the CPU that reads each sequence's K/V rows where they lie: one pass
 over K, one over V, nothing gathered or copied (the torch paths gather the history into a
 padded ``[B, span, N_KV, d_h]`` copy, or run SDPA at a third of the read bandwidth on this
-shape). A small C function, compiled once a process with the system's C compiler into a
-private temporary directory and called through ``ctypes``; where no compiler works,
-:func:`available` says why and callers keep their torch path.
+shape). A small C function, compiled once a process (:mod:`vmcache.kernels.cbuild`) and called
+through ``ctypes``; where no compiler works, :func:`available` says why and callers keep their
+torch path.
 
     store  float32 [E]: K rows at ``k_at + r·R``, V rows at ``v_at + r·R`` (R = N_KV · d_h)
     read   int64 [B, S]: the row of sequence b's position j; kv_len[b] of them are read
@@ -24,13 +24,10 @@ each row ran at a fifth of the bandwidth here).
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
+
+from vmcache.kernels.cbuild import CLibrary
 
 SOURCE = r"""
 #include <stdint.h>
@@ -122,7 +119,7 @@ void vmcache_decode(const float *q, const float *store, int64_t k_at, int64_t v_
 """
 
 # -ffast-math: expf and the dot products vectorized (the scores are finite: no inf/NaN logic)
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+FLAGS = ("-ffast-math",)
 MIN_PART_ROWS = 256  # a sequence is split into parts of at least this many rows
 
 
@@ -130,24 +127,11 @@ class _Kernel:
     """The compiled function, or why there is none (built at the first :func:`kernel`)."""
 
     def __init__(self) -> None:
-        self.fn = None
-        self.reason = ""
-        cc = shutil.which("cc") or shutil.which("gcc")
-        if cc is None:
-            self.reason = "no C compiler (cc, gcc) on PATH"
+        self.built = CLibrary(SOURCE, FLAGS)
+        self.fn, self.reason = None, self.built.reason
+        if self.built.lib is None:
             return
-        self._dir = tempfile.TemporaryDirectory(prefix="vmcache-kernels-")  # 0700
-        tag = hashlib.sha256(SOURCE.encode()).hexdigest()[:12]
-        src, lib = Path(self._dir.name) / f"d{tag}.c", Path(self._dir.name) / f"d{tag}.so"
-        src.write_text(SOURCE)
-        try:
-            subprocess.run([cc, *FLAGS, str(src), "-o", str(lib), "-lm"], check=True,
-                           capture_output=True, timeout=120)  # fmt: skip
-            fn = ctypes.CDLL(str(lib)).vmcache_decode
-        except (OSError, subprocess.SubprocessError) as exc:
-            err = getattr(exc, "stderr", b"") or b""
-            self.reason = f"{cc} failed: {exc} {err.decode(errors='replace')[-400:]}".strip()
-            return
+        fn = self.built.lib.vmcache_decode
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
                        i64, ctypes.c_float, ctypes.c_int]  # fmt: skip

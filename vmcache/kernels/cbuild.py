@@ -1,0 +1,42 @@
+"""A small C library compiled once a process with the system's C compiler (``cc``, ``gcc``) into
+a private temporary directory and opened through ``ctypes``: the CPU kernels' build. Where no
+compiler works, :attr:`CLibrary.reason` says why and callers keep their torch path."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+# -O3 -march=native: the machine's own vector ISA
+BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+# on x86, AVX-512 registers where the machine has them (gcc prefers 256-bit vectors unless told)
+WIDE_VECTORS = ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
+
+
+class CLibrary:
+    """``source`` compiled with ``BASE_FLAGS + flags``: :attr:`lib` (a ``ctypes.CDLL``) or
+    None with :attr:`reason`."""
+
+    def __init__(self, source: str, flags: tuple[str, ...] = ()) -> None:
+        self.lib = None
+        self.reason = ""
+        cc = shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            self.reason = "no C compiler (cc, gcc) on PATH"
+            return
+        self._dir = tempfile.TemporaryDirectory(prefix="vmcache-kernels-")  # 0700
+        tag = hashlib.sha256(source.encode()).hexdigest()[:12]
+        src, lib = Path(self._dir.name) / f"k{tag}.c", Path(self._dir.name) / f"k{tag}.so"
+        src.write_text(source)
+        try:
+            subprocess.run([cc, *BASE_FLAGS, *flags, str(src), "-o", str(lib),
+                            "-lm"], check=True, capture_output=True, timeout=120)  # fmt: skip
+            self.lib = ctypes.CDLL(str(lib))
+        except (OSError, subprocess.SubprocessError) as exc:
+            err = getattr(exc, "stderr", b"") or b""
+            self.reason = f"{cc} failed: {exc} {err.decode(errors='replace')[-400:]}".strip()

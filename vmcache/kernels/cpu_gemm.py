@@ -1,0 +1,170 @@
+"""A linear layer on the CPU over weights packed once into panels: ``out = x · Wᵀ (+ bias)``,
+float32, as the compiled step's GEMMs (``torch.ops.vmcache.packed_linear``).
+
+Why: a decode step multiplies a few rows (one a sequence) by every weight of the model, so its
+GEMMs read 4 bytes of weight for every 2·M flops; oneDNN's and MKL's fp32 GEMMs, which vLLM's
+CPU build and inductor call, ran SmolLM2's decode GEMMs at 16 rows at 47 ms a step where its
+424 MB of layer weights stream in 20 ms on this machine's 2 cores (an Intel Xeon, 2026-12-05).
+This kernel streams each weight once a call, prefetching ahead, and keeps every row's sums in
+registers:
+
+    W [N, K] packed as panels of NB = 32 output columns, each column-block's K rows in order:
+
+        packed [P, K, NB]    P = ⌈N / NB⌉ (the last panel's missing columns zero)
+        packed[p, k, j] = W[p·NB + j, k]
+
+    task (p, m-block of MC rows) → out[rows, p·NB : p·NB + NB]; the tasks run in parallel:
+        for k-chunks of KC:                  (the panel's chunk stays in L1 across the rows)
+            for 8 rows at a time:  acc[8][NB] += x[m, k] · packed[p, k, :]   (FMAs, registers)
+
+A small C function compiled once a process (:mod:`vmcache.kernels.cbuild`); where no compiler
+works, :func:`available` says why and the compiled step keeps inductor's GEMMs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from vmcache.kernels.cbuild import WIDE_VECTORS, CLibrary
+
+NB = 32  # output columns a panel (2 AVX-512 registers a row)
+LAYOUT = f"panels-{NB}"  # the packed layout's name: a compiled step keys on it
+
+SOURCE = r"""
+#include <stdint.h>
+#define NB 32
+#define KC 128
+#define MC 64
+#define AHEAD (32 * NB)  /* prefetch distance along the panel, in floats (4 KiB) */
+
+/* acc[mb][NB] over k in [k0, k1) of rows x[0..mb) and panel w; starts from out unless k0 = 0 */
+static inline __attribute__((always_inline)) void block(const float *x, const float *w,
+        float *out, int64_t N, int64_t K, int64_t k0, int64_t k1, int64_t n0, int64_t nn,
+        const int mb) {
+    float acc[8][NB];
+    for (int m = 0; m < mb; ++m)
+        if (k0 == 0 || nn < NB)  /* (a last narrow panel goes in one chunk: K <= KC, or below) */
+            for (int j = 0; j < NB; ++j) acc[m][j] = k0 == 0 || j >= nn ? 0.f : out[m * N + n0 + j];
+        else
+            #pragma omp simd
+            for (int j = 0; j < NB; ++j) acc[m][j] = out[m * N + n0 + j];
+    for (int64_t k = k0; k < k1; ++k) {
+        const float *wk = w + k * NB;
+        __builtin_prefetch(wk + AHEAD);
+        __builtin_prefetch(wk + AHEAD + 16);
+        for (int m = 0; m < mb; ++m) {
+            const float xv = x[m * K + k];
+            #pragma omp simd
+            for (int j = 0; j < NB; ++j) acc[m][j] += xv * wk[j];
+        }
+    }
+    for (int m = 0; m < mb; ++m)
+        if (nn == NB)
+            #pragma omp simd
+            for (int j = 0; j < NB; ++j) out[m * N + n0 + j] = acc[m][j];
+        else
+            for (int j = 0; j < nn; ++j) out[m * N + n0 + j] = acc[m][j];
+}
+
+void vmcache_linear(const float *x, const float *packed, const float *bias, float *out,
+                    int64_t M, int64_t K, int64_t N, int threads) {
+    const int64_t P = (N + NB - 1) / NB, MBLK = (M + MC - 1) / MC;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < P * MBLK; ++t) {
+        const int64_t p = t % P, lo = (t / P) * MC, hi = lo + MC < M ? lo + MC : M;
+        const float *w = packed + p * K * NB;
+        const int64_t n0 = p * NB, nn = N - n0 < NB ? N - n0 : NB;
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+            const int64_t k1 = k0 + KC < K ? k0 + KC : K;
+            for (int64_t m0 = lo; m0 < hi; m0 += 8) {
+                const float *xm = x + m0 * K;
+                float *om = out + m0 * N;
+                switch (hi - m0 < 8 ? hi - m0 : 8) {  /* the row count a constant in each */
+                case 1: block(xm, w, om, N, K, k0, k1, n0, nn, 1); break;
+                case 2: block(xm, w, om, N, K, k0, k1, n0, nn, 2); break;
+                case 3: block(xm, w, om, N, K, k0, k1, n0, nn, 3); break;
+                case 4: block(xm, w, om, N, K, k0, k1, n0, nn, 4); break;
+                case 5: block(xm, w, om, N, K, k0, k1, n0, nn, 5); break;
+                case 6: block(xm, w, om, N, K, k0, k1, n0, nn, 6); break;
+                case 7: block(xm, w, om, N, K, k0, k1, n0, nn, 7); break;
+                default: block(xm, w, om, N, K, k0, k1, n0, nn, 8); break;
+                }
+            }
+        }
+        if (bias)
+            for (int64_t m = lo; m < hi; ++m)
+                for (int64_t j = 0; j < nn; ++j) out[m * N + n0 + j] += bias[n0 + j];
+    }
+}
+"""
+
+_LIB: list = []  # the compiled function and why not, built once a process on first use
+
+
+def _fn():
+    if not _LIB:
+        built = CLibrary(SOURCE, WIDE_VECTORS)
+        fn = None
+        if built.lib is not None:
+            fn = built.lib.vmcache_linear
+            i64, ptr = ctypes.c_int64, ctypes.c_void_p
+            fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+            fn.restype = None
+        _LIB.append((fn, built.reason, built))
+    return _LIB[0]
+
+
+def available() -> tuple[bool, str]:
+    """(whether the compiled kernel runs here, why not)."""
+    fn, reason, _ = _fn()
+    return fn is not None, reason
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight float32 ``[N, K]`` (a linear layer's) → packed float32 ``[P, K, NB]`` (module
+    docstring), a new contiguous tensor."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise TypeError(f"pack takes a 2-D float32 CPU weight, not {weight.dtype} "
+                        f"{list(weight.shape)} on {weight.device}")  # fmt: skip
+    n, k = weight.shape
+    panels = -(-n // NB)
+    padded = torch.zeros(panels * NB, k, dtype=torch.float32)
+    padded[:n] = weight.detach()
+    return padded.view(panels, NB, k).transpose(1, 2).contiguous()
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """x float32 ``[..., K]``, packed float32 ``[P, K, NB]`` from :func:`pack` of an
+    ``[n, K]`` weight, bias float32 ``[n]`` or None → float32 ``[..., n]``."""
+    fn, reason, _ = _fn()
+    if fn is None:
+        raise RuntimeError(f"the CPU linear kernel is not available: {reason}")
+    if x.dtype != torch.float32 or packed.dtype != torch.float32 or x.device.type != "cpu":
+        raise TypeError(f"packed_linear takes float32 CPU tensors, not {x.dtype} on {x.device}")
+    k = x.shape[-1]
+    if (packed.dim() != 3 or packed.shape[1:] != (k, NB) or not packed.is_contiguous()
+            or not 0 < n <= packed.shape[0] * NB or n <= (packed.shape[0] - 1) * NB):  # fmt: skip
+        raise ValueError(f"packed {list(packed.shape)} is not an [{n}, {k}] weight's panels")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32):
+        raise ValueError(f"bias must be float32 [{n}], not {bias.dtype} {list(bias.shape)}")
+    rows = x.reshape(-1, k).contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    if rows.shape[0]:
+        b = None if bias is None else bias.contiguous()
+        fn(rows.data_ptr(), packed.data_ptr(), None if b is None else b.data_ptr(),
+           out.data_ptr(), rows.shape[0], k, n, torch.get_num_threads())  # fmt: skip
+    return out.view(*x.shape[:-1], n)
+
+
+# The operator a compiled graph calls (a torch.library.Library kernel, as step_attention's).
+_OPS = torch.library.Library("vmcache", "FRAGMENT")  # kept: the registration lives with it
+_OPS.define("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor")
+_OPS.impl("packed_linear", packed_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("vmcache::packed_linear", lib=_OPS)
+def _(x, packed, n, bias):
+    return x.new_empty(*x.shape[:-1], n)
