@@ -59,6 +59,17 @@ def test_layers_on_one_input_become_one_call_with_the_same_outputs():
         assert v.data_ptr() == before[k][0] and torch.equal(v, before[k][1])
 
 
+def test_a_chain_of_layers_each_on_the_last_ones_output():
+    torch.manual_seed(1)
+    chain = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)]).eval()
+    example, dims = (torch.randn(2, 16),), ({0: Dim("rows", min=1)},)
+    ep = torch.export.export(chain, example, dynamic_shapes=dims, strict=False)
+    packed = pack_linears(ep, example, dims)
+    assert len(_calls(packed, PACKED)) == 4
+    x = torch.randn(9, 16)
+    torch.testing.assert_close(packed.module()(x), chain(x), rtol=1e-5, atol=1e-5)
+
+
 def test_a_program_without_float32_layers_comes_back_as_it_is():
     m = torch.nn.Linear(4, 4).double()
     ep = torch.export.export(m, (torch.randn(2, 4, dtype=torch.float64),), strict=False)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vmcache.kernels.cpu_decode import available, decode_rows
+from vmcache.kernels.cpu_decode import DecodeRows, available, decode_rows
 
 pytestmark = pytest.mark.skipif(not available()[0], reason=f"no kernel: {available()[1]}")
 
@@ -87,3 +87,34 @@ def test_refusals():
         decode_rows(torch.randn(0, 4, 8), store, layout, read[:0], lens[:0], 1.0)
     with pytest.raises(TypeError, match="float32"):
         decode_rows(q.double(), store, layout, read, lens, 1.0)
+
+
+def test_a_plan_with_write_stores_the_new_rows_before_reading():
+    """The step's new K/V go to ``write``'s rows inside the kernel call (what index_copy_ did
+    before it), every layer with its own store place; the output reads them."""
+    g = torch.Generator().manual_seed(3)
+    rows, width, heads, dim = 40, 2 * 16, 6, 16
+    store, layout = _store(rows, width)
+    read = torch.randint(0, rows, (3, 9), generator=g)
+    lens = torch.tensor([9, 4, 7])
+    write = read[torch.arange(3), lens - 1].contiguous()  # each sequence's last position
+    q = torch.randn(3, heads, dim, generator=g)
+    k, v = torch.randn(3, width, generator=g), torch.randn(3, width, generator=g)
+    want = store.clone()
+    k_at, v_at = layout[2], layout[3]
+    want[k_at : k_at + rows * width].view(rows, width).index_copy_(0, write, k)
+    want[v_at : v_at + rows * width].view(rows, width).index_copy_(0, write, v)
+    plan = DecodeRows(read, lens, rows, heads, dim, write)
+    out = plan(q, store, layout, 0.25, k, v)
+    assert torch.equal(store, want)  # those rows and no other
+    torch.testing.assert_close(out, _reference(q, want, layout, read, lens, 0.25),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    with pytest.raises(ValueError, match="write"):  # out of the layer's rows
+        DecodeRows(read, lens, rows, heads, dim, write + rows)
+    with pytest.raises(ValueError, match="a plan with write"):  # this plan has none
+        DecodeRows(read, lens, rows, heads, dim)(q, store, layout, 0.25, k, v)
+    with pytest.raises(ValueError, match="a plan with write"):
+        plan(q, store, layout, 0.25, k[:, :-1], v)
+    with pytest.raises(ValueError, match="a plan with write"):
+        plan(q, store, layout, 0.25, k, None)
+    assert torch.equal(store, want)  # refused calls wrote nothing

@@ -272,8 +272,9 @@ class Engine:
         premap = self._map_ahead(batch)
         now = time.perf_counter()
         logits, starts = work.logits, work.starts
-        # greedy sequences' tokens: one argmax over every row (not one call per sequence)
-        greedy = (logits.argmax(-1).tolist()
+        # greedy sequences' tokens: one argmax over every row (not one call per sequence), as
+        # max(-1)'s indices: the same (the first maximum; a NaN wins), a third of the time
+        greedy = (logits.max(-1).indices.tolist()
                   if any(s.req.params.temperature == 0 for s in batch) else None)  # fmt: skip
         for i, seq in enumerate(batch):
             if work.verifies[i]:

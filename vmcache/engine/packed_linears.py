@@ -55,8 +55,9 @@ def _linears(gm: GraphModule) -> dict[Node, list[Node]]:
     return groups
 
 
-def _replace(gm: GraphModule, x: Node, nodes: list[Node], index: int) -> None:
-    """One ``packed_linear`` call for ``nodes`` (every one reads ``x``), their outputs slices."""
+def _replace(gm: GraphModule, nodes: list[Node], index: int) -> None:
+    """One ``packed_linear`` call for ``nodes`` (all on one input), their outputs slices."""
+    x = nodes[0].args[0]  # (now: where an earlier group's layer fed it, that layer's slice)
     weights = [_attr(gm, n.args[1]) for n in nodes]
     biases = [_attr(gm, n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")) for n in nodes]
     sizes = [w.shape[0] for w in weights]
@@ -110,8 +111,8 @@ def pack_linears(ep: torch.export.ExportedProgram, example: tuple,
     groups = _linears(gm)
     if not groups:
         return ep
-    for i, (x, nodes) in enumerate(groups.items()):
-        _replace(gm, x, nodes, i)
+    for i, nodes in enumerate(groups.values()):
+        _replace(gm, nodes, i)
     _drop_unread(gm)
     gm.graph.lint()
     gm.recompile()

@@ -33,6 +33,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <math.h>
 #include <float.h>
+#include <string.h>
 
 /* Sequence b's rows [lo, hi): unnormalized output o [HQ, D], and per query head its max
    score and sum of exponentials (ml [HQ, 2]); s: scratch [HQ, hi - lo]. */
@@ -70,12 +71,18 @@ static inline __attribute__((always_inline)) void part(
     }
 }
 
-/* Every sequence's rows split into C parts run in parallel, then merged per sequence. */
-void vmcache_decode(const float *q, const float *store, int64_t k_at, int64_t v_at,
+/* The step's new K/V rows stored (n_new of them, row write[i]; none where n_new is 0), then
+   every sequence's rows split into C parts run in parallel, then merged per sequence. */
+void vmcache_decode(const float *q, float *store, int64_t k_at, int64_t v_at,
                     const int64_t *read, const int64_t *lens, float *out, float *scratch,
                     float *partial, int64_t B, int64_t S, int64_t HQ, int64_t HKV, int64_t D,
-                    int64_t C, float scale, int threads) {
+                    int64_t C, float scale, int threads, const float *k_new,
+                    const float *v_new, const int64_t *write, int64_t n_new) {
     const int64_t G = HQ / HKV, R = HKV * D;
+    for (int64_t i = 0; i < n_new; ++i) {
+        memcpy(store + k_at + write[i] * R, k_new + i * R, R * sizeof(float));
+        memcpy(store + v_at + write[i] * R, v_new + i * R, R * sizeof(float));
+    }
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < B * C; ++task) {
         const int64_t b = task / C, c = task % C, n = lens[b];
@@ -134,7 +141,7 @@ class _Kernel:
         fn = self.built.lib.vmcache_decode
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
-                       i64, ctypes.c_float, ctypes.c_int]  # fmt: skip
+                       i64, ctypes.c_float, ctypes.c_int, ptr, ptr, ptr, i64]  # fmt: skip
         fn.restype = None
         self.fn = fn
 
@@ -170,10 +177,12 @@ class DecodeRows:
     kv_lens  int64 ``[B]``, each in [1, S]
     rows     how many rows each layer's K (and V) has: every read index is below it
     heads    N_Q, the query heads; dim: d_h
+    write    int64 ``[N]`` or None: the rows each layer's new K/V go to (then every call
+             stores its ``k``, ``v`` there before reading, in the kernel: no index_copy_)
     """
 
     def __init__(self, read: torch.Tensor, kv_lens: torch.Tensor, rows: int, heads: int,
-                 dim: int) -> None:  # fmt: skip
+                 dim: int, write: torch.Tensor | None = None) -> None:  # fmt: skip
         k = kernel()
         if k.fn is None:
             raise RuntimeError(f"the CPU decode kernel is not available: {k.reason}")
@@ -187,7 +196,12 @@ class DecodeRows:
         read = read.to(torch.int64).contiguous()
         if int(read.min()) < 0 or int(read.max()) >= rows:
             raise ValueError(f"read indices must be rows in [0, {rows})")
-        self.fn, self.read, self.lens, self.rows = k.fn, read, lens, rows
+        if write is not None:
+            write = write.to(torch.int64).contiguous()
+            if write.dim() != 1 or (write.numel() and (int(write.min()) < 0
+                                                       or int(write.max()) >= rows)):  # fmt: skip
+                raise ValueError(f"write indices must be rows in [0, {rows})")
+        self.fn, self.read, self.lens, self.rows, self.write = k.fn, read, lens, rows, write
         self.shape = (b, heads, dim)  # the queries' [B, N_Q, d_h]
         self.threads = torch.get_num_threads()
         # parts a sequence: enough tasks for every thread, none under MIN_PART_ROWS rows
@@ -196,10 +210,12 @@ class DecodeRows:
         self.partial = torch.empty(b * self.parts * heads * (dim + 2), dtype=torch.float32)
 
     def __call__(self, q: torch.Tensor, store: torch.Tensor, layout: tuple[int, int, int, int],
-                 scale: float) -> torch.Tensor:  # fmt: skip
+                 scale: float, k: torch.Tensor | None = None,
+                 v: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """q float32 ``[B, N_Q, d_h]`` (one query a sequence), store float32 ``[E]``
-        contiguous, layout (rows, R, K's offset, V's offset) in elements, R = N_KV · d_h
-        → float32 ``[B, N_Q, d_h]``."""
+        contiguous, layout (rows, R, K's offset, V's offset) in elements, R = N_KV · d_h;
+        k, v float32 ``[N, R]``: the new rows, stored at the plan's ``write`` first (both or
+        neither; a plan made with ``write`` only) → float32 ``[B, N_Q, d_h]``."""
         rows, width, k_at, v_at = layout
         b, heads, dim = self.shape
         if (q.dtype, store.dtype) != (torch.float32, torch.float32) or q.device.type != "cpu":
@@ -212,12 +228,20 @@ class DecodeRows:
         if not store.is_contiguous() or min(k_at, v_at) < 0 or (
                 max(k_at, v_at) + rows * width > store.numel()):  # fmt: skip
             raise ValueError("layout's rows pass the end of store")
+        new = (None, None, None, 0)
+        if k is not None or v is not None:
+            n = -1 if self.write is None else self.write.shape[0]
+            if k is None or v is None or any(
+                    t.dtype != torch.float32 or t.shape != (n, width) for t in (k, v)):  # fmt: skip
+                raise ValueError(f"k and v must be float32 [{n}, {width}] (a plan with write)")
+            k, v = k.contiguous(), v.contiguous()
+            new = (k.data_ptr(), v.data_ptr(), self.write.data_ptr(), n)
         q = q.contiguous()
         out = torch.empty_like(q)
         self.fn(q.data_ptr(), store.data_ptr(), k_at, v_at, self.read.data_ptr(),
                 self.lens.data_ptr(), out.data_ptr(), self.scratch.data_ptr(),
                 self.partial.data_ptr(), b, self.read.shape[1], heads, width // dim, dim,
-                self.parts, scale, self.threads)  # fmt: skip
+                self.parts, scale, self.threads, *new)  # fmt: skip
         return out
 
 

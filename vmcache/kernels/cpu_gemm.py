@@ -13,9 +13,11 @@ registers:
         packed [P, K, NB]    P = ⌈N / NB⌉ (the last panel's missing columns zero)
         packed[p, k, j] = W[p·NB + j, k]
 
-    task (p, m-block of MC rows) → out[rows, p·NB : p·NB + NB]; the tasks run in parallel:
-        for k-chunks of KC:                  (the panel's chunk stays in L1 across the rows)
+    task (p, m-block of MC rows) → out[rows, p·NB : p·NB + NB]; the tasks run in parallel,
+    a panel's m-blocks one after another (the panel stays in L2 while they go by):
+        for k-chunks of KC (a decode's ≤ MC rows; more rows: all of K at once):
             for 8 rows at a time:  acc[8][NB] += x[m, k] · packed[p, k, :]   (FMAs, registers)
+                                   (the panel's chunk stays in L1 across the rows)
 
 A small C function compiled once a process (:mod:`vmcache.kernels.cbuild`); where no compiler
 works, :func:`available` says why and the compiled step keeps inductor's GEMMs.
@@ -35,7 +37,7 @@ LAYOUT = f"panels-{NB}"  # the packed layout's name: a compiled step keys on it
 SOURCE = r"""
 #include <stdint.h>
 #define NB 32
-#define KC 128
+#define KC 128  /* a decode's k-chunk (the panel's chunk in L1 while its rows go by) */
 #define MC 64
 #define AHEAD (32 * NB)  /* prefetch distance along the panel, in floats (4 KiB) */
 
@@ -45,7 +47,7 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
         const int mb) {
     float acc[8][NB];
     for (int m = 0; m < mb; ++m)
-        if (k0 == 0 || nn < NB)  /* (a last narrow panel goes in one chunk: K <= KC, or below) */
+        if (k0 == 0 || nn < NB)  /* (a narrow last panel: its missing columns stay 0) */
             for (int j = 0; j < NB; ++j) acc[m][j] = k0 == 0 || j >= nn ? 0.f : out[m * N + n0 + j];
         else
             #pragma omp simd
@@ -71,13 +73,14 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
 void vmcache_linear(const float *x, const float *packed, const float *bias, float *out,
                     int64_t M, int64_t K, int64_t N, int threads) {
     const int64_t P = (N + NB - 1) / NB, MBLK = (M + MC - 1) / MC;
+    const int64_t kc = M > MC ? K : KC;  /* many rows: the panel stays in L2, sums in registers */
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < P * MBLK; ++t) {
-        const int64_t p = t % P, lo = (t / P) * MC, hi = lo + MC < M ? lo + MC : M;
+        const int64_t p = t / MBLK, lo = (t % MBLK) * MC, hi = lo + MC < M ? lo + MC : M;
         const float *w = packed + p * K * NB;
         const int64_t n0 = p * NB, nn = N - n0 < NB ? N - n0 : NB;
-        for (int64_t k0 = 0; k0 < K; k0 += KC) {
-            const int64_t k1 = k0 + KC < K ? k0 + KC : K;
+        for (int64_t k0 = 0; k0 < K; k0 += kc) {
+            const int64_t k1 = k0 + kc < K ? k0 + kc : K;
             for (int64_t m0 = lo; m0 < hi; m0 += 8) {
                 const float *xm = x + m0 * K;
                 float *om = out + m0 * N;

@@ -21,8 +21,9 @@ step on the host (:meth:`~vmcache.sequences.batch.StepBatch.write_index`, ``read
         queries grouped as the eager step does     (kernels.batched: decodes in one SDPA
         (plan_groups), causal per sequence          call, prefills padded or one each)
 
-    a step of decodes only, float32 on the CPU: no gather; kernels.cpu_decode reads each
-    sequence's rows in place, where ``read`` says (both caches; VMKVCache's are consecutive)
+    a step of decodes only, float32 on the CPU: no gather, no index_copy_; kernels.cpu_decode
+    stores the new rows and reads each sequence's rows in place, where ``read`` says (both
+    caches; VMKVCache's are consecutive)
 
 Full-attention layers and unquantized K/V only (the compiled step checks this once).
 """
@@ -48,25 +49,26 @@ def _step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: to
                     lens: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
     """See the module docstring: → ``[N, N_Q, d_h]`` in q's dtype."""
     rows, width, k_at, v_at = layout.tolist()
+    b, span = read.shape
+    last = _LAST_PLAN[0]
+    if (last is not None and last[0]() is lens and last[1] == span and last[2] is read
+            and last[3] is write):  # fmt: skip
+        groups = last[4]
+    else:  # the step's first layer plans for all of them
+        q_lens, kv_lens = lens.tolist()
+        if serves(q, store.dtype) and all(n == 1 for n in q_lens) and k.dtype == store.dtype:
+            # decodes only: the CPU kernel stores the new rows and reads the rows where they lie
+            groups = DecodeRows(read, lens[1], rows, q.shape[1], q.shape[2], write)
+        else:
+            lo = torch.zeros(b, dtype=torch.long)
+            groups = plan_groups(q_lens, kv_lens, lo, span, None, q.device)
+        _LAST_PLAN[0] = (weakref.ref(lens), span, read, write, groups)
+    if isinstance(groups, DecodeRows):
+        return groups(q, store, (rows, width, k_at, v_at), scale, k, v)
     k_rows = store.as_strided((rows, width), (width, 1), k_at)
     v_rows = store.as_strided((rows, width), (width, 1), v_at)
     k_rows.index_copy_(0, write, k.to(k_rows.dtype))
     v_rows.index_copy_(0, write, v.to(v_rows.dtype))
-    b, span = read.shape
-    last = _LAST_PLAN[0]
-    if last is not None and last[0]() is lens and last[1] == span and last[2] is read:
-        groups = last[3]
-    else:  # the step's first layer plans for all of them
-        q_lens, kv_lens = lens.tolist()
-        if serves(q, store.dtype) and all(n == 1 for n in q_lens):
-            # decodes only: the CPU kernel reads the rows where they lie
-            groups = DecodeRows(read, lens[1], rows, q.shape[1], q.shape[2])
-        else:
-            lo = torch.zeros(b, dtype=torch.long)
-            groups = plan_groups(q_lens, kv_lens, lo, span, None, q.device)
-        _LAST_PLAN[0] = (weakref.ref(lens), span, read, groups)
-    if isinstance(groups, DecodeRows):
-        return groups(q, store, (rows, width, k_at, v_at), scale)
     heads_kv = width // q.shape[2]
     flat = read.reshape(-1)
     keys = k_rows.index_select(0, flat).view(b, span, heads_kv, q.shape[2])
