@@ -5,8 +5,9 @@ imports it in its own venv). Each part is the CPU time of the outermost events t
 
     linear layers       every GEMM, wherever it runs (the lm_head's too): vLLM's oneDNN /
                         SGL linear ops; inductor's GEMM templates (with the epilogues fused
-                        into them) and oneDNN linear calls in our package (its kernels record
-                        events only when built with inductor's cpp.enable_kernel_profile)
+                        into them), oneDNN linear calls and vmcache::packed_linear in our
+                        package (inductor's kernels record events only when built with
+                        inductor's cpp.enable_kernel_profile)
     attention           the attention op, K/V written and read (vLLM's unified attention /
                         CPU attention ops; vmcache::step_attention)
     rest of the model   the scopes that run the model (MODEL_SCOPES: vLLM's forward and its

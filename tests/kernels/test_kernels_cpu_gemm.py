@@ -52,6 +52,8 @@ def test_refusals():
     x = torch.randn(3, 16)
     with pytest.raises(TypeError):
         cpu_gemm.pack(w.double())
+    with pytest.raises(ValueError):
+        cpu_gemm.pack(torch.empty(4, 0))
     with pytest.raises(TypeError):
         cpu_gemm.packed_linear(x.double(), packed, 40)
     with pytest.raises(ValueError):  # K differs
@@ -63,3 +65,10 @@ def test_refusals():
         cpu_gemm.packed_linear(x, packed, 40, torch.randn(39))
     with pytest.raises(ValueError):
         cpu_gemm.packed_linear(x, packed.transpose(0, 1), 40)
+    with pytest.raises(ValueError):  # a view of the panels, not them
+        cpu_gemm.packed_linear(x, packed.transpose(1, 2).contiguous().transpose(1, 2), 40)
+    with pytest.raises(ValueError):
+        cpu_gemm.packed_linear(torch.tensor(1.0), packed, 40)
+    strided = torch.randn(16, 3).t()  # [3, 16], not contiguous: taken as it is
+    torch.testing.assert_close(cpu_gemm.packed_linear(strided, packed, 40), strided @ w.T,
+                               rtol=1e-5, atol=1e-5)  # fmt: skip

@@ -112,17 +112,15 @@ def unsupported(model, kv) -> str | None:
     return None
 
 
-# The CPU step's inductor settings. Frozen weights, each linear layer's packed for oneDNN's
-# matmul (vLLM's CPU build calls the same library, `_C::onednn_mm`); projections sharing an
-# input concatenated; kernels that read the thread count when they run. No GEMM timing
-# (max_autotune): inductor's timing of its C++ GEMM template against oneDNN, one GEMM alone
-# with its weights in cache, chose the template for SmolLM2 at a decode's size, and in the
-# whole step, its 425 MB of weights streamed from memory, that choice lost on an Intel Xeon
-# (uniform workload, 2 cores: 4.78 s against 4.08 s with oneDNN everywhere, 2026-12-05) while
-# it had won on an AMD EPYC (a 16-sequence decode step 77.8 against 86.4 ms, 2026-12-04); it
-# lost on prefills everywhere, so steps past 256 tokens ran eagerly. oneDNN everywhere: one
-# graph for every step (the uniform workload 4.07 s against 4.26 s with its 612-token prefill
-# eager), and a compile with no timing (56 s against 74 s).
+# The CPU step's inductor settings. Frozen weights; kernels that read the thread count when
+# they run. Where vmcache's GEMM builds, the graph inductor gets has no linear layers left
+# (packed_linears); where it does not, each linear layer's weight is packed for oneDNN's matmul
+# (vLLM's CPU build calls the same library, `_C::onednn_mm`) and projections sharing an input
+# are concatenated. No GEMM timing (max_autotune): inductor's timing of its C++ GEMM template
+# against oneDNN, one GEMM alone with its weights in cache, chose the template at a decode's
+# size, and in the whole step, its 425 MB of weights streamed from memory, that choice lost on
+# an Intel Xeon (uniform workload, 2 cores: 4.78 s against 4.08 s, 2026-12-05) while it had won
+# on an AMD EPYC (a 16-sequence decode step 77.8 against 86.4 ms, 2026-12-04).
 CPU_SETTINGS = {"freezing": True, "cpp.enable_concat_linear": True, "cpp.dynamic_threads": True}
 # On a GPU CUDA graphs are recorded once per step size: steps past this many tokens (prefills,
 # bound by arithmetic) run eagerly, as vLLM runs batches larger than its CUDA graphs

@@ -218,6 +218,32 @@ class DecodeRows:
         neither; a plan made with ``write`` only) → float32 ``[B, N_Q, d_h]``."""
         rows, width, k_at, v_at = layout
         b, heads, dim = self.shape
+        f32 = torch.float32
+        n = -1 if self.write is None else self.write.shape[0]
+        if (q.dtype is not f32 or store.dtype is not f32 or not q.is_cpu
+                or q.shape != self.shape or width < dim or width % dim or heads % (width // dim)
+                or rows != self.rows or not store.is_contiguous() or min(k_at, v_at) < 0
+                or max(k_at, v_at) + rows * width > store.numel()
+                or (k is not None or v is not None) and (
+                    k is None or v is None or k.dtype is not f32 or v.dtype is not f32
+                    or k.shape != (n, width) or v.shape != (n, width))):  # fmt: skip
+            self._refuse(q, store, layout, k, v)  # (one test a layer; the reason only here)
+        new = (None, None, None, 0)
+        if k is not None:
+            k, v = k.contiguous(), v.contiguous()
+            new = (k.data_ptr(), v.data_ptr(), self.write.data_ptr(), n)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        self.fn(q.data_ptr(), store.data_ptr(), k_at, v_at, self.read.data_ptr(),
+                self.lens.data_ptr(), out.data_ptr(), self.scratch.data_ptr(),
+                self.partial.data_ptr(), b, self.read.shape[1], heads, width // dim, dim,
+                self.parts, scale, self.threads, *new)  # fmt: skip
+        return out
+
+    def _refuse(self, q, store, layout, k, v) -> None:
+        """Why :meth:`__call__` refuses these arguments, raised."""
+        rows, width, k_at, v_at = layout
+        b, heads, dim = self.shape
         if (q.dtype, store.dtype) != (torch.float32, torch.float32) or q.device.type != "cpu":
             raise TypeError("decode_rows takes float32 CPU tensors")
         if (tuple(q.shape) != self.shape or width < dim or width % dim
@@ -228,21 +254,8 @@ class DecodeRows:
         if not store.is_contiguous() or min(k_at, v_at) < 0 or (
                 max(k_at, v_at) + rows * width > store.numel()):  # fmt: skip
             raise ValueError("layout's rows pass the end of store")
-        new = (None, None, None, 0)
-        if k is not None or v is not None:
-            n = -1 if self.write is None else self.write.shape[0]
-            if k is None or v is None or any(
-                    t.dtype != torch.float32 or t.shape != (n, width) for t in (k, v)):  # fmt: skip
-                raise ValueError(f"k and v must be float32 [{n}, {width}] (a plan with write)")
-            k, v = k.contiguous(), v.contiguous()
-            new = (k.data_ptr(), v.data_ptr(), self.write.data_ptr(), n)
-        q = q.contiguous()
-        out = torch.empty_like(q)
-        self.fn(q.data_ptr(), store.data_ptr(), k_at, v_at, self.read.data_ptr(),
-                self.lens.data_ptr(), out.data_ptr(), self.scratch.data_ptr(),
-                self.partial.data_ptr(), b, self.read.shape[1], heads, width // dim, dim,
-                self.parts, scale, self.threads, *new)  # fmt: skip
-        return out
+        n = -1 if self.write is None else self.write.shape[0]
+        raise ValueError(f"k and v must be float32 [{n}, {width}] (a plan with write)")
 
 
 def decode_rows(q: torch.Tensor, store: torch.Tensor, layout: tuple[int, int, int, int],

@@ -32,6 +32,7 @@ import torch
 from vmcache.kernels.cbuild import WIDE_VECTORS, CLibrary
 
 NB = 32  # output columns a panel (2 AVX-512 registers a row)
+F32 = torch.float32
 LAYOUT = f"panels-{NB}"  # the packed layout's name: a compiled step keys on it
 
 SOURCE = r"""
@@ -132,6 +133,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"pack takes a 2-D float32 CPU weight, not {weight.dtype} "
                         f"{list(weight.shape)} on {weight.device}")  # fmt: skip
     n, k = weight.shape
+    if n < 1 or k < 1:
+        raise ValueError(f"pack takes a weight of at least one row and column, not {[n, k]}")
     panels = -(-n // NB)
     padded = torch.zeros(panels * NB, k, dtype=torch.float32)
     padded[:n] = weight.detach()
@@ -141,25 +144,41 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int,
                   bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """x float32 ``[..., K]``, packed float32 ``[P, K, NB]`` from :func:`pack` of an
-    ``[n, K]`` weight, bias float32 ``[n]`` or None → float32 ``[..., n]``."""
+    ``[n, K]`` weight, bias float32 ``[n]`` or None → float32 ``[..., n]``.
+
+    Called once a linear layer a step: the checks are one test (its failure is explained by
+    :func:`_refuse`), the output allocated in its final shape."""
+    fn = _fn()[0]
+    shape, ps = x.shape, packed.shape
+    k = shape[-1] if shape else -1
+    if (fn is None or x.dtype is not F32 or packed.dtype is not F32 or not x.is_cpu
+            or len(ps) != 3 or ps[1] != k or ps[2] != NB or not (ps[0] - 1) * NB < n <= ps[0] * NB
+            or not packed.is_contiguous()
+            or (bias is not None and (bias.dtype is not F32 or bias.shape != (n,)))):  # fmt: skip
+        _refuse(x, packed, n, bias)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out = torch.empty((*shape[:-1], n), dtype=F32)
+    rows = x.numel() // k
+    if rows:
+        b = None if bias is None else bias.contiguous()  # (kept alive through the call)
+        fn(x.data_ptr(), packed.data_ptr(), None if b is None else b.data_ptr(),
+           out.data_ptr(), rows, k, n, torch.get_num_threads())  # fmt: skip
+    return out
+
+
+def _refuse(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> None:
+    """Why :func:`packed_linear` refuses these arguments, raised."""
     fn, reason, _ = _fn()
     if fn is None:
         raise RuntimeError(f"the CPU linear kernel is not available: {reason}")
-    if x.dtype != torch.float32 or packed.dtype != torch.float32 or x.device.type != "cpu":
+    if x.dtype != F32 or packed.dtype != F32 or not x.is_cpu:
         raise TypeError(f"packed_linear takes float32 CPU tensors, not {x.dtype} on {x.device}")
-    k = x.shape[-1]
-    if (packed.dim() != 3 or packed.shape[1:] != (k, NB) or not packed.is_contiguous()
-            or not 0 < n <= packed.shape[0] * NB or n <= (packed.shape[0] - 1) * NB):  # fmt: skip
-        raise ValueError(f"packed {list(packed.shape)} is not an [{n}, {k}] weight's panels")
-    if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32):
+    if bias is not None and (bias.shape != (n,) or bias.dtype != F32):
         raise ValueError(f"bias must be float32 [{n}], not {bias.dtype} {list(bias.shape)}")
-    rows = x.reshape(-1, k).contiguous()
-    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    if rows.shape[0]:
-        b = None if bias is None else bias.contiguous()
-        fn(rows.data_ptr(), packed.data_ptr(), None if b is None else b.data_ptr(),
-           out.data_ptr(), rows.shape[0], k, n, torch.get_num_threads())  # fmt: skip
-    return out.view(*x.shape[:-1], n)
+    k = x.shape[-1] if x.dim() else None
+    raise ValueError(f"packed {list(packed.shape)} is not an [{n}, {k}] weight's panels "
+                     "(contiguous, from pack)")  # fmt: skip
 
 
 # The operator a compiled graph calls (a torch.library.Library kernel, as step_attention's).
