@@ -16,9 +16,10 @@ WORKLOADS  uniform and chat of benchmarks/bench_speed.py (16 × 64 new tokens; 3
            most 160). Every system's repeats at every thread setting are rotated together,
            vLLM's among ours (its processes wait, idle, while others run): on this shared
            machine, whose speed moves by a quarter within an hour, a ratio of runs made
-           minutes apart measured the machine (a run of 2026-12-05 that timed each thread
-           setting in a block of its own found vLLM's chat 12 % slower in the second
-           block). Each engine is built once per thread setting and runs every repeat (its
+           minutes apart measured the machine (in a run of 2026-12-05 that timed each
+           thread setting in a block of its own, vLLM in-process took 9.73 s for chat at
+           its 1-thread setting and 11.1 s at 2 threads ten minutes later; in the run
+           before, 8.61 and 8.89 s). Each engine is built once per thread setting and runs every repeat (its
            start-up, the compile included, is reported apart, as vLLM's is). The
            compiled engines keep their step in one fresh package directory: per thread
            setting the VM engine compiles it and the paged engine loads it, a restart's
