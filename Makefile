@@ -19,7 +19,7 @@ CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip instal
 COMPILE = $(1)/bin/python -m compileall -q -j0 \
 	$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') >/dev/null || true
 
-.PHONY: fetch-model test-setup bench bench-compute bench-vllm bench-vllm-profile bench-long bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed bench-server lm-eval serve readme test test-newest test-oldest test-long coverage compile-sm90 lint \
+.PHONY: fetch-model test-setup bench bench-compute bench-vllm bench-vllm-profile bench-gemm bench-long bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed bench-server lm-eval serve readme test test-newest test-oldest test-long coverage compile-sm90 lint \
 	gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -197,6 +197,11 @@ $(VLLM_VENV)/.vmcache-installed:
 
 bench-vllm: $(STAMP) fetch-model $(VLLM_VENV)/.vmcache-installed
 	cd benchmarks && ../$(PY) bench_vllm.py --vllm-python ../$(VLLM_VENV)/bin/python
+
+# the compiled CPU step's GEMMs alone (SmolLM2's 30 layers): torch's, vLLM's onednn_mm and
+# vmcache's packed kernel in one run, in vLLM's venv (docs/results.md)
+bench-gemm: $(VLLM_VENV)/.vmcache-installed
+	cd benchmarks && PYTHONPATH=.. ../$(VLLM_VENV)/bin/python bench_gemm.py
 
 # where the time goes: vLLM and the engine (compiled, eager) each traced by torch.profiler on
 # the uniform workload at 2 threads, split by the same rules (docs/results.md's profile table)

@@ -19,11 +19,11 @@ WORKLOADS  uniform and chat of benchmarks/bench_speed.py (16 × 64 new tokens; 3
            minutes apart measured the machine (in a run of 2026-12-05 that timed each
            thread setting in a block of its own, vLLM in-process took 9.73 s for chat at
            its 1-thread setting and 11.1 s at 2 threads ten minutes later; in the run
-           before, 8.61 and 8.89 s). Each engine is built once per thread setting and runs every repeat (its
-           start-up, the compile included, is reported apart, as vLLM's is). The
-           compiled engines keep their step in one fresh package directory: per thread
-           setting the VM engine compiles it and the paged engine loads it, a restart's
-           start-up. Every run's CPU time is recorded per thread (benchmarks/cpu_use.py:
+           before, 8.61 and 8.89 s). Each engine is built once per thread setting and runs
+           every repeat (its start-up, the compile included, is reported apart, as vLLM's
+           is). The compiled engines keep their step in one fresh package directory: per
+           thread setting the VM engine compiles it and the paged engine loads it, a
+           restart's start-up. Every run's CPU time is recorded per thread (benchmarks/cpu_use.py:
            vLLM's processes and threads, this process's threads for ours), so a row shows
            how many cores a "thread setting" really kept busy.
 
