@@ -30,8 +30,8 @@ float32 linear layers go onto vmcache's CPU GEMM (:mod:`vmcache.engine.packed_li
 :mod:`vmcache.kernels.cpu_gemm`): each weight packed once into panels, and the projections that
 share an input (q, k and v; gate and up) stacked into one GEMM each, as vLLM's merged linear
 layers are: 4 GEMMs a layer instead of 7, the same products. At a decode's few rows that kernel
-streams the weights near the memory's rate where oneDNN's matmul (vLLM's CPU GEMM, and
-inductor's) ran at half of it. inductor *freezes* the packed weights into the package as
+is faster than oneDNN's matmul (vLLM's CPU GEMM, and inductor's; `make bench-gemm`), at a
+prefill's a few per cent slower. inductor *freezes* the packed weights into the package as
 constants; the package's wrapper, which calls its kernels, is C++ (the GEMM and attention
 operators are called through the dispatcher). Where the C kernel cannot be built, every GEMM is
 oneDNN's matmul on weights inductor packs (:data:`CPU_SETTINGS`: no kernel timing at compile

@@ -38,14 +38,18 @@ def _attr(gm: GraphModule, node: Node | None) -> torch.Tensor | None:
     return obj if isinstance(obj, torch.Tensor) else None
 
 
+def _bias(node: Node):
+    """A linear call's bias argument (a node or None), positional or by keyword."""
+    return node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+
+
 def _linears(gm: GraphModule) -> dict[Node, list[Node]]:
     """The float32 linear calls on constant weights, grouped by their input (graph order)."""
     groups: dict[Node, list[Node]] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is not LINEAR:
             continue
-        x, w = node.args[0], node.args[1]
-        b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        x, w, b = node.args[0], node.args[1], _bias(node)
         weight, val = _attr(gm, w), x.meta.get("val") if isinstance(x, Node) else None
         if weight is None or weight.dim() != 2 or weight.dtype != torch.float32:
             continue
@@ -59,7 +63,7 @@ def _replace(gm: GraphModule, nodes: list[Node], index: int) -> None:
     """One ``packed_linear`` call for ``nodes`` (all on one input), their outputs slices."""
     x = nodes[0].args[0]  # (now: where an earlier group's layer fed it, that layer's slice)
     weights = [_attr(gm, n.args[1]) for n in nodes]
-    biases = [_attr(gm, n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")) for n in nodes]
+    biases = [_attr(gm, _bias(n)) for n in nodes]
     sizes = [w.shape[0] for w in weights]
     name = f"{PREFIX}{index}"
     with torch.no_grad():

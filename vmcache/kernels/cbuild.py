@@ -1,6 +1,6 @@
 """A small C library compiled once a process with the system's C compiler (``cc``, ``gcc``) into
 a private temporary directory and opened through ``ctypes``: the CPU kernels' build. Where no
-compiler works, :attr:`CLibrary.reason` says why and callers keep their torch path."""
+compiler works, :attr:`CFunction.reason` says why and callers keep their torch path."""
 
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 WIDE_VECTORS = ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
 
 
-class CLibrary:
-    """``source`` compiled with ``BASE_FLAGS + flags``: :attr:`lib` (a ``ctypes.CDLL``) or
-    None with :attr:`reason`."""
+class CFunction:
+    """``source`` compiled with ``BASE_FLAGS + flags`` and its function ``name`` taking
+    ``argtypes`` (returning nothing): :attr:`fn` (a ``ctypes`` function), or None with
+    :attr:`reason`."""
 
-    def __init__(self, source: str, flags: tuple[str, ...] = ()) -> None:
-        self.lib = None
+    def __init__(self, source: str, flags: tuple[str, ...], name: str, argtypes: list) -> None:
+        self.fn = None
         self.reason = ""
         cc = shutil.which("cc") or shutil.which("gcc")
         if cc is None:
@@ -36,7 +37,10 @@ class CLibrary:
         try:
             subprocess.run([cc, *BASE_FLAGS, *flags, str(src), "-o", str(lib),
                             "-lm"], check=True, capture_output=True, timeout=120)  # fmt: skip
-            self.lib = ctypes.CDLL(str(lib))
+            fn = getattr(ctypes.CDLL(str(lib)), name)
         except (OSError, subprocess.SubprocessError) as exc:
             err = getattr(exc, "stderr", b"") or b""
             self.reason = f"{cc} failed: {exc} {err.decode(errors='replace')[-400:]}".strip()
+            return
+        fn.argtypes, fn.restype = argtypes, None
+        self.fn = fn

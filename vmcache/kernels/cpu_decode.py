@@ -27,7 +27,7 @@ import ctypes
 
 import torch
 
-from vmcache.kernels.cbuild import CLibrary
+from vmcache.kernels.cbuild import CFunction
 
 SOURCE = r"""
 #include <stdint.h>
@@ -130,28 +130,15 @@ FLAGS = ("-ffast-math",)
 MIN_PART_ROWS = 256  # a sequence is split into parts of at least this many rows
 
 
-class _Kernel:
-    """The compiled function, or why there is none (built at the first :func:`kernel`)."""
-
-    def __init__(self) -> None:
-        self.built = CLibrary(SOURCE, FLAGS)
-        self.fn, self.reason = None, self.built.reason
-        if self.built.lib is None:
-            return
-        fn = self.built.lib.vmcache_decode
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
-                       i64, ctypes.c_float, ctypes.c_int, ptr, ptr, ptr, i64]  # fmt: skip
-        fn.restype = None
-        self.fn = fn
+_KERNEL: list[CFunction] = []  # built once a process, on first use (a memo, never changed after)
 
 
-_KERNEL: list[_Kernel] = []  # built once a process, on first use (a memo, never changed after)
-
-
-def kernel() -> _Kernel:
+def kernel() -> CFunction:
     if not _KERNEL:
-        _KERNEL.append(_Kernel())
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        args = [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                ctypes.c_float, ctypes.c_int, ptr, ptr, ptr, i64]  # fmt: skip
+        _KERNEL.append(CFunction(SOURCE, FLAGS, "vmcache_decode", args))
     return _KERNEL[0]
 
 

@@ -29,7 +29,7 @@ import ctypes
 
 import torch
 
-from vmcache.kernels.cbuild import WIDE_VECTORS, CLibrary
+from vmcache.kernels.cbuild import WIDE_VECTORS, CFunction
 
 NB = 32  # output columns a panel (2 AVX-512 registers a row)
 F32 = torch.float32
@@ -104,26 +104,21 @@ void vmcache_linear(const float *x, const float *packed, const float *bias, floa
 }
 """
 
-_LIB: list = []  # the compiled function and why not, built once a process on first use
+_LIB: list[CFunction] = []  # built once a process, on first use (a memo, never changed after)
 
 
-def _fn():
+def _kernel() -> CFunction:
     if not _LIB:
-        built = CLibrary(SOURCE, WIDE_VECTORS)
-        fn = None
-        if built.lib is not None:
-            fn = built.lib.vmcache_linear
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-            fn.restype = None
-        _LIB.append((fn, built.reason, built))
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        args = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        _LIB.append(CFunction(SOURCE, WIDE_VECTORS, "vmcache_linear", args))
     return _LIB[0]
 
 
 def available() -> tuple[bool, str]:
     """(whether the compiled kernel runs here, why not)."""
-    fn, reason, _ = _fn()
-    return fn is not None, reason
+    k = _kernel()
+    return k.fn is not None, k.reason
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -148,7 +143,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int,
 
     Called once a linear layer a step: the checks are one test (its failure is explained by
     :func:`_refuse`), the output allocated in its final shape."""
-    fn = _fn()[0]
+    fn = _kernel().fn
     shape, ps = x.shape, packed.shape
     k = shape[-1] if shape else -1
     if (fn is None or x.dtype is not F32 or packed.dtype is not F32 or not x.is_cpu
@@ -169,15 +164,15 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int,
 
 def _refuse(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> None:
     """Why :func:`packed_linear` refuses these arguments, raised."""
-    fn, reason, _ = _fn()
-    if fn is None:
-        raise RuntimeError(f"the CPU linear kernel is not available: {reason}")
+    k = _kernel()
+    if k.fn is None:
+        raise RuntimeError(f"the CPU linear kernel is not available: {k.reason}")
     if x.dtype != F32 or packed.dtype != F32 or not x.is_cpu:
         raise TypeError(f"packed_linear takes float32 CPU tensors, not {x.dtype} on {x.device}")
     if bias is not None and (bias.shape != (n,) or bias.dtype != F32):
         raise ValueError(f"bias must be float32 [{n}], not {bias.dtype} {list(bias.shape)}")
-    k = x.shape[-1] if x.dim() else None
-    raise ValueError(f"packed {list(packed.shape)} is not an [{n}, {k}] weight's panels "
+    width = x.shape[-1] if x.dim() else None
+    raise ValueError(f"packed {list(packed.shape)} is not an [{n}, {width}] weight's panels "
                      "(contiguous, from pack)")  # fmt: skip
 
 
