@@ -1,6 +1,8 @@
 """The CPU decode kernel (vmcache.kernels.cpu_decode) against SDPA over gathered rows, over
 awkward sizes (one key, GQA groups of 1 to 4, head dims not a power of two, scattered and
-repeated rows), and its refusals: nothing is read out of bounds."""
+repeated rows; head dims of 16·NV that take the vector path, with lengths that leave rows past
+the last block of 16, and sequences long enough to be split into parts), and its refusals:
+nothing is read out of bounds."""
 
 import pytest
 import torch
@@ -35,7 +37,8 @@ def _reference(q, store, layout, read, lens, scale):
 @pytest.mark.parametrize(
     "batch,heads,heads_kv,dim,span",
     [(1, 1, 1, 8, 1), (3, 9, 3, 64, 37), (2, 4, 4, 16, 5), (5, 8, 2, 80, 300),
-     (4, 12, 3, 24, 129)],
+     (4, 12, 3, 24, 129), (2, 6, 2, 128, 70), (3, 4, 1, 32, 33), (2, 6, 3, 48, 47),
+     (1, 9, 3, 64, 1100), (2, 2, 2, 112, 17)],
 )  # fmt: skip
 def test_matches_sdpa_over_gathered_rows(batch, heads, heads_kv, dim, span):
     g = torch.Generator().manual_seed(batch * 1000 + span)
@@ -62,6 +65,36 @@ def test_reads_only_each_sequences_length():
     k_rows = poisoned[layout[2] : layout[2] + rows * 16].view(rows, 16)
     k_rows[5:span] = float("nan")  # sequence 0's rows past its 5 tokens
     torch.testing.assert_close(decode_rows(q, poisoned, layout, read, lens, 0.5), out)
+
+
+@pytest.mark.parametrize("dim", [8, 64, 128])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_vector_blocks_read_no_row_past_a_length(dim, threads):
+    """The blocks of 16 and 32 rows stop at each sequence's length: NaN in every K and V row
+    past it changes nothing, at lengths on and off a block's edge, one part or several."""
+    g = torch.Generator().manual_seed(dim + threads)
+    lens = torch.tensor([16, 17, 31, 33, 600])
+    span, width = 640, 2 * dim
+    rows = lens.numel() * span
+    store, layout = _store(rows, width)
+    read = torch.arange(rows).view(-1, span)
+    q = torch.randn(lens.numel(), 4, dim, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = decode_rows(q, store, layout, read, lens, 0.3)
+        poisoned = store.clone()
+        for at in layout[2:]:
+            kv = poisoned[at : at + rows * width].view(-1, span, width)
+            for b, n in enumerate(lens.tolist()):
+                kv[b, n:] = float("nan")
+        again = decode_rows(q, poisoned, layout, read, lens, 0.3)
+    finally:
+        torch.set_num_threads(before)
+    assert not again.isnan().any()
+    torch.testing.assert_close(again, out)
+    torch.testing.assert_close(out, _reference(q, store, layout, read, lens, 0.3),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
 def test_refusals():

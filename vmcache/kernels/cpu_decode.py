@@ -18,7 +18,13 @@ torch path.
 
 A row is read whole (all N_KV heads, 768 B on SmolLM2), once: the step's K/V bytes stream
 from memory once, as a decode's roofline counts them (a task per head reading a third of
-each row ran at a fifth of the bandwidth here).
+each row ran at a fifth of the bandwidth here). Heads of 16·NV floats (NV ≤ 8: d_h 64, 128)
+go in 16-float vectors: pass 1 takes 16 rows at a time and adds up their 16 dot products in
+one tree of shuffles (not one horizontal sum per row and head), pass 3 keeps a head's output
+in registers across 32 rows. On SmolLM2's shape at 4,096 tokens (batch 4, 30 layers, 2
+threads of an Intel Xeon, 2026-12-05) that took the layers' attention from 65 to 55 ms, the
+K/V streaming in 40 ms at this machine's read rate; the per-row code before it (a horizontal
+sum and an integer division per row and head) ran at 11.5 GB/s.
 """
 
 from __future__ import annotations
@@ -35,17 +41,106 @@ SOURCE = r"""
 #include <float.h>
 #include <string.h>
 
+/* 16 floats as one value (an AVX-512 register; two AVX2 ones), loaded from any float's address */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+#define LD(p) (*(const v16u *)(p))
+#if defined(__clang__)
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (i16v){__VA_ARGS__})
+#endif
+
+/* The lane sums of a[0..16) as one vector, in 15 shuffle-adds (not 16 horizontal sums):
+   each level halves the lanes a vector spends on one input and doubles its inputs,
+
+       a[i]: 16 lanes of input i → 8 of i, 8 of i+1 → 4 lanes each of 4 → ... → 1 of 16
+
+   lane l of the result sums a[REV[l]], REV reversing l's 4 bits (a wrong entry fails the
+   tests' comparison with SDPA). */
+static const int REV[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+static inline __attribute__((always_inline)) v16 sums16(v16 *a) {
+    #pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+        const v16 x = a[2 * i], y = a[2 * i + 1];
+        a[i] = SHUF(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + SHUF(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    }
+    #pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+        const v16 x = a[2 * i], y = a[2 * i + 1];
+        a[i] = SHUF(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+             + SHUF(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    }
+    #pragma GCC unroll 2
+    for (int i = 0; i < 2; ++i) {
+        const v16 x = a[2 * i], y = a[2 * i + 1];
+        a[i] = SHUF(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+             + SHUF(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    }
+    return SHUF(a[0], a[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+         + SHUF(a[0], a[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+/* s[0..16) = scale · q · K[rows[jj]] for 16 rows, one query head (its K head at kbase + row·R;
+   NV vectors a head): row jj's products summed into one vector, put where sums16 returns it
+   as lane jj. */
+static inline __attribute__((always_inline)) void dots16(const float *qh, const float *kbase,
+        const int64_t *rows, int64_t R, float *s, float scale, const int NV) {
+    v16 q[8], a[16];
+    #pragma GCC unroll 8
+    for (int t = 0; t < NV; ++t) q[t] = LD(qh + 16 * t);
+    #pragma GCC unroll 16
+    for (int jj = 0; jj < 16; ++jj) {
+        const float *k = kbase + rows[jj] * R;
+        v16 acc = q[0] * LD(k);
+        #pragma GCC unroll 8
+        for (int t = 1; t < NV; ++t) acc += q[t] * LD(k + 16 * t);
+        a[REV[jj]] = acc;
+    }
+    *(v16u *)s = sums16(a) * scale;
+}
+
+/* o[0 .. 16·NV) += Σ_jj p[jj] · V[rows[jj]] over nr rows, one query head: the sums in
+   registers across the rows. */
+static inline __attribute__((always_inline)) void axpys(float *o, const float *p,
+        const float *vbase, const int64_t *rows, int64_t R, int64_t nr, const int NV) {
+    v16 acc[8];
+    #pragma GCC unroll 8
+    for (int t = 0; t < NV; ++t) acc[t] = LD(o + 16 * t);
+    for (int64_t jj = 0; jj < nr; ++jj) {
+        const float *v = vbase + rows[jj] * R;
+        const float pj = p[jj];
+        #pragma GCC unroll 8
+        for (int t = 0; t < NV; ++t) acc[t] += pj * LD(v + 16 * t);
+    }
+    #pragma GCC unroll 8
+    for (int t = 0; t < NV; ++t) *(v16u *)(o + 16 * t) = acc[t];
+}
+
 /* Sequence b's rows [lo, hi): unnormalized output o [HQ, D], and per query head its max
-   score and sum of exponentials (ml [HQ, 2]); s: scratch [HQ, hi - lo]. */
+   score and sum of exponentials (ml [HQ, 2]); s: scratch [HQ, hi - lo]. Heads of 16·NV
+   (NV ≤ 8) go in vectors, 16 rows at a time for the scores (their K in L1 while every query
+   head goes by) and 32 for the output; any other D, and the scores' last rows, one by one. */
 static inline __attribute__((always_inline)) void part(
         const float *qb, const float *store, int64_t k_at, int64_t v_at, const int64_t *rows,
         int64_t lo, int64_t hi, float *s, float *o, float *ml, int64_t HQ, int64_t G,
         int64_t D, int64_t R, float scale) {
     const int64_t n = hi - lo;
-    for (int64_t j = 0; j < n; ++j) {
+    const int NV = D / 16, vec = D % 16 == 0 && NV <= 8;
+    int32_t kvh[HQ];  /* query head → its K/V head (no division inside the loops) */
+    for (int64_t hq = 0; hq < HQ; ++hq) kvh[hq] = (int32_t)(hq / G);
+    int64_t j0 = 0;
+    if (vec)
+        for (; j0 + 16 <= n; j0 += 16)
+            for (int64_t hq = 0; hq < HQ; ++hq)
+                dots16(qb + hq * D, store + k_at + kvh[hq] * D, rows + lo + j0, R,
+                       s + hq * n + j0, scale, NV);
+    for (int64_t j = j0; j < n; ++j) {
         const float *k = store + k_at + rows[lo + j] * R;
         for (int64_t hq = 0; hq < HQ; ++hq) {
-            const float *qh = qb + hq * D, *kh = k + (hq / G) * D;
+            const float *qh = qb + hq * D, *kh = k + kvh[hq] * D;
             float acc = 0.f;
             #pragma omp simd reduction(+:acc)
             for (int64_t d = 0; d < D; ++d) acc += qh[d] * kh[d];
@@ -60,10 +155,17 @@ static inline __attribute__((always_inline)) void part(
         ml[2 * hq + 1] = sum;
         for (int64_t d = 0; d < D; ++d) o[hq * D + d] = 0.f;
     }
+    if (vec) {
+        for (j0 = 0; j0 < n; j0 += 32)
+            for (int64_t hq = 0; hq < HQ; ++hq)
+                axpys(o + hq * D, s + hq * n + j0, store + v_at + kvh[hq] * D, rows + lo + j0,
+                      R, n - j0 < 32 ? n - j0 : 32, NV);
+        return;
+    }
     for (int64_t j = 0; j < n; ++j) {
         const float *v = store + v_at + rows[lo + j] * R;
         for (int64_t hq = 0; hq < HQ; ++hq) {
-            const float p = s[hq * n + j], *vh = v + (hq / G) * D;
+            const float p = s[hq * n + j], *vh = v + kvh[hq] * D;
             float *oh = o + hq * D;
             #pragma omp simd
             for (int64_t d = 0; d < D; ++d) oh[d] += p * vh[d];
