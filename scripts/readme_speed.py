@@ -184,8 +184,29 @@ def vllm(name, doc) -> str:
                 "tokens equal to vLLM (VM / VM compiled / paged compiled"
                 + (" / vLLM in-process)" if inproc else ")"),
                 "recompiles after warm-up (VM / paged)"], rows)
-            + "\n" + "; ".join(verdicts) + f".\n\nStart-up ({note}): "
-            + starts + ".\n\n" + source(name, doc))  # fmt: skip
+            + "\n" + "; ".join(verdicts) + ".\n\n" + _hf_rows(doc)
+            + f"Start-up ({note}): " + starts + ".\n\n" + source(name, doc))  # fmt: skip
+
+
+HF_NAMES = {"generate_batch": "generate_batch", "padded_generate": "padded generate"}
+
+
+def _hf_rows(doc) -> str:
+    """transformers' own paths where the run measured them (runs before: nothing), beside the
+    compiled engine at the same thread setting."""
+    rows = [r for r in doc["rows"] if all(k in r for k in HF_NAMES)]
+    if not rows:
+        return ""
+    table = md(["workload", "threads", *[f"{v} s" for v in HF_NAMES.values()],
+                *[f"VM compiled / {v}" for v in HF_NAMES.values()],
+                "tokens equal to vLLM (" + " / ".join(HF_NAMES.values()) + ")"],
+               [[r["workload"], r["threads"], *[_t(r[k]) for k in HF_NAMES],
+                 *[r["engine_vm_compiled"][f"vs_{k}"] for k in HF_NAMES],
+                 " / ".join(str(r[k]["equal"]) for k in HF_NAMES) + f" of {r['requests']}"]
+                for r in rows])  # fmt: skip
+    return (f"transformers {doc.get('transformers', '')} in the same run and rotation (its "
+            "continuous batching and padded `generate` with DynamicCache, batches of 16):\n\n"
+            + table + "\n")  # fmt: skip
 
 
 PROFILED = {"vllm": "vLLM (in-process)", "engine_vm_compiled": "engine VM compiled",
