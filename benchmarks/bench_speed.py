@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from common import add_out_arg, save
 from transformers import DynamicCache, GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from vmcache.bench.compute_real import QUESTIONS
@@ -111,16 +112,24 @@ def engine_run(model, kind, prompts, new, stop, arrivals):
 def batch_run(model, prompts, new, stop, eos, arrivals):
     """transformers' continuous batching: one manager (what ``generate_batch`` runs) for
     every request, each with its own ``max_new_tokens``, added at its arrival time; timed
-    from the manager's start (its set-up excluded, as the engine's is) to the last result."""
+    from the manager's start (its set-up excluded, as the engine's is) to the last result.
+    Its cache is sized to hold every request at once (left to itself on a CPU it takes most of
+    the machine's free memory, which beside other resident processes ended in the OOM killer)."""
     gc = GenerationConfig(max_new_tokens=max(new), do_sample=False, pad_token_id=0,
                           eos_token_id=sorted(eos) if stop else None)  # fmt: skip
     hints = WorkloadHints(max_prompt_length=max(map(len, prompts)),
                           max_generated_length=max(new), num_requests=len(prompts))  # fmt: skip
+    page = ContinuousBatchingConfig.page_size  # tokens a block, every layer
+    blocks = sum(-(-(len(p) + n) // page) for p, n in zip(prompts, new))
     outs = {}
     with (
         torch.inference_mode(),
         model.continuous_batching_context_manager(
-            generation_config=gc, block=True, timeout=5, workload_hints=hints
+            generation_config=gc,
+            block=True,
+            timeout=5,
+            workload_hints=hints,
+            continuous_batching_config=ContinuousBatchingConfig(num_blocks=blocks),
         ) as manager,
     ):
         t = time.perf_counter()
