@@ -18,13 +18,14 @@ torch path.
 
 A row is read whole (all N_KV heads, 768 B on SmolLM2), once: the step's K/V bytes stream
 from memory once, as a decode's roofline counts them (a task per head reading a third of
-each row ran at a fifth of the bandwidth here). Heads of 16·NV floats (NV ≤ 8: d_h 64, 128)
-go in 16-float vectors: pass 1 takes 16 rows at a time and adds up their 16 dot products in
-one tree of shuffles (not one horizontal sum per row and head), pass 3 keeps a head's output
-in registers across 32 rows. On SmolLM2's shape at 4,096 tokens (batch 4, 30 layers, 2
-threads of an Intel Xeon, 2026-12-05) that took the layers' attention from 65 to 55 ms, the
-K/V streaming in 40 ms at this machine's read rate; the per-row code before it (a horizontal
-sum and an integer division per row and head) ran at 11.5 GB/s.
+each row ran at a fifth of the bandwidth here). Heads of 16·NV floats (d_h a multiple of 16
+up to 128; 64 and 128 compiled with their loops unrolled) go in 16-float vectors: pass 1
+takes 16 rows at a time and adds up their 16 dot products in one tree of shuffles (not one
+horizontal sum per row and head), pass 3 keeps a head's output in registers across 32 rows.
+On SmolLM2's shape at 4,096 tokens (batch 4, 30 layers, 2 threads of an Intel Xeon,
+2026-12-05) that took the layers' attention from 65 to 55 ms, the K/V streaming in 40 ms at
+this machine's read rate; the per-row code before it (a horizontal sum and an integer
+division per row and head) ran at 11.5 GB/s.
 """
 
 from __future__ import annotations
