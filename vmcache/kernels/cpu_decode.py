@@ -42,9 +42,10 @@ SOURCE = r"""
 #include <float.h>
 #include <string.h>
 
-/* 16 floats as one value (an AVX-512 register; two AVX2 ones), loaded from any float's address */
+/* 16 floats as one value (an AVX-512 register; two AVX2 ones); v16u reads and writes them at
+   any float's address and may alias floats (as the intrinsics' own unaligned types do) */
 typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
 typedef int32_t i16v __attribute__((vector_size(64)));
 #define LD(p) (*(const v16u *)(p))
 #if defined(__clang__)
