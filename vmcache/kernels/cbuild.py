@@ -20,16 +20,35 @@ WIDE_VECTORS = ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64"
 
 class CFunction:
     """``source`` compiled with ``BASE_FLAGS + flags`` and its function ``name`` taking
-    ``argtypes`` (returning nothing): :attr:`fn` (a ``ctypes`` function), or None with
-    :attr:`reason`."""
+    ``argtypes`` (returning nothing), built at the first use of :attr:`fn`, :attr:`reason` or
+    :meth:`available` and kept for the process: :attr:`fn` (a ``ctypes`` function), or None
+    with :attr:`reason`. A kernel module holds one at import; nothing is compiled until used."""
 
     def __init__(self, source: str, flags: tuple[str, ...], name: str, argtypes: list) -> None:
-        self.fn = None
-        self.reason = ""
+        self._spec = (source, flags, name, argtypes)
+        self._built: tuple | None = None  # (fn or None, reason): set once, at the first use
+
+    @property
+    def fn(self):
+        return (self._built or self._build())[0]
+
+    @property
+    def reason(self) -> str:
+        return (self._built or self._build())[1]
+
+    def available(self) -> tuple[bool, str]:
+        """(whether the function runs here, why not)."""
+        fn, reason = self._built or self._build()
+        return fn is not None, reason
+
+    def _build(self) -> tuple:
+        self._built = self._compile(*self._spec)
+        return self._built
+
+    def _compile(self, source: str, flags: tuple[str, ...], name: str, argtypes: list) -> tuple:
         cc = shutil.which("cc") or shutil.which("gcc")
         if cc is None:
-            self.reason = "no C compiler (cc, gcc) on PATH"
-            return
+            return None, "no C compiler (cc, gcc) on PATH"
         self._dir = tempfile.TemporaryDirectory(prefix="vmcache-kernels-")  # 0700
         tag = hashlib.sha256(source.encode()).hexdigest()[:12]
         src, lib = Path(self._dir.name) / f"k{tag}.c", Path(self._dir.name) / f"k{tag}.so"
@@ -40,7 +59,6 @@ class CFunction:
             fn = getattr(ctypes.CDLL(str(lib)), name)
         except (OSError, subprocess.SubprocessError) as exc:
             err = getattr(exc, "stderr", b"") or b""
-            self.reason = f"{cc} failed: {exc} {err.decode(errors='replace')[-400:]}".strip()
-            return
+            return None, f"{cc} failed: {exc} {err.decode(errors='replace')[-400:]}".strip()
         fn.argtypes, fn.restype = argtypes, None
-        self.fn = fn
+        return fn, ""

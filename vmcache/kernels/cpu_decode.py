@@ -237,22 +237,15 @@ FLAGS = ("-ffast-math", "-Wno-psabi")
 MIN_PART_ROWS = 256  # a sequence is split into parts of at least this many rows
 
 
-_KERNEL: list[CFunction] = []  # built once a process, on first use (a memo, never changed after)
-
-
-def kernel() -> CFunction:
-    if not _KERNEL:
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        args = [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                ctypes.c_float, ctypes.c_int, ptr, ptr, ptr, i64]  # fmt: skip
-        _KERNEL.append(CFunction(SOURCE, FLAGS, "vmcache_decode", args))
-    return _KERNEL[0]
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p  # (vmcache_decode's arguments; built on first use)
+KERNEL = CFunction(SOURCE, FLAGS, "vmcache_decode",
+                   [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
+                    _i64, _i64, ctypes.c_float, ctypes.c_int, _ptr, _ptr, _ptr, _i64])  # fmt: skip
 
 
 def available() -> tuple[bool, str]:
     """(whether the compiled kernel runs here, why not)."""
-    k = kernel()
-    return k.fn is not None, k.reason
+    return KERNEL.available()
 
 
 def serves(q: torch.Tensor, kv_dtype: torch.dtype) -> bool:
@@ -277,9 +270,9 @@ class DecodeRows:
 
     def __init__(self, read: torch.Tensor, kv_lens: torch.Tensor, rows: int, heads: int,
                  dim: int, write: torch.Tensor | None = None) -> None:  # fmt: skip
-        k = kernel()
-        if k.fn is None:
-            raise RuntimeError(f"the CPU decode kernel is not available: {k.reason}")
+        fn = KERNEL.fn
+        if fn is None:
+            raise RuntimeError(f"the CPU decode kernel is not available: {KERNEL.reason}")
         if read.dim() != 2 or read.shape[0] < 1 or heads < 1 or dim < 1:
             raise ValueError(f"shapes do not agree: read {list(read.shape)}, {heads} heads "
                              f"of {dim}")  # fmt: skip
@@ -295,7 +288,7 @@ class DecodeRows:
             if write.dim() != 1 or (write.numel() and (int(write.min()) < 0
                                                        or int(write.max()) >= rows)):  # fmt: skip
                 raise ValueError(f"write indices must be rows in [0, {rows})")
-        self.fn, self.read, self.lens, self.rows, self.write = k.fn, read, lens, rows, write
+        self.fn, self.read, self.lens, self.rows, self.write = fn, read, lens, rows, write
         self.shape = (b, heads, dim)  # the queries' [B, N_Q, d_h]
         self.threads = torch.get_num_threads()
         # parts a sequence: enough tasks for every thread, none under MIN_PART_ROWS rows

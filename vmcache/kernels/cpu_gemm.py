@@ -104,21 +104,14 @@ void vmcache_linear(const float *x, const float *packed, const float *bias, floa
 }
 """
 
-_LIB: list[CFunction] = []  # built once a process, on first use (a memo, never changed after)
-
-
-def _kernel() -> CFunction:
-    if not _LIB:
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        args = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-        _LIB.append(CFunction(SOURCE, WIDE_VECTORS, "vmcache_linear", args))
-    return _LIB[0]
+# x, packed, bias, out, M, K, N, threads; built on first use
+_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+_KERNEL = CFunction(SOURCE, WIDE_VECTORS, "vmcache_linear", _ARGS)
 
 
 def available() -> tuple[bool, str]:
     """(whether the compiled kernel runs here, why not)."""
-    k = _kernel()
-    return k.fn is not None, k.reason
+    return _KERNEL.available()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -143,7 +136,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int,
 
     Called once a linear layer a step: the checks are one test (its failure is explained by
     :func:`_refuse`), the output allocated in its final shape."""
-    fn = _kernel().fn
+    fn = _KERNEL.fn
     shape, ps = x.shape, packed.shape
     k = shape[-1] if shape else -1
     if (fn is None or x.dtype is not F32 or packed.dtype is not F32 or not x.is_cpu
@@ -164,9 +157,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int,
 
 def _refuse(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> None:
     """Why :func:`packed_linear` refuses these arguments, raised."""
-    k = _kernel()
-    if k.fn is None:
-        raise RuntimeError(f"the CPU linear kernel is not available: {k.reason}")
+    if _KERNEL.fn is None:
+        raise RuntimeError(f"the CPU linear kernel is not available: {_KERNEL.reason}")
     if x.dtype != F32 or packed.dtype != F32 or not x.is_cpu:
         raise TypeError(f"packed_linear takes float32 CPU tensors, not {x.dtype} on {x.device}")
     if bias is not None and (bias.shape != (n,) or bias.dtype != F32):
