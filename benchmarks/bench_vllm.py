@@ -264,13 +264,11 @@ def main(argv=None) -> int:
                     if k in VLLM:
                         got = workers[k, threads].run(name)
                         dt, o, cpu = got["seconds"], got["tokens"], got["cpu"]
-                    elif k in HF:
-                        torch.set_num_threads(threads)
-                        dt, o, cpu = run_hf(model, tok, k, w, eos)
                     else:
                         torch.set_num_threads(threads)
-                        dt, o, cpu = run_ours(engines[k, threads], name, w,
-                                              f"{name}{threads}{rep}")  # fmt: skip
+                        dt, o, cpu = (run_hf(model, tok, k, w, eos) if k in HF else
+                                      run_ours(engines[k, threads], name, w,
+                                               f"{name}{threads}{rep}"))  # fmt: skip
                     times[threads, k].append(dt)
                     cpus[threads, k].append(cpu)
                     outs[threads, k] = [cut(x, eos, w["stop"]) for x in o]
