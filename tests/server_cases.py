@@ -92,3 +92,19 @@ def oversized(running, chunked: bool) -> tuple[int, str]:
 
 def root(running) -> str:
     return running.url.removesuffix("/v1")
+
+
+def unlabelled(text: str, model: str = MODEL) -> dict[str, float]:
+    """The samples of a ``/metrics`` page of ``model`` (its ``model_name`` label taken out;
+    other models' samples left out)."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, value = line.rsplit(" ", 1)
+        label = f'model_name="{model}"'
+        if "model_name=" in key and label not in key:
+            continue
+        key = key.replace("{" + label + "}", "").replace(label + ",", "").replace("," + label, "")
+        out[key] = float(value)
+    return out

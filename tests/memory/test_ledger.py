@@ -45,7 +45,7 @@ def _row(path, pid, held, lo, hi):
     """A holder row written as another process's SharedBudget would (pid ``pid``)."""
     with sqlite3.connect(path) as db:
         db.execute(
-            "INSERT INTO holders VALUES (?, ?, ?, ?, ?, ?, 0, ?, NULL)",
+            "INSERT INTO holders VALUES (?, ?, ?, ?, ?, ?, 0, ?, NULL, '', 0, 0)",
             (f"row-{pid}", pid, _start_time(pid), held, lo, hi, time.monotonic()),
         )
 

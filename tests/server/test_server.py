@@ -15,7 +15,18 @@ import time
 import openai
 import pytest
 from real_model import QUESTIONS, SYSTEM, generate, prompt
-from server_cases import MODEL, chat, client, http, oversized, root, settled, start, streamed
+from server_cases import (
+    MODEL,
+    chat,
+    client,
+    http,
+    oversized,
+    root,
+    settled,
+    start,
+    streamed,
+    unlabelled,
+)
 
 
 def test_models_and_health(srv):
@@ -164,8 +175,7 @@ def test_malformed_bodies_and_unknown_routes(srv, raw, status):
 def test_metrics_are_prometheus_text_with_the_engines_figures(srv):
     chat(client(srv), QUESTIONS[5], max_tokens=4)
     text = http("GET", root(srv) + "/metrics")[1]
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-              if line and not line.startswith("#")}  # fmt: skip
+    values = unlabelled(text)
     for name in ("num_requests_running", "num_requests_waiting", "num_requests_swapped",
                  "kv_cache_usage_perc", "prefix_cache_queries_total", "prefix_cache_hits_total",
                  "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",

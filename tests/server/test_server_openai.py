@@ -16,7 +16,7 @@ import pytest
 import torch
 from engine_cases import penalized_greedy
 from real_model import QUESTIONS, SYSTEM, generate
-from server_cases import MODEL, client, http, root, settled, start
+from server_cases import MODEL, client, http, root, settled, start, unlabelled
 
 PROMPT = "The three primary colors are"
 
@@ -186,9 +186,7 @@ def test_errors_for_a_wrong_key_and_a_form_body(srv, real):
 
 
 def scrape(running) -> dict[str, float]:
-    text = http("GET", root(running) + "/metrics")[1]
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}  # fmt: skip
+    return unlabelled(http("GET", root(running) + "/metrics")[1])
 
 
 def test_metrics_have_vllms_families_and_idle_prefix_pages_are_not_usage(srv, real):

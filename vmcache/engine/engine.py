@@ -345,6 +345,10 @@ class Engine:
         self.stats.aborted_requests += 1
         return True
 
+    def preempt_one(self) -> bool:
+        """Between steps: :meth:`Scheduler.preempt_one` (False when nothing runs)."""
+        return self.scheduler.preempt_one()
+
     def stop(self, req_id: str, index: int = 0) -> bool:
         """Finish sequence ``index`` of ``req_id`` now with the finish reason ``"stop"`` (a
         server matched a stop string in its text): freed as :meth:`abort` frees; the

@@ -114,6 +114,16 @@ class Scheduler:
         self.kv.free(seq.slot)
         seq.slot = None
 
+    def preempt_one(self) -> bool:
+        """Preempt one running sequence now (between steps; the victim policy's pick, by
+        swap or recompute): a memory limit lowered below what runs is met this way. False
+        when nothing runs."""
+        victim = self._pick_victim(exclude=None)
+        if victim is None:
+            return False
+        self._preempt(victim, [])
+        return True
+
     def _room(self, pages: int) -> bool:
         return self.kv.capacity.can_allocate(
             pages + self._growing * self.kv.capacity.pages_for_tokens(1)

@@ -61,3 +61,48 @@ def _pages(name: str, n) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"{name} must be a non-negative int, got {n!r}")
     return n
+
+
+class ScaledBudget:
+    """A cache's pages counted in a budget's smaller units: ``units_per_page`` units a page
+    (several caches with different page sizes drawing on one byte-denominated ledger, e.g.
+    4 KiB units under 64 KiB VMKVCache pages and PagedKVCache blocks of any size). Forwards
+    ``want`` when the inner budget has it (a shared budget stays shared). ``unit_bytes``
+    instead: the scale is bound from the page size by :meth:`bind_page_bytes` (a cache's
+    page size is known once it is built), before the first call."""
+
+    def __init__(self, inner: Budget, units_per_page: int | None = None, *,
+                 unit_bytes: int | None = None) -> None:  # fmt: skip
+        if (units_per_page is None) == (unit_bytes is None):
+            raise ValueError("give exactly one of units_per_page and unit_bytes")
+        if units_per_page is not None and _pages("units_per_page", units_per_page) < 1:
+            raise ValueError("units_per_page must be at least 1")
+        if unit_bytes is not None and _pages("unit_bytes", unit_bytes) < 1:
+            raise ValueError("unit_bytes must be at least 1")
+        self.inner, self._k, self.unit_bytes = inner, units_per_page, unit_bytes
+        if hasattr(inner, "want"):
+            self.want = inner.want
+
+    def bind_page_bytes(self, page_bytes: int) -> None:
+        """Units a page from the page's size (rounded up)."""
+        if self._k is not None:
+            raise RuntimeError("the scale is bound already")
+        self._k = -(-_pages("page_bytes", page_bytes) // self.unit_bytes)
+
+    @property
+    def k(self) -> int:
+        if self._k is None:
+            raise RuntimeError("ScaledBudget used before bind_page_bytes")
+        return self._k
+
+    def acquire(self, n: int) -> bool:
+        return self.inner.acquire(_pages("pages", n) * self.k)
+
+    def release(self, n: int) -> None:
+        self.inner.release(_pages("pages", n) * self.k)
+
+    def available(self) -> int:
+        return self.inner.available() // self.k
+
+    def excess(self) -> int:
+        return -(-self.inner.excess() // self.k)

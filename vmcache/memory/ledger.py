@@ -43,41 +43,17 @@ import time
 import uuid
 
 from vmcache.memory.budget import _pages
+from vmcache.memory.ledger_rows import (  # noqa: F401  (LedgerError, _start_time: re-exported)
+    _TABLES,
+    SCHEMA,
+    LedgerError,
+    _seconds,
+    _start_time,
+    reap,
+)
 
 WANT_S = 1.0  # how long a refusal marks a holder as wanting pages
 TTL_S = 0.002  # available() answers from a cached read this long (acquire always locks)
-SCHEMA = 1
-_TABLES = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS holders (
-    id TEXT PRIMARY KEY, pid INTEGER NOT NULL, start TEXT,
-    held INTEGER NOT NULL CHECK (held >= 0), min INTEGER NOT NULL, max INTEGER NOT NULL,
-    want_until REAL NOT NULL DEFAULT 0, beat REAL NOT NULL, lease_s REAL);
-"""
-
-
-class LedgerError(RuntimeError):
-    """The ledger file cannot be used: damaged, of another format, or its lock was not
-    obtained in time. Names the file; this budget's state is unchanged."""
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (Linux), None if unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _alive(pid: int, start: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # another user's live process
-    return start is None or _start_time(pid) in (None, start)
 
 
 class SharedBudget:
@@ -86,12 +62,18 @@ class SharedBudget:
     creates the ledger when it does not exist (the first process); later ones may omit it.
     ``lock_timeout_s``: how long a call waits for another process's transaction before
     :class:`LedgerError`. ``lease_s``: reap this holder when it shows no sign of life for
-    that long (None: only when its process dies)."""
+    that long (None: only when its process dies). ``name``: a label the ledger shows
+    (:mod:`vmcache.memory.ledger_admin` reads and limits holders by it). ``unit_bytes``: the
+    bytes one ledger page stands for, recorded by the first process (a later one naming
+    another is refused), so that readers can show bytes."""
 
     def __init__(self, path: str | os.PathLike, total_pages: int | None = None, *,
                  min_pages: int = 0, max_pages: int | None = None,
-                 lock_timeout_s: float = 10.0, lease_s: float | None = None) -> None:  # fmt: skip
-        self.path = os.fspath(path)
+                 lock_timeout_s: float = 10.0, lease_s: float | None = None,
+                 name: str = "", unit_bytes: int | None = None) -> None:  # fmt: skip
+        if not isinstance(name, str) or len(name) > 256:
+            raise ValueError(f"name must be a string of at most 256 characters, got {name!r}")
+        self.path, self.name = os.fspath(path), name
         self.min = _pages("min_pages", min_pages)
         self.lock_timeout_s = _seconds("lock_timeout_s", lock_timeout_s)
         self.lease_s = None if lease_s is None else _seconds("lease_s", lease_s)
@@ -102,6 +84,9 @@ class SharedBudget:
         self.id = uuid.uuid4().hex  # this instance's row (two budgets in one process: two)
         self.pid = os.getpid()
         self.held = 0  # mirror of this holder's row (only this instance changes it)
+        self.asleep = False  # mirror of the row's sleep flag (only this instance changes it)
+        self.shed = False  # the row's shed flag as last read (set from outside with a limit)
+        self.contended = False  # whether another holder wanted pages at the last read
         self.rejoined = 0  # times this holder found its row gone (reaped, file rebuilt)
         self._db: sqlite3.Connection | None = None
         self._inode: tuple[int, int] | None = None
@@ -121,7 +106,14 @@ class SharedBudget:
                     total = total_pages
                 elif total_pages is not None and total_pages != total:
                     raise ValueError(f"the ledger's total is {total} pages, not {total_pages}")
-                self.total = total
+                unit = self._meta(db, "unit_bytes")
+                if unit_bytes is not None:
+                    if unit is None:
+                        db.execute("INSERT INTO meta VALUES ('unit_bytes', ?)",
+                                   (_pages("unit_bytes", unit_bytes),))  # fmt: skip
+                    elif unit != unit_bytes:
+                        raise ValueError(f"the ledger's pages are {unit} bytes, not {unit_bytes}")
+                self.total, self.unit_bytes = total, unit_bytes or unit
                 self.max = total if max_pages is None else max_pages
                 if self.min > self.max:
                     raise ValueError(f"min_pages {self.min} exceeds max_pages {self.max}")
@@ -143,6 +135,9 @@ class SharedBudget:
                 pass
         elif not os.path.exists(self.path):
             raise ValueError(f"no ledger at {self.path}: give total_pages")
+        if not os.access(self.path, os.R_OK | os.W_OK):
+            raise LedgerError(f"ledger {self.path} cannot be read and written by this "
+                              f"process (uid {os.geteuid()})")  # fmt: skip
         try:
             st = os.stat(self.path)
             db = sqlite3.connect(self.path, timeout=self.lock_timeout_s, isolation_level=None,
@@ -192,27 +187,25 @@ class SharedBudget:
 
     def _insert(self, db) -> None:
         now = time.monotonic()
-        db.execute("INSERT INTO holders VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?)",
+        db.execute("INSERT INTO holders VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, 0)",
                    (self.id, self.pid, _start_time(self.pid), self.held, self.min, self.max,
-                    now, self.lease_s))  # fmt: skip
+                    now, self.lease_s, self.name, int(self.asleep)))  # fmt: skip
         self._beat_at = now
 
     def _reap(self, db, now: float) -> None:
-        rows = db.execute("SELECT id, pid, start, beat, lease_s FROM holders").fetchall()
-        gone = [(h,) for h, pid, start, beat, lease in rows if h != self.id and (
-            not _alive(pid, start) or (lease is not None and now - beat > lease))]  # fmt: skip
-        if gone:
-            db.executemany("DELETE FROM holders WHERE id = ?", gone)
+        reap(db, now, keep=self.id)
 
     # --- the budget ------------------------------------------------------------------------
     def _room(self, db, now: float) -> int:
         total = self._meta(db, "total_pages")
-        rows = db.execute("SELECT id, held, min, max, want_until FROM holders").fetchall()
+        rows = db.execute("SELECT id, held, min, max, want_until, shed FROM holders").fetchall()
         mine = next(r for r in rows if r[0] == self.id)
+        self.min, self.max, self.shed = mine[2], mine[3], bool(mine[5])  # may be set outside
         held = sum(r[1] for r in rows)
         promised = sum(max(0, r[2] - r[1]) for r in rows if r[0] != self.id)
         room = min(mine[3] - mine[1], total - held - promised)
-        if any(r[4] > now for r in rows if r[0] != self.id):
+        self.contended = any(r[4] > now for r in rows if r[0] != self.id)
+        if self.contended:
             active = sum(1 for r in rows if r[1] or r[4] > now)
             fair = max(mine[2], total // max(active, 1))
             room = min(room, fair - mine[1])
@@ -255,7 +248,36 @@ class SharedBudget:
         self.held -= n
 
     def excess(self) -> int:
+        """Pages held beyond the limit as last read (every :meth:`available` and
+        :meth:`acquire` reads it: a limit lowered from outside shows within TTL_S)."""
         return max(0, self.held - self.max)
+
+    def set_limits(self, min_pages: int | None = None, max_pages: int | None = None) -> None:
+        """This holder's guaranteed minimum and its most, now (None: unchanged). A minimum
+        above the maximum, or more than the others leave unpromised, is a ``ValueError``
+        and changes nothing; a maximum below what is held is an :meth:`excess` the pool
+        gives back as its pages free."""
+        lo = self.min if min_pages is None else _pages("min_pages", min_pages)
+        self._cached = None
+        with self._tx() as db:
+            hi = db.execute("SELECT max FROM holders WHERE id = ?", (self.id,)).fetchone()[0]
+            hi = hi if max_pages is None else _pages("max_pages", max_pages)
+            if lo > hi:
+                raise ValueError(f"min_pages {lo} exceeds max_pages {hi}")
+            others = db.execute("SELECT COALESCE(SUM(min), 0) FROM holders WHERE id != ?",
+                                (self.id,)).fetchone()[0]  # fmt: skip
+            if others + lo > self.total:
+                raise ValueError(f"min_pages {lo}: only {self.total - others} of the "
+                                 f"{self.total} pages are not promised to others")  # fmt: skip
+            db.execute("UPDATE holders SET min = ?, max = ?, shed = 0 WHERE id = ?",
+                       (lo, hi, self.id))  # fmt: skip
+        self.min, self.max, self.shed = lo, hi, False
+
+    def set_asleep(self, asleep: bool) -> None:
+        """Record whether this holder sleeps (shown to readers of the ledger)."""
+        self.asleep = bool(asleep)
+        with self._tx() as db:
+            db.execute("UPDATE holders SET asleep = ? WHERE id = ?", (int(asleep), self.id))
 
     def available(self) -> int:
         """Pages :meth:`acquire` would give now (another process may take them first: a
@@ -354,9 +376,3 @@ class _Transaction:
             self.b._db.execute("ROLLBACK")
         except sqlite3.Error:
             pass
-
-
-def _seconds(name: str, x) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {x!r}")
-    return float(x)

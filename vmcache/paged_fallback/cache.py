@@ -29,6 +29,7 @@ import math
 
 import torch
 
+from vmcache.memory.budget import Budget
 from vmcache.memory.pool import PagePool
 from vmcache.paged_fallback.views import PagedViews
 from vmcache.sequences.config import CacheConfig
@@ -91,7 +92,12 @@ class PagedKVCache(SequenceCache):
         prefix_caching: bool = False,
         prefix_tiers=None,
         rollback_tokens: int = 0,
+        budget: Budget | None = None,
+        chunk_pages: int | None = None,
     ) -> None:
+        """``budget``: how many blocks may be in use at once (a shared budget counts them;
+        the block tensor itself is allocated whole, so it does not give memory back).
+        ``chunk_pages``: blocks taken from the budget at a time (default: every block)."""
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
         for name, value in (("block_size", block_size), ("max_seq_len", max_seq_len),
@@ -121,7 +127,7 @@ class PagedKVCache(SequenceCache):
         shape = (G, 2, num_blocks, block_size, spec.row_elems)  # stored rows (see quant.py)
         self._kv_pool = torch.zeros(shape, dtype=spec.storage_dtype, device=dev)
         pool = PagePool(num_blocks, _BlockStore(self._kv_pool), scrub_on_reuse=scrub_on_reuse,
-                        chunk_pages=num_blocks)  # fmt: skip
+                        chunk_pages=chunk_pages or num_blocks, budget=budget)  # fmt: skip
         groups = [PageTables([t], w, max_seqs, 1, block_size, rollback_tokens)
                   for t, w in enumerate(windows)]  # fmt: skip
         config = CacheConfig(max_seqs, max_seq_len, dev, block_bytes, "paged", block_size,

@@ -1,8 +1,10 @@
 """The HTTP layer (Starlette, served by uvicorn): OpenAI's completions and chat completions,
-streamed as server-sent events or answered whole, plus health, models and metrics.
+streamed as server-sent events or answered whole, plus health, models and metrics, for one
+model or several (a request picks one by its ``model`` field; each has its own engine loop).
 
     POST /v1/completions        POST /v1/chat/completions       GET /v1/models
     GET  /health                GET  /metrics                   GET /v1/models/{id}
+    POST /sleep?model=M&level=1 POST /wake_up?model=M           GET /is_sleeping?model=M
 
 Every request is bounded: its body (``max_body_bytes``), its fields (:mod:`.protocol`), its
 wait (``request_timeout_s``). A client that goes away is noticed when its connection closes,
@@ -29,9 +31,11 @@ from starlette.routing import Route
 from vmcache.models import chat_ids
 from vmcache.server import protocol
 from vmcache.server.choices import Choices
+from vmcache.server.keeper import Keeper
 from vmcache.server.loop import Delta, Done, EngineLoop, Failed, with_max_tokens
 from vmcache.server.metrics import Metrics
-from vmcache.server.protocol import APIError, Limits, check_model
+from vmcache.server.protocol import APIError, Limits
+from vmcache.server.served import Served
 
 PING_S = 1.0  # a stream's keep-alive: how soon a vanished client is noticed while waiting
 
@@ -103,29 +107,61 @@ def _sse(obj) -> str:
 
 
 class Server:
-    """The app's state: the engine loop, the served model's name and limits, settings."""
+    """The app's state: the served models (each an engine loop, a name, limits), settings."""
 
-    def __init__(self, loop: EngineLoop, model_name: str, *, api_key: str | None = None,
-                 max_body_bytes: int = 1 << 20, request_timeout_s: float = 600.0,
-                 metrics: Metrics | None = None,
-                 cors_origins: tuple[str, ...] = ()) -> None:  # fmt: skip
-        """``cors_origins``: the browser origins allowed to call (CORS; none by default,
+    def __init__(self, models: EngineLoop | list[Served], model_name: str | None = None, *,
+                 api_key: str | None = None, max_body_bytes: int = 1 << 20,
+                 request_timeout_s: float = 600.0, metrics: Metrics | None = None,
+                 cors_origins: tuple[str, ...] = (), ledger=None) -> None:  # fmt: skip
+        """``models``: the served models, or one engine loop served as ``model_name``.
+        ``cors_origins``: the browser origins allowed to call (CORS; none by default,
         ``"*"`` only when named)."""
-        self.loop, self.api_key = loop, api_key
+        if isinstance(models, EngineLoop):
+            models = [Served(model_name, models, Keeper(None, 0))]
+        if not models or len({m.name for m in models}) != len(models):
+            raise ValueError(f"give one or more models with distinct names, got "
+                             f"{[m.name for m in models]}")  # fmt: skip
+        self.models = {m.name: m for m in models}
+        self.api_key = api_key
         self.cors_origins = tuple(cors_origins)
         self.max_body_bytes, self.request_timeout_s = max_body_bytes, request_timeout_s
-        kv = loop.engine.kv
-        self.limits = Limits(model_name, kv.config.max_seq_len, kv.config.max_seqs,
-                             loop.engine.vocab)  # fmt: skip
         self.metrics = metrics
-        self.created = int(time.time())
+        self.ledger = ledger  # the models' shared KV budget (vmcache.server.fleet.Ledger)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop every model's engine loop and give its memory and budget back."""
+        for m in self.models.values():
+            m.close(timeout_s)
+        if self.ledger is not None:
+            self.ledger.close()
+
+    @property
+    def loop(self) -> EngineLoop:
+        """The first model's engine loop (the only one of a single-model server)."""
+        return next(iter(self.models.values())).loop
+
+    @property
+    def limits(self) -> Limits:
+        return next(iter(self.models.values())).limits
+
+    def served(self, name) -> Served:
+        """The model called ``name``, or OpenAI's 404 ``model_not_found``."""
+        m = self.models.get(name) if isinstance(name, str) else None
+        if m is None:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                           f"{', '.join(repr(n) for n in self.models)}", param="model",
+                           code="model_not_found")  # fmt: skip
+        return m
 
     def app(self) -> Starlette:
-        routes = [Route("/health", self.health), Route("/v1/models", self.models),
-                  Route("/v1/models/{model_id:path}", self.model),
+        routes = [Route("/health", self.health), Route("/v1/models", self.list_models),
+                  Route("/v1/models/{model_id:path}", self.retrieve_model),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                  Route("/metrics", self.render_metrics)]  # fmt: skip
+                  Route("/metrics", self.render_metrics),
+                  Route("/sleep", self.sleep, methods=["POST"]),
+                  Route("/wake_up", self.wake_up, methods=["POST"]),
+                  Route("/is_sleeping", self.is_sleeping)]  # fmt: skip
         handlers = {HTTPException: self._http_error, Exception: self._internal_error}
         middleware = []
         if self.cors_origins:
@@ -168,30 +204,62 @@ class Server:
 
     # --- routes --------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        if not self.loop.alive:
+        if not all(m.loop.alive for m in self.models.values()):
             return _error(APIError(503, "the engine is not running", type="server_error"))
         return JSONResponse({"status": "ok"})
 
-    async def models(self, request: Request) -> Response:
+    async def list_models(self, request: Request) -> Response:
         try:
             self._authorize(request)
         except APIError as e:
             return _error(e)
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return JSONResponse({"object": "list", "data": [m.card() for m in self.models.values()]})
 
-    async def model(self, request: Request) -> Response:
+    async def retrieve_model(self, request: Request) -> Response:
         """``GET /v1/models/{id}`` (the openai client's ``models.retrieve``): the served
         model's card, or OpenAI's 404 for any other id."""
         try:
             self._authorize(request)
-            check_model(request.path_params["model_id"], self.limits)
+            served = self.served(request.path_params["model_id"])
         except APIError as e:
             return _error(e)
-        return JSONResponse(self._model_card())
+        return JSONResponse(served.card())
 
-    def _model_card(self) -> dict:
-        return {"id": self.limits.model, "object": "model", "created": self.created,
-                "owned_by": "vmcache", "max_model_len": self.limits.max_seq_len}  # fmt: skip
+    # --- sleep and wake (vLLM's endpoints, plus the model) --------------------------------
+    def _model_param(self, request: Request) -> Served:
+        self._authorize(request)
+        name = request.query_params.get("model")
+        if name is None and len(self.models) == 1:
+            return next(iter(self.models.values()))
+        if name is None:
+            raise APIError(400, "'model' is required: this server serves several", param="model")
+        return self.served(name)
+
+    async def sleep(self, request: Request) -> Response:
+        try:
+            served = self._model_param(request)
+            level = request.query_params.get("level", "1")
+            if level not in ("1", "2"):
+                raise APIError(400, f"'level' must be 1 or 2, got {level!r}", param="level")
+            freed = await asyncio.to_thread(served.sleep, int(level))
+        except APIError as e:
+            return _error(e)
+        return JSONResponse({"model": served.name, "is_sleeping": True, "freed_bytes": freed})
+
+    async def wake_up(self, request: Request) -> Response:
+        try:
+            served = self._model_param(request)
+            await asyncio.to_thread(served.wake)
+        except APIError as e:
+            return _error(e)
+        return JSONResponse({"model": served.name, "is_sleeping": False})
+
+    async def is_sleeping(self, request: Request) -> Response:
+        try:
+            served = self._model_param(request)
+        except APIError as e:
+            return _error(e)
+        return JSONResponse({"is_sleeping": served.is_sleeping})
 
     async def render_metrics(self, request: Request) -> Response:
         if self.metrics is None:
@@ -205,10 +273,10 @@ class Server:
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, "chat")
 
-    def _tokenize(self, job: protocol.Job) -> list[tuple[list[int], str]]:
+    def _tokenize(self, job: protocol.Job, loop: EngineLoop) -> list[tuple[list[int], str]]:
         """Each prompt's token ids, and its text when the request echoes it."""
-        tok = self.loop.tokenizer
-        with self.loop.tokenizer_lock:
+        tok = loop.tokenizer
+        with loop.tokenizer_lock:
             if job.kind == "chat":
                 try:
                     return [(chat_ids(tok, list(job.messages)), "")]
@@ -225,20 +293,21 @@ class Server:
                     out.append((list(p), tok.decode(list(p)) if job.echo else ""))
             return out
 
-    def _submit(self, job: protocol.Job, prompts, sub: _Subscription) -> list[str]:
+    def _submit(self, job: protocol.Job, prompts, sub: _Subscription, served: Served) -> list[str]:
         """Every prompt queued as an engine request (events tagged with the prompt's place);
         all or none: a refusal aborts those queued before it."""
         silent = job.echo and job.max_tokens == 0  # the prompt's log-probabilities only
         rids: list[str] = []
+        loop, max_seq_len = served.loop, served.limits.max_seq_len
         try:
             for k, (ids, _) in enumerate(prompts):
                 params = with_max_tokens(job.params, job.max_tokens or (1 if silent else None),
-                                         len(ids), self.limits.max_seq_len)  # fmt: skip
+                                         len(ids), max_seq_len)  # fmt: skip
                 sink = lambda ev, k=k: sub.sink((k, ev))  # noqa: E731
-                rids.append(self.loop.submit(ids, params, job.stops, sink, silent))
+                rids.append(loop.submit(ids, params, job.stops, sink, silent))
         except APIError:
             for rid in rids:
-                self.loop.abort(rid)
+                loop.abort(rid)
             raise
         return rids
 
@@ -247,21 +316,23 @@ class Server:
         try:
             self._authorize(request)
             self._check_content_type(request)
-            job = protocol.parse(await self._body(request), kind, self.limits)
-            prompts = await asyncio.to_thread(self._tokenize, job)
-            rids = self._submit(job, prompts, sub)
+            body = await self._body(request)
+            served = self._route(body)
+            job = protocol.parse(body, kind, served.limits)
+            prompts = await asyncio.to_thread(self._tokenize, job, served.loop)
+            rids = self._submit(job, prompts, sub, served)
         except APIError as e:
             return _error(e)
-        abort = lambda: [self.loop.abort(rid) for rid in rids]  # noqa: E731
+        abort = lambda: [served.loop.abort(rid) for rid in rids]  # noqa: E731
         choices = Choices(job, [len(ids) for ids, _ in prompts], [t for _, t in prompts])
         name = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         created = protocol.now_s()
         if job.stream:  # Starlette's stream watches the disconnect and cancels the body
-            return _Stream(self._events(job, sub, choices, name, created, abort),
+            return _Stream(self._events(job, sub, choices, name, created, abort, served.name),
                            lambda: None if sub.finished else abort())  # fmt: skip
         watch = asyncio.create_task(sub.watch(request, abort))
         try:
-            return await self._whole(job, sub, choices, name, created, abort)
+            return await self._whole(job, sub, choices, name, created, abort, served.name)
         finally:
             watch.cancel()
 
@@ -273,8 +344,14 @@ class Server:
             raise APIError(415, f"the request body must be application/json, got {ctype!r}",
                            code="unsupported_media_type")  # fmt: skip
 
-    async def _events(self, job, sub, choices: Choices, name, created, abort):
-        model, kind = self.limits.model, job.kind
+    def _route(self, body) -> Served:
+        """The model a request body names (a body without a string ``model`` goes to the
+        first, whose parse names the missing field)."""
+        name = body.get("model") if isinstance(body, dict) else None
+        return self.served(name) if isinstance(name, str) else next(iter(self.models.values()))
+
+    async def _events(self, job, sub, choices: Choices, name, created, abort, model: str):
+        kind = job.kind
         chunk = lambda chs, **kw: _sse(protocol.envelope(kind, name, model, created, chs,  # noqa: E731
                                                          chunk=True, **kw))  # fmt: skip
         if kind == "chat":  # the role first, as OpenAI streams it: one chunk per choice
@@ -310,7 +387,8 @@ class Server:
                 yield _sse(ev.error.body())
                 return
 
-    async def _whole(self, job, sub, choices: Choices, name, created, abort) -> Response:
+    async def _whole(self, job, sub, choices: Choices, name, created, abort,
+                     model: str) -> Response:  # fmt: skip
         deadline = time.monotonic() + self.request_timeout_s
         while True:
             try:
@@ -332,7 +410,7 @@ class Server:
                 body = protocol.envelope(
                     job.kind,
                     name,
-                    self.limits.model,
+                    model,
                     created,
                     choices.whole(),
                     chunk=False,

@@ -4,6 +4,7 @@ engine, on the embedded SmolLM2-135M-Instruct by default, bound to loopback.
     vmcache-server                                    # http://127.0.0.1:8000/v1
     vmcache-server --cache paged --kv-dtype fp8 --pool-mib 512 --max-seqs 64
     vmcache-server --model /path/to/checkpoint --host 0.0.0.0 --api-key-file key.txt
+    vmcache-server --model a=smollm2-135m-instruct --model b=/ckpt --kv-budget-mib 256
 
 Prefix caching is on (``--no-prefix-caching`` turns it off); ``--speculative`` drafts by
 prompt lookup. The settings chosen are printed at start.
@@ -38,8 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     from vmcache.models import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(prog="vmcache-server", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="an embedded name, a checkpoint directory or a .gguf file "
+    p.add_argument("--model", action="append", default=None, metavar="[NAME=]SOURCE",
+                   help="an embedded name, a checkpoint directory or a .gguf file, served as "
+                        "NAME (default: its name); give it again to serve several models "
                         f"(default: {DEFAULT_MODEL})")  # fmt: skip
     p.add_argument(
         "--served-model-name",
@@ -108,7 +110,35 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "none by default, '*' only if named")  # fmt: skip
     p.add_argument("--request-timeout-s", type=_positive(float), default=600.0)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    kv = p.add_argument_group("one KV budget for every model (several models, or any of these)")
+    kv.add_argument("--kv-budget-mib", type=_positive(float), default=None,
+                    help="the KV memory every model draws on (default: --pool-mib); a model "
+                         "alone may use all of it")  # fmt: skip
+    kv.add_argument("--kv-ledger", metavar="PATH", default=None,
+                    help="the budget's ledger file: servers naming the same file share one "
+                         "budget (the first sets its size); default: a private temporary "
+                         "one")  # fmt: skip
+    kv.add_argument("--kv-floor-mib", action="append", default=[], metavar="NAME=MIB",
+                    help="a model's guaranteed KV memory (default: one --max-seq-len "
+                         "sequence's)")  # fmt: skip
+    kv.add_argument("--sleep-after-s", type=_positive(float), default=None,
+                    help="a model idle this long sleeps: its KV pages (and floor) given back, "
+                         "its next request wakes it")  # fmt: skip
+    kv.add_argument("--sleep-level", type=int, choices=(1, 2), default=1,
+                    help="1: KV memory only; 2: the weights too, loaded again on wake "
+                         "(eager engines)")  # fmt: skip
     args = p.parse_args(argv)
+    from vmcache.server.fleet import model_entries, sizes_mib
+
+    try:
+        args.models = model_entries(args.model or [DEFAULT_MODEL], args.served_model_name)
+        names = [e.name for e in args.models]
+        args.floors = sizes_mib(args.kv_floor_mib, names, "--kv-floor-mib")
+    except ValueError as e:
+        p.error(str(e))
+    args.model = args.models[0].source
+    args.shared = (len(args.models) > 1 or args.kv_budget_mib is not None
+                   or args.kv_ledger is not None or bool(args.floors))  # fmt: skip
     if args.max_waiting < 0:
         p.error("--max-waiting must be >= 0")
     if args.compile_cache is not None and not args.compile:
@@ -129,8 +159,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def build_engine(args, model):
-    """The cache and engine ``args`` describe, for ``model``."""
+def build_engine(args, model, budget=None):
+    """The cache and engine ``args`` describe, for ``model``; with ``budget`` (a
+    :class:`SharedBudget` in the fleet's units), a cache of the whole budget drawing on it."""
     from vmcache import KVSpec, VMKVCache
     from vmcache.engine import Engine, NgramDrafter
     from vmcache.paged_fallback import PagedKVCache
@@ -139,43 +170,84 @@ def build_engine(args, model):
     granularity = "token" if kv_dtype is torch.int8 else "head"
     spec = KVSpec.from_hf_config(model.config, kv_dtype=kv_dtype, kv_granularity=granularity)
     pool = int(args.pool_mib * 2**20)
+    extra, keep = {}, None
+    if budget is not None:
+        from vmcache.memory.budget import ScaledBudget
+        from vmcache.server.fleet import CHUNK_PAGES, UNIT_BYTES
+
+        pool = int((args.kv_budget_mib or args.pool_mib) * 2**20)
+        scaled = ScaledBudget(budget, unit_bytes=UNIT_BYTES)  # bound to the page size below
+        extra = {"budget": scaled, "chunk_pages": CHUNK_PAGES}
+        keep = CHUNK_PAGES if args.cache == "vm" else None  # blocks: nothing to give back
     prefix = not args.no_prefix_caching
     swap = pool if args.preemption == "swap" else None
     rollback = 4 if args.speculative else 0
     if args.cache == "paged":
         kv = PagedKVCache(spec, pool_bytes=pool, max_seq_len=args.max_seq_len,
                           max_seqs=args.max_seqs, prefix_caching=prefix, swap_bytes=swap,
-                          rollback_tokens=rollback)  # fmt: skip
+                          rollback_tokens=rollback, **extra)  # fmt: skip
     else:
         kv = VMKVCache(spec, args.max_seqs, args.max_seq_len, pool_bytes=pool,
                        prefix_caching=prefix, swap_bytes=swap,
-                       rollback_tokens=rollback)  # fmt: skip
+                       rollback_tokens=rollback, **extra)  # fmt: skip
+    if budget is not None:
+        scaled.bind_page_bytes(kv.config.page_bytes)
     drafter = NgramDrafter(k=4) if args.speculative else None
     return Engine(model, kv, preemption=args.preemption,
                   max_batch_tokens=args.max_batch_tokens, speculative=drafter,
-                  compile=args.compile, compile_cache=args.compile_cache)  # fmt: skip
+                  compile=args.compile, compile_cache=args.compile_cache,
+                  keep_free_pages=keep)  # fmt: skip
 
 
 def build_server(args, model=None, tokenizer=None):
-    """``(Server, EngineLoop)`` for ``args``: the model loaded (unless given with its
-    tokenizer), the engine loop started."""
+    """``(Server, EngineLoop)`` for ``args``: every model loaded (``model`` and
+    ``tokenizer``, when given, serve under every name), its engine built (on the shared KV
+    budget, with ``args.shared``), its loop started. The loop is the first model's."""
     from vmcache.models import load
     from vmcache.server.app import Server
+    from vmcache.server.fleet import Ledger, budget_for, set_floor
+    from vmcache.server.keeper import Keeper
     from vmcache.server.loop import EngineLoop
     from vmcache.server.metrics import Metrics
+    from vmcache.server.served import Served
 
-    if model is None or tokenizer is None:
-        model, tokenizer = load(args.model, dtype=MODEL_DTYPES[args.dtype])
-    engine = build_engine(args, model)
-    metrics = Metrics()
-    loop = EngineLoop(engine, tokenizer, max_waiting=args.max_waiting, observer=metrics)
-    metrics.attach(loop)
-    name = args.served_model_name or Path(str(args.model)).name
+    dtype = MODEL_DTYPES[args.dtype]
+    ledger = Ledger(args.kv_ledger) if args.shared else None
+    total = int((args.kv_budget_mib or args.pool_mib) * 2**20) // 4096
+    metrics, served = Metrics(), []
+    try:
+        for entry in args.models:
+            m, tok = (model, tokenizer) if model is not None else load(entry.source, dtype=dtype)
+            budget = budget_for(ledger, entry.name, total) if ledger is not None else None
+            try:
+                engine = build_engine(args, m, budget)
+                floor = (set_floor(budget, engine.kv, args.floors.get(entry.name),
+                                   args.max_seq_len) if budget is not None else 0)  # fmt: skip
+            except BaseException:
+                if budget is not None:
+                    budget.close()
+                raise
+            reload = (None if model is not None
+                      else lambda src=entry.source: load(src, dtype=dtype)[0])  # fmt: skip
+            keeper = Keeper(budget, floor, sleep_after_s=args.sleep_after_s,
+                            sleep_level=args.sleep_level, reload=reload)  # fmt: skip
+            observer = metrics.model(entry.name)
+            loop = EngineLoop(engine, tok, max_waiting=args.max_waiting, observer=observer,
+                              keeper=keeper)  # fmt: skip
+            observer.attach(loop)
+            served.append(Served(entry.name, loop, keeper, entry.source))
+    except BaseException:
+        for s in served:
+            s.close()
+        if ledger is not None:
+            ledger.close()
+        raise
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
-    server = Server(loop, name, api_key=args.api_key, metrics=metrics,
+    server = Server(served, api_key=args.api_key, metrics=metrics, ledger=ledger,
                     request_timeout_s=args.request_timeout_s, cors_origins=origins)  # fmt: skip
-    loop.start()
-    return server, loop
+    for s in served:
+        s.loop.start()
+    return server, server.loop
 
 
 def main(argv=None) -> int:
@@ -187,20 +259,30 @@ def main(argv=None) -> int:
     if not is_loopback(args.host) and args.api_key is None:
         print(f"vmcache-server: serving on {args.host} without an API key: anyone who can "
               "reach this port can use it (pass --api-key-file)", file=sys.stderr)  # fmt: skip
-    server, loop = build_server(args)
-    kv = loop.engine.kv
-    print(f"vmcache-server: model {server.limits.model!r}, cache {args.cache} "
-          f"({type(kv).__name__}), kv dtype {kv.spec.storage_dtype}, "
-          f"{kv.capacity.num_pages} pages of {kv.config.page_bytes} bytes, "
-          f"max_seqs {kv.config.max_seqs}, "
-          f"max_seq_len {kv.config.max_seq_len}, prefix caching "
-          f"{'off' if args.no_prefix_caching else 'on'}, preemption {args.preemption}, "
-          f"speculative {'on' if args.speculative else 'off'}, "
-          f"http://{args.host}:{args.port}/v1", file=sys.stderr)  # fmt: skip
+    try:
+        server, _ = build_server(args)
+    except ValueError as e:  # a flag the models or the ledger refuse: said, nothing served
+        print(f"vmcache-server: {e}", file=sys.stderr)
+        return 2
+    for name, m in server.models.items():
+        kv = m.loop.engine.kv
+        print(f"vmcache-server: model {name!r} ({m.source}), cache {args.cache} "
+              f"({type(kv).__name__}), kv dtype {kv.spec.storage_dtype}, "
+              f"{kv.capacity.num_pages} pages of {kv.config.page_bytes} bytes, "
+              f"max_seqs {kv.config.max_seqs}, "
+              f"max_seq_len {kv.config.max_seq_len}, prefix caching "
+              f"{'off' if args.no_prefix_caching else 'on'}, preemption {args.preemption}, "
+              f"speculative {'on' if args.speculative else 'off'}", file=sys.stderr)  # fmt: skip
+    if server.ledger is not None:
+        b = next(iter(server.models.values())).keeper.budget
+        print(f"vmcache-server: one KV budget of {b.total * 4096 / 2**20:.1f} MiB for "
+              f"{len(server.models)} model(s), ledger {server.ledger.path} (vmcache-kv "
+              f"--ledger {server.ledger.path} show)", file=sys.stderr)  # fmt: skip
+    print(f"vmcache-server: http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
         uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
     finally:
-        loop.close()
+        server.close()
     return 0
 
 
@@ -236,7 +318,7 @@ class Running:
     def close(self, timeout_s: float = 10.0) -> None:
         self._uvicorn.should_exit = True
         self._thread.join(timeout_s)
-        self.server.loop.close(timeout_s)
+        self.server.close(timeout_s)
 
     def __enter__(self):
         return self

@@ -79,10 +79,13 @@ class _Live:
 
 class EngineLoop:
     def __init__(self, engine, tokenizer, *, max_waiting: int = 256, idle_s: float = 0.05,
-                 observer: Observer | None = None,
-                 state_every_s: float = 0.25) -> None:  # fmt: skip
+                 observer: Observer | None = None, state_every_s: float = 0.25,
+                 keeper=None) -> None:  # fmt: skip
         """``max_waiting``: sequences that may wait beyond the ``max_seqs`` the cache runs;
-        a request past that is refused at once (429)."""
+        a request past that is refused at once (429). ``keeper``: the model's share of a
+        shared KV budget (:class:`vmcache.server.keeper.Keeper`), ticked between steps and
+        asked to wake the model before a request is added."""
+        self.keeper = keeper
         self.engine, self.tokenizer = engine, tokenizer
         self.max_waiting, self.idle_s, self.state_every_s = max_waiting, idle_s, state_every_s
         self._observed_s = -float("inf")  # when the observer last saw the engine (loop thread)
@@ -105,6 +108,11 @@ class EngineLoop:
         self._closing.set()
         self._inbox.put(("wake",))
         self._thread.join(timeout_s)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the loop thread has ended (nothing touches the engine any more)."""
+        return self._thread.ident is not None and not self._thread.is_alive()
 
     @property
     def alive(self) -> bool:
@@ -153,6 +161,11 @@ class EngineLoop:
         engine = self.engine
         while not self._closing.is_set():
             self._drain(block=not engine.scheduler.has_work())
+            if self.keeper is not None:
+                try:
+                    self.keeper.tick(engine, engine.scheduler.has_work())
+                except Exception:  # a ledger that cannot be read now: the next tick retries
+                    self.failures += 1
             if time.perf_counter() - self._observed_s >= self.state_every_s:
                 self.observer.engine_state(engine)
                 self._observed_s = time.perf_counter()
@@ -188,6 +201,14 @@ class EngineLoop:
         kind = cmd[0]
         if kind == "add":
             live = cmd[1]
+            try:
+                if self.keeper is not None:
+                    self.keeper.admit(self.engine)  # wakes a sleeping model
+            except Exception as e:
+                self._forget(live, None)
+                live.sink(Failed(APIError(503, f"the model could not wake: {e}",
+                                          type="server_error")))  # fmt: skip
+                return
             try:
                 self.engine.add_request(live.req, live.arrival_s)
             except (TypeError, ValueError) as e:

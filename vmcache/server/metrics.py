@@ -38,6 +38,7 @@ def snapshot(engine) -> dict:
         "prefill_tokens": st.prefill_tokens, "steps": st.steps,
         # pages only the prefix index holds: evicted on demand, so free as far as usage goes
         "reclaimable": kv.prefix.index.reclaimable() if kv.prefix.index is not None else 0,
+        "resident_bytes": kv.elastic.resident_bytes, "asleep": int(kv.elastic.asleep),
     }  # fmt: skip
 
 
@@ -53,27 +54,41 @@ def cache_config(engine) -> dict[str, str]:
 
 
 class _EngineCollector:
-    def __init__(self, metrics: Metrics, loop: EngineLoop) -> None:
-        self.metrics, self.loop = metrics, loop
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
 
     def collect(self):
-        # what the loop last kept (at most state_every_s plus one step old), so a scrape
-        # never waits on a long step; before the first, asked of the (idle) loop directly
-        s = self.metrics.latest or snapshot_of(self.loop)
+        # per model, what its loop last kept (at most state_every_s plus one step old), so a
+        # scrape never waits on a long step; before the first, asked of the (idle) loop
+        models = [(m.name, m.latest or snapshot_of(m.loop)) for m in self.metrics.models]
         p = PREFIX
-        yield _gauge(f"{p}num_requests_running", "Sequences running in the engine", s["running"])
-        yield _gauge(f"{p}num_requests_waiting", "Sequences waiting to be admitted", s["waiting"])
-        yield _gauge(f"{p}num_requests_swapped", "Sequences swapped to the host", s["swapped"])
-        busy = s["pages_used"] - s["reclaimable"]
-        usage = busy / s["pages_total"] if s["pages_total"] else 0.0
-        yield _gauge(f"{p}kv_cache_usage_perc", "Fraction of KV pages in use, idle prefix-"
-                     "cache pages (evictable) not counted (1 = full)", usage)  # fmt: skip
-        yield _gauge(f"{p}kv_pages_prefix_idle", "Pages only the prefix index holds "
-                     "(evictable)", s["reclaimable"])  # fmt: skip
-        yield _gauge(f"{p}kv_pages_used", "Physical KV pages in use", s["pages_used"])
-        yield _gauge(f"{p}kv_pages_total", "Physical KV pages the pool holds", s["pages_total"])
-        yield _gauge(f"{p}kv_mapped_bytes", "Bytes the live sequences' page tables map",
-                     s["mapped_bytes"])  # fmt: skip
+
+        def family(kind, name, doc, value):
+            f = kind(p + name, doc, labels=["model_name"])
+            for model, s in models:
+                f.add_metric([model], value(s))
+            return f
+
+        gauge = lambda name, doc, value: family(GaugeMetricFamily, name, doc, value)  # noqa: E731
+        yield gauge("num_requests_running", "Sequences running in the engine",
+                    lambda s: s["running"])  # fmt: skip
+        yield gauge("num_requests_waiting", "Sequences waiting to be admitted",
+                    lambda s: s["waiting"])  # fmt: skip
+        yield gauge("num_requests_swapped", "Sequences swapped to the host", lambda s: s["swapped"])
+        yield gauge("kv_cache_usage_perc", "Fraction of KV pages in use, idle prefix-cache pages "
+                    "(evictable) not counted (1 = full)", _usage)  # fmt: skip
+        yield gauge("kv_pages_prefix_idle", "Pages only the prefix index holds (evictable)",
+                    lambda s: s["reclaimable"])  # fmt: skip
+        yield gauge("kv_pages_used", "Physical KV pages in use", lambda s: s["pages_used"])
+        yield gauge(
+            "kv_pages_total", "Physical KV pages the pool holds", lambda s: s["pages_total"]
+        )
+        yield gauge("kv_mapped_bytes", "Bytes the live sequences' page tables map",
+                    lambda s: s["mapped_bytes"])  # fmt: skip
+        yield gauge("kv_resident_bytes", "Physical KV memory the cache holds now",
+                    lambda s: s["resident_bytes"])  # fmt: skip
+        yield gauge("is_sleeping", "1 while the model sleeps (its KV memory given back)",
+                    lambda s: s["asleep"])  # fmt: skip
         for name, doc, key in (
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix", "prefix_queries"),
             ("prefix_cache_hits", "Prompt tokens served from the prefix cache", "prefix_hits"),
@@ -84,40 +99,79 @@ class _EngineCollector:
              "prefill_tokens"),
             ("engine_steps", "Engine steps run", "steps"),
         ):  # fmt: skip
-            c = CounterMetricFamily(p + name, doc)
-            c.add_metric([], s[key])
-            yield c
+            yield family(CounterMetricFamily, name, doc, lambda s, key=key: s[key])
+
+
+def _usage(s: dict) -> float:
+    busy = s["pages_used"] - s["reclaimable"]
+    return busy / s["pages_total"] if s["pages_total"] else 0.0
 
 
 def snapshot_of(loop: EngineLoop) -> dict:
     return loop.query(snapshot)
 
 
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    g = GaugeMetricFamily(name, doc)
-    g.add_metric([], value)
-    return g
+class ModelMetrics(Observer):
+    """One model's observer: what its engine loop reports, labelled with its name."""
+
+    def __init__(self, metrics: Metrics, name: str) -> None:
+        self.metrics, self.name = metrics, name
+        self.latest: dict | None = None  # the engine's last snapshot (written by the loop)
+        self.loop: EngineLoop | None = None
+
+    def attach(self, loop: EngineLoop) -> None:
+        self.loop = loop
+        self.metrics.config.labels(model_name=self.name).info(cache_config(loop.engine))
+
+    def engine_state(self, engine) -> None:
+        self.latest = snapshot(engine)  # one reference swapped: scrapes read it whole
+
+    def request_finished(self, record: Finished) -> None:
+        m, label = self.metrics, {"model_name": self.name}
+        m.ttft.labels(**label).observe(record.ttft_s)
+        if record.tpot_s is not None:
+            m.tpot.labels(**label).observe(record.tpot_s)
+        itl = m.itl.labels(**label)
+        for gap in record.inter_token_s:
+            itl.observe(gap)
+        m.e2e.labels(**label).observe(record.e2e_s)
+        m.queue.labels(**label).observe(record.queue_s)
+        if record.phases_s is not None:
+            for hist, value in zip((m.prefill, m.decode, m.inference), record.phases_s):
+                hist.labels(**label).observe(value)
+        m.prompt.labels(**label).inc(record.prompt_tokens)
+        m.generation.labels(**label).inc(record.completion_tokens)
+        m.prompt_hist.labels(**label).observe(record.prompt_tokens)
+        m.generation_hist.labels(**label).observe(record.completion_tokens)
+        m.max_generation.labels(**label).observe(record.max_tokens)
+        m.params_n.labels(**label).observe(record.n)
+        m.params_max_tokens.labels(**label).observe(record.max_tokens)
+        m.success.labels(finished_reason=record.reason, **label).inc()
+
+    def step_finished(self, tokens: int) -> None:
+        self.metrics.iteration.labels(model_name=self.name).observe(tokens)
 
 
-class Metrics(Observer):
-    """The server's registry: the engine's figures at scrape time, and the observer the
-    engine loop reports finished requests to."""
+class Metrics:
+    """The server's registry: every model's engine figures at scrape time and the observers
+    (:meth:`model`) their engine loops report finished requests to; every series carries a
+    ``model_name`` label, as vLLM's do."""
 
     def __init__(self) -> None:
-        self.latest: dict | None = None  # the engine's last snapshot (written by the loop)
+        self.models: list[ModelMetrics] = []
         self.registry = CollectorRegistry(auto_describe=False)
-        p, r = PREFIX, self.registry
-        self.ttft = Histogram(f"{p}time_to_first_token_seconds", "Time to first token",
+        p, r, L = PREFIX, self.registry, ["model_name"]
+        self.ttft = Histogram(f"{p}time_to_first_token_seconds", "Time to first token", L,
                               buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
         self.tpot = Histogram(f"{p}time_per_output_token_seconds", "Time per output token "
-                              "after the first", buckets=TPOT_BUCKETS, registry=r)  # fmt: skip
-        self.prompt = Counter(f"{p}prompt_tokens", "Prompt tokens of finished requests",
+                              "after the first", L, buckets=TPOT_BUCKETS, registry=r)  # fmt: skip
+        self.prompt = Counter(f"{p}prompt_tokens", "Prompt tokens of finished requests", L,
                               registry=r)  # fmt: skip
         self.generation = Counter(f"{p}generation_tokens", "Tokens generated for finished "
-                                  "requests", registry=r)  # fmt: skip
+                                  "requests", L, registry=r)  # fmt: skip
         self.success = Counter(f"{p}request_success", "Requests ended, by finish reason",
-                               ["finished_reason"], registry=r)  # fmt: skip
-        hist = lambda name, doc, buckets: Histogram(p + name, doc, buckets=buckets,  # noqa: E731
+                               ["finished_reason", *L], registry=r)  # fmt: skip
+        hist = lambda name, doc, buckets: Histogram(p + name, doc, L, buckets=buckets,  # noqa: E731
                                                     registry=r)  # fmt: skip
         self.itl = hist("inter_token_latency_seconds", "Time between a request's tokens",
                         TPOT_BUCKETS)  # fmt: skip
@@ -140,39 +194,17 @@ class Metrics(Observer):
                                       TOKEN_BUCKETS)  # fmt: skip
         self.iteration = hist("iteration_tokens_total", "Tokens one engine step computed "
                               "(prompt) and generated", TOKEN_BUCKETS)  # fmt: skip
-        self.config = Info(f"{p}cache_config", "The served cache's configuration", registry=r)
+        self.config = Info(f"{p}cache_config", "The served cache's configuration", L,
+                           registry=r)  # fmt: skip
+        self.registry.register(_EngineCollector(self))
 
-    def attach(self, loop: EngineLoop) -> None:
-        self.registry.register(_EngineCollector(self, loop))
-        self.config.info(cache_config(loop.engine))  # before the loop runs: read directly
-
-    def engine_state(self, engine) -> None:
-        self.latest = snapshot(engine)  # one reference swapped: scrapes read it whole
-
-    def request_finished(self, record: Finished) -> None:
-        self.ttft.observe(record.ttft_s)
-        if record.tpot_s is not None:
-            self.tpot.observe(record.tpot_s)
-        for gap in record.inter_token_s:
-            self.itl.observe(gap)
-        self.e2e.observe(record.e2e_s)
-        self.queue.observe(record.queue_s)
-        if record.phases_s is not None:
-            prefill, decode, inference = record.phases_s
-            self.prefill.observe(prefill)
-            self.decode.observe(decode)
-            self.inference.observe(inference)
-        self.prompt.inc(record.prompt_tokens)
-        self.generation.inc(record.completion_tokens)
-        self.prompt_hist.observe(record.prompt_tokens)
-        self.generation_hist.observe(record.completion_tokens)
-        self.max_generation.observe(record.max_tokens)
-        self.params_n.observe(record.n)
-        self.params_max_tokens.observe(record.max_tokens)
-        self.success.labels(finished_reason=record.reason).inc()
-
-    def step_finished(self, tokens: int) -> None:
-        self.iteration.observe(tokens)
+    def model(self, name: str) -> ModelMetrics:
+        """The observer for model ``name``'s engine loop (then ``attach`` it to the loop)."""
+        if any(m.name == name for m in self.models):
+            raise ValueError(f"model {name!r} has metrics already")
+        m = ModelMetrics(self, name)
+        self.models.append(m)
+        return m
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,59 @@
+"""The ledger file's rows and their rules, shared by :class:`~vmcache.memory.ledger.SharedBudget`
+(a holder) and :mod:`vmcache.memory.ledger_admin` (a reader that sets limits from outside):
+the schema, the error type, and which holders are dead (reaped by every transaction)."""
+
+from __future__ import annotations
+
+import os
+
+SCHEMA = 2  # 2: holders carry a name, a sleep flag and a shed flag (limits set from outside)
+_TABLES = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS holders (
+    id TEXT PRIMARY KEY, pid INTEGER NOT NULL, start TEXT,
+    held INTEGER NOT NULL CHECK (held >= 0), min INTEGER NOT NULL, max INTEGER NOT NULL,
+    want_until REAL NOT NULL DEFAULT 0, beat REAL NOT NULL, lease_s REAL,
+    name TEXT NOT NULL DEFAULT '', asleep INTEGER NOT NULL DEFAULT 0,
+    shed INTEGER NOT NULL DEFAULT 0);
+"""
+
+
+class LedgerError(RuntimeError):
+    """The ledger file cannot be used: damaged, of another format, or its lock was not
+    obtained in time. Names the file; this budget's state is unchanged."""
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux), None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's live process
+    return start is None or _start_time(pid) in (None, start)
+
+
+def reap(db, now: float, keep: str | None = None) -> int:
+    """Delete the rows of holders whose process is gone or whose lease ran out (never
+    ``keep``'s); returns how many."""
+    rows = db.execute("SELECT id, pid, start, beat, lease_s FROM holders").fetchall()
+    gone = [(h,) for h, pid, start, beat, lease in rows if h != keep and (
+        not _alive(pid, start) or (lease is not None and now - beat > lease))]  # fmt: skip
+    if gone:
+        db.executemany("DELETE FROM holders WHERE id = ?", gone)
+    return len(gone)
+
+
+def _seconds(name: str, x) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {x!r}")
+    return float(x)

@@ -1,0 +1,150 @@
+"""One served model's share of a KV budget, kept on its engine thread between steps: the
+ledger's limits applied, idle prefix pages yielded to others, sleep after idleness, wake on
+the next request.
+
+    every check_s (idle or not)   read the ledger row: limit, shed flag, others' unmet demand
+      limit lowered + shed        preempt sequences (the engine's victim policy) until it fits
+      others want pages           idle prefix-cached pages evicted and free pages given back
+                                  (the other model's sequences admit before anyone preempts)
+      idle >= sleep_after_s       sleep (below)
+    before a request is added     wake if asleep
+
+Sleep, as vLLM's levels: 1 gives back every KV page (the prefix index dropped: its K/V would
+be lost) and the floor (the ledger's minimum drops to 0, so others may use it); 2 also drops
+the weights' memory, loaded again from the model's source on wake (eager engines only: the
+compiled step keeps packed copies of them). A model wakes with its floor promised again and
+its next request gets the same tokens as before (nothing of the model changed).
+
+The keeper uses the engine's and the cache's public calls only (``kv.elastic``,
+``kv.prefix.index``, ``engine.preempt_one``) and the budget's (:class:`SharedBudget`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from vmcache.engine.runner import ModelRunner
+
+SLEEP_LEVELS = (1, 2)
+
+
+def drop_weights(model) -> int:
+    """Free the memory of every parameter of ``model`` (each becomes an empty tensor of its
+    dtype, the Parameter objects stay); returns the bytes dropped."""
+    freed = 0
+    for p in model.parameters():
+        freed += p.numel() * p.element_size()
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    return freed
+
+
+def restore_weights(model, fresh) -> None:
+    """Every parameter of ``model`` takes ``fresh``'s tensor of the same name (the same
+    architecture, loaded again from its source)."""
+    new = dict(fresh.named_parameters())
+    for name, p in model.named_parameters():
+        if name not in new:
+            raise ValueError(f"the reloaded model has no parameter {name!r}")
+        p.data = new[name].data.to(p.device)
+
+
+class Keeper:
+    """Housekeeping of one model's engine over its ``budget`` (a :class:`SharedBudget`, whose
+    pages may be a :class:`ScaledBudget`'s units; None: the model has a pool of its own and
+    only sleeps). ``floor_pages``: the ledger minimum it holds while awake. ``reload()``:
+    the model loaded again from its source (level 2)."""
+
+    def __init__(self, budget, floor_pages: int, *, sleep_after_s: float | None = None,
+                 sleep_level: int = 1, reload: Callable[[], object] | None = None,
+                 check_s: float = 0.1) -> None:  # fmt: skip
+        if sleep_level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep_level must be one of {SLEEP_LEVELS}, got {sleep_level!r}")
+        if sleep_after_s is not None and not sleep_after_s > 0:
+            raise ValueError(f"sleep_after_s must be > 0, got {sleep_after_s!r}")
+        self.budget, self.floor_pages = budget, floor_pages
+        self.sleep_after_s, self.sleep_level = sleep_after_s, sleep_level
+        self.reload, self.check_s = reload, check_s
+        self.level = 0  # 0 awake, else the level it sleeps at (engine thread writes)
+        self.last_busy_s = time.monotonic()
+        self._checked_s = -float("inf")
+        self.yielded_pages = 0  # prefix pages evicted for other holders
+        self.shed_sequences = 0  # sequences preempted to meet a lowered limit
+        self.sleeps = self.wakes = 0
+
+    @property
+    def asleep(self) -> bool:
+        return self.level > 0
+
+    # --- on the engine thread ---------------------------------------------------------------
+    def tick(self, engine, busy: bool) -> None:
+        now = time.monotonic()
+        if busy:
+            self.last_busy_s = now
+        if now - self._checked_s < self.check_s or self.asleep:
+            return
+        self._checked_s = now
+        b, kv = self.budget, engine.kv
+        if b is None:  # a model with its own pool: only its sleep to keep
+            self._maybe_sleep(engine, busy, now)
+            return
+        b.available()  # reads the row: limit, shed flag, whether others want pages
+        if b.shed and b.excess():
+            while b.excess() and engine.preempt_one():
+                self.shed_sequences += 1
+        if b.contended or b.excess():
+            index = kv.prefix.index
+            if index is not None and index.reclaimable():
+                self.yielded_pages += index.reclaim(index.reclaimable())
+            kv.elastic.trim(0)
+        self._maybe_sleep(engine, busy, now)
+
+    def _maybe_sleep(self, engine, busy: bool, now: float) -> None:
+        idle_s = now - self.last_busy_s
+        if not busy and self.sleep_after_s is not None and idle_s >= self.sleep_after_s:
+            self.sleep(engine, self.sleep_level)
+
+    def sleep(self, engine, level: int = 1) -> int:
+        """Sleep at ``level`` (nothing may run: ``RuntimeError`` otherwise); returns the bytes
+        given back (KV, and weights at level 2). Asleep already: 0."""
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"level must be one of {SLEEP_LEVELS}, got {level!r}")
+        if self.asleep:
+            return 0
+        if engine.scheduler.has_work():
+            raise RuntimeError("the model is serving requests; sleep it when they end")
+        if level == 2 and (self.reload is None or not isinstance(engine.runner, ModelRunner)):
+            raise ValueError("sleep level 2 drops the weights: it needs an eager engine and a "
+                             "source to load them from again")  # fmt: skip
+        freed = engine.kv.elastic.sleep(keep="none")
+        if level == 2:
+            freed += drop_weights(engine.runner.model)
+        if self.budget is not None:
+            self.budget.set_limits(min_pages=0)
+            self.budget.set_asleep(True)
+        self.level = level
+        self.sleeps += 1
+        return freed
+
+    def wake(self, engine) -> None:
+        """Back from sleep: weights loaded again (level 2), pages on demand, floor promised."""
+        if not self.asleep:
+            return
+        if self.level == 2:
+            restore_weights(engine.runner.model, self.reload())
+        engine.kv.elastic.wake()
+        if self.budget is not None:
+            try:
+                self.budget.set_limits(min_pages=min(self.floor_pages, self.budget.max))
+            except ValueError:  # another holder's floor took the promise meanwhile: none kept
+                pass
+            self.budget.set_asleep(False)
+        self.level = 0
+        self.last_busy_s = time.monotonic()
+        self.wakes += 1
+
+    def admit(self, engine) -> None:
+        """A request is about to be added: wake first."""
+        self.wake(engine)

@@ -1,0 +1,70 @@
+"""One model a server serves: its name and limits, the engine loop that owns its engine, and
+its keeper (sleep, wake, its share of a KV budget). The HTTP layer routes a request to one of
+these by the OpenAI ``model`` field; sleep and wake run on the model's engine thread.
+
+    served.sleep(level)  ->  bytes given back     409 while it serves requests
+    served.wake()                                 (a request wakes it too)
+    served.is_sleeping   ->  bool
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from vmcache.server.keeper import Keeper
+from vmcache.server.loop import EngineLoop
+from vmcache.server.protocol import APIError, Limits
+
+SLEEP_TIMEOUT_S = 120.0  # a sleep or wake waits this long for the engine thread (a reload)
+
+
+@dataclass(eq=False)
+class Served:
+    name: str
+    loop: EngineLoop
+    keeper: Keeper
+    source: str = ""  # where its weights come from (a name, a directory, a file)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def limits(self) -> Limits:
+        kv = self.loop.engine.kv
+        return Limits(self.name, kv.config.max_seq_len, kv.config.max_seqs,
+                      self.loop.engine.vocab)  # fmt: skip
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.keeper.asleep
+
+    def card(self) -> dict:
+        """Its entry in ``/v1/models``."""
+        return {"id": self.name, "object": "model", "created": self.created,
+                "owned_by": "vmcache", "root": self.source or self.name, "parent": None,
+                "max_model_len": self.limits.max_seq_len}  # fmt: skip
+
+    def sleep(self, level: int) -> int:
+        """Sleep at ``level`` on the engine thread; :class:`APIError` 400 for a bad level,
+        409 while requests run."""
+
+        def run(engine):
+            try:
+                return self.keeper.sleep(engine, level)
+            except RuntimeError as e:
+                raise APIError(409, f"model {self.name!r}: {e}", code="model_busy") from None
+            except ValueError as e:
+                raise APIError(400, f"model {self.name!r}: {e}", param="level") from None
+
+        return self.loop.query(run, timeout_s=SLEEP_TIMEOUT_S)
+
+    def wake(self) -> None:
+        self.loop.query(self.keeper.wake, timeout_s=SLEEP_TIMEOUT_S)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop its engine loop; then (once the loop is gone) its cache's memory and its
+        holder of the budget back."""
+        self.loop.close(timeout_s)
+        if self.loop.stopped:
+            self.loop.engine.kv.close()
+            if self.keeper.budget is not None:
+                self.keeper.budget.close()
