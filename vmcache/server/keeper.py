@@ -4,8 +4,10 @@ the next request.
 
     every check_s (idle or not)   read the ledger row: limit, shed flag, others' unmet demand
       limit lowered + shed        preempt sequences (the engine's victim policy) until it fits
-      others want pages           idle prefix-cached pages evicted and free pages given back
-                                  (the other model's sequences admit before anyone preempts)
+      others want pages, or       free pages given back, then idle prefix-cached pages
+      idle with < 1/4 of the      evicted, down to its floor (promised to it anyway): an
+      budget left for it          idle model's cache goes before another model's sequences
+                                  must preempt (they take a tick, 0.1 s, to notice)
       idle >= sleep_after_s       sleep (below)
     before a request is added     wake if asleep
 
@@ -90,16 +92,27 @@ class Keeper:
         if b is None:  # a model with its own pool: only its sleep to keep
             self._maybe_sleep(engine, busy, now)
             return
-        b.available()  # reads the row: limit, shed flag, whether others want pages
+        room = b.available()  # reads the row: limit, shed flag, whether others want pages
         if b.shed and b.excess():
             while b.excess() and engine.preempt_one():
                 self.shed_sequences += 1
-        if b.contended or b.excess():
-            index = kv.prefix.index
-            if index is not None and index.reclaimable():
-                self.yielded_pages += index.reclaim(index.reclaimable())
-            kv.elastic.trim(0)
+        # others want pages, or (idle) the budget is nearly spent: what this model holds
+        # beyond its floor (which is promised to it whether held or not) and does not use
+        tight = not busy and room < b.total // 4
+        if b.contended or b.excess() or tight:
+            self._yield(kv)
         self._maybe_sleep(engine, busy, now)
+
+    def _yield(self, kv) -> None:
+        """Free pages back, then idle prefix pages, down to the floor (or the limit)."""
+        b = self.budget
+        kv.elastic.trim(0)
+        k = -(-kv.config.page_bytes // (b.unit_bytes or kv.config.page_bytes))
+        over = -(-(b.held - min(b.min, b.max)) // k)
+        index = kv.prefix.index
+        if over > 0 and index is not None and index.reclaimable():
+            self.yielded_pages += index.reclaim(min(over, index.reclaimable()))
+            kv.elastic.trim(0)
 
     def _maybe_sleep(self, engine, busy: bool, now: float) -> None:
         idle_s = now - self.last_busy_s
