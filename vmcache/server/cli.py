@@ -259,9 +259,11 @@ def main(argv=None) -> int:
     if not is_loopback(args.host) and args.api_key is None:
         print(f"vmcache-server: serving on {args.host} without an API key: anyone who can "
               "reach this port can use it (pass --api-key-file)", file=sys.stderr)  # fmt: skip
+    from vmcache.memory.ledger import LedgerError
+
     try:
         server, _ = build_server(args)
-    except ValueError as e:  # a flag the models or the ledger refuse: said, nothing served
+    except (ValueError, LedgerError) as e:  # a flag or a ledger refused: said, nothing served
         print(f"vmcache-server: {e}", file=sys.stderr)
         return 2
     for name, m in server.models.items():

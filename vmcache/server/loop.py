@@ -107,12 +107,13 @@ class EngineLoop:
     def close(self, timeout_s: float = 10.0) -> None:
         self._closing.set()
         self._inbox.put(("wake",))
-        self._thread.join(timeout_s)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout_s)
 
     @property
     def stopped(self) -> bool:
-        """Whether the loop thread has ended (nothing touches the engine any more)."""
-        return self._thread.ident is not None and not self._thread.is_alive()
+        """Whether the loop thread has ended or never started (nothing touches the engine)."""
+        return not self._thread.is_alive()
 
     @property
     def alive(self) -> bool:
