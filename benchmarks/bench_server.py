@@ -17,7 +17,9 @@ running sequences (``/metrics`` polled every 0.25 s), preemptions and prompt tok
 from the prefix cache. Answers are compared with the vm server's, request by request.
 
 Then a soak (``--soak N``, in this process, so the cache can be inspected): N requests from
-32 clients, random lengths, 30 % of the streams closed after a random number of chunks;
+32 clients to a server of two models on one KV budget (the trained model served as two
+names, requests alternating), random lengths, 30 % of the streams closed after a random
+number of chunks;
 it ends when the engine is idle, and checks every page not held by the prefix index is back
 in the pool, the cache's invariants, that every request ended exactly once (answered or
 aborted, counted by ``/metrics``), and that the engine keeps no record of any.
@@ -31,6 +33,7 @@ import argparse
 import concurrent.futures as cf
 import os
 import random
+import re
 import shutil
 import socket
 import statistics
@@ -97,7 +100,9 @@ class Proc:
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
             text = r.read().decode()
-        return {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines()
+        # one model a server: its samples without their model_name label
+        return {re.sub(r'\{model_name="[^"]*"\}$', "", ln.rsplit(" ", 1)[0]):
+                float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
                 if ln.startswith("vmcache:")}  # fmt: skip
 
     def close(self) -> None:
@@ -250,16 +255,21 @@ def summarize(runs: list[dict]) -> list[dict]:
     return out
 
 
+SOAK_MODELS = ("soak-a", "soak-b")
+
+
 def soak(n: int, clients: int = 32, seed: int = 0, cache: str = "vm", new: int = 12) -> dict:
-    """``n`` requests against a server in this process, random disconnects; then the
-    engine and the cache are inspected on the engine's thread."""
+    """``n`` requests against a two-model server in this process, random disconnects; then
+    each model's engine and cache are inspected on its engine's thread."""
     from vmcache.bench.real import smol
     from vmcache.server.cli import Running, build_server, parse_args
 
     model, tok = smol()
-    args = ["--cache", cache, "--max-seqs", "32", "--pool-mib", "128", "--max-waiting",
-            str(2 * n + 64), "--max-seq-len", "1024"]  # fmt: skip
-    server, loop = build_server(parse_args(args), model, tok)
+    args = ["--cache", cache, "--max-seqs", "32", "--kv-budget-mib", "128", "--max-waiting",
+            str(2 * n + 64), "--max-seq-len", "1024",
+            *(a for m in SOAK_MODELS for a in ("--model", f"{m}={SERVED}"))]  # fmt: skip
+    server, _ = build_server(parse_args(args), model, tok)
+    loops = [m.loop for m in server.models.values()]
     rng = random.Random(seed)
     plan = [(i, rng.randint(1, new), 2 if rng.random() < 0.1 else 1, rng.random() < 0.7,
              rng.randint(0, 3) if rng.random() < 0.3 else None) for i in range(n)]  # fmt: skip
@@ -270,7 +280,7 @@ def soak(n: int, clients: int = 32, seed: int = 0, cache: str = "vm", new: int =
 
         def go(p):
             i, max_tokens, n_, stream, close_after = p
-            kw = dict(model=SERVED, messages=messages(i), max_tokens=max_tokens, n=n_,
+            kw = dict(model=SOAK_MODELS[i % 2], messages=messages(i), max_tokens=max_tokens, n=n_,
                       temperature=0.8, seed=i)  # fmt: skip
             if not stream:
                 r = client.chat.completions.create(**kw)
@@ -290,7 +300,7 @@ def soak(n: int, clients: int = 32, seed: int = 0, cache: str = "vm", new: int =
             res = list(ex.map(go, plan))
         wall = time.perf_counter() - t0
         deadline = time.monotonic() + 120
-        while loop.query(lambda e: e.scheduler.has_work() or bool(e.outputs)):
+        while any(lp.query(lambda e: e.scheduler.has_work() or bool(e.outputs)) for lp in loops):
             if time.monotonic() > deadline:
                 break
             time.sleep(0.1)
@@ -303,16 +313,20 @@ def soak(n: int, clients: int = 32, seed: int = 0, cache: str = "vm", new: int =
                     "sequences_after": len(kv.sequences), "engine_records_after": len(e.outputs),
                     "swap_bytes_held": kv.swap.held_bytes, "invariants": "held"}  # fmt: skip
 
-        state = loop.query(inspect_)
+        states = [lp.query(inspect_) for lp in loops]
+        state = {k: sum(st[k] for st in states) for k in states[0] if k != "invariants"}
+        state["invariants"] = "held"
         reg = server.metrics.registry
-        ended = {why: int(reg.get_sample_value("vmcache:request_success_total",
-                                               {"finished_reason": why}) or 0)
+        ended = {why: sum(int(reg.get_sample_value("vmcache:request_success_total",
+                                                   {"finished_reason": why, "model_name": m})
+                              or 0) for m in SOAK_MODELS)
                  for why in ("stop", "length", "abort", "error")}  # fmt: skip
     closed = sum(c for _, _, c in res)
     answered = [(rid, ends) for (rid, ends, c), p in zip(res, plan) if not c]
     whole = sum(ends == list(range(p[2])) for (rid, ends, c), p in zip(res, plan) if not c)
     ids = [rid for rid, _, _ in res if rid]
-    row = {"cache": cache, "requests": n, "clients": clients, "wall_s": wall,
+    row = {"cache": cache, "models": len(SOAK_MODELS), "requests": n, "clients": clients,
+           "wall_s": wall,
            "req_per_s": n / wall, "closed_mid_stream": closed, "answered": len(answered),
            "answered_whole": whole, "duplicate_ids": len(ids) - len(set(ids)),
            **{f"ended_{k}": v for k, v in ended.items()}, **state}  # fmt: skip

@@ -1,7 +1,7 @@
 """benchmarks/bench_server.py's soak, short, through its own path to the saved JSON: requests
-with random lengths, forks and streams closed mid-way against a server on each cache; every
-request ends exactly once and every page not held by the prefix index comes back (the full
-run, thousands of requests beside transformers serve, is `make bench-server`)."""
+with random lengths, forks and streams closed mid-way against a two-model server (one KV budget)
+on each cache; every request ends exactly once and every page not held by the prefix index comes
+back (the full run, thousands of requests beside transformers serve, is `make bench-server`)."""
 
 import json
 import sys
@@ -22,6 +22,7 @@ def test_the_soak_gives_every_page_back_and_ends_every_request_once(tmp_path):
     (path,) = tmp_path.glob("server-*.json")
     doc = json.loads(path.read_text())
     assert [r["cache"] for r in doc["soak"]] == ["vm", "paged"]
+    assert all(r["models"] == 2 for r in doc["soak"])  # one KV budget, two models
     for r in doc["soak"]:
         assert r["every_request_ended_once"] and r["pages_back"], r
         assert r["closed_mid_stream"] > 0 and r["duplicate_ids"] == 0
