@@ -23,7 +23,8 @@ from vmcache.bench import real, traces
 
 DOCS = ("README.md", "docs/guide.md")
 BIN = str(Path(sys.executable).parent)
-STARTS = ("python", "make", "pip", "curl", "torchrun", "vmcache-server", "vmcache-bench")
+STARTS = ("python", "make", "pip", "curl", "torchrun", "vmcache-server", "vmcache-bench",
+          "vmcache-kv")  # fmt: skip
 
 SERVER = "vmcache-server --cache vm --pool-mib 256"
 # (max_tokens: a chat's default is what the context leaves, and it samples at temperature 1
@@ -38,7 +39,18 @@ TORCHRUN = "torchrun --nproc_per_node 2 -m vmcache.distributed.launch --mode dis
 # beside another `make test` worker: one thread, as tests/conftest.py gives each worker (two
 # processes of 2 OpenMP threads each on 2 cores ran the compute mode 4x slower)
 ONE_THREAD = {"OMP_NUM_THREADS": "1"} if os.environ.get("PYTEST_XDIST_WORKER") else {}
-RUN_HERE = {SERVER, CURL, *HARNESS, DISAGG, TORCHRUN}
+# the guide's several models on one budget: the server, the ledger read and limited, sleep
+LEDGER = "/tmp/vmcache-kv.db"
+MULTI = ("vmcache-server --model chat=smollm2-135m-instruct --model code=smollm2-135m-instruct "
+         f"--kv-budget-mib 256 --max-seq-len 1024 --kv-ledger {LEDGER} "
+         "--sleep-after-s 300")  # fmt: skip
+KV_SHOW = f"vmcache-kv --ledger {LEDGER} show"
+KV_LIMIT = f"vmcache-kv --ledger {LEDGER} set-limit chat 64 --preempt"
+SLEEP = "curl -s -X POST 'localhost:8000/sleep?model=code&level=1'"
+IS_SLEEPING = "curl -s 'localhost:8000/is_sleeping?model=code'"
+WAKE = "curl -s -X POST 'localhost:8000/wake_up?model=code'"
+MULTI_STEPS = (KV_SHOW, KV_LIMIT, SLEEP, IS_SLEEPING, WAKE)
+RUN_HERE = {SERVER, CURL, *HARNESS, DISAGG, TORCHRUN, MULTI, *MULTI_STEPS}
 # command -> the file that runs it as typed
 RUN_ELSEWHERE = {
     "python -m vmcache.distributed.launch --mode tp --nproc 2 --check":
@@ -135,29 +147,69 @@ def _port_free(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
+def _serving(cmd: str, tmp_path, name: str):
+    """``cmd`` started through bash, listening on port 8000; (process, its log)."""
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", **ONE_THREAD}
+    log = tmp_path / f"{name}.log"  # a file, not a pipe nobody reads while the server runs
+    with log.open("w") as err:
+        server = subprocess.Popen(["bash", "-c", f"exec {cmd}"], env=env, cwd=tmp_path,
+                                  stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while _port_free(8000):
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            raise AssertionError(f"{cmd} did not listen within 120 s: "
+                                 f"{log.read_text()[-2000:]}")  # fmt: skip
+        time.sleep(0.2)
+    assert server.poll() is None, log.read_text()[-2000:]  # ours listens, not another
+    return server, log
+
+
+def _stop(server) -> None:
+    server.terminate()
+    server.wait(timeout=30)
+
+
 @pytest.mark.slow
-def test_the_readme_server_and_curl(tmp_path):
+def test_the_readme_server_and_curl_and_the_guides_several_models(tmp_path):
+    # one test: both servers listen on port 8000, one after the other
     if not real.available():
         pytest.skip("the embedded model is not cached; `make test` fetches it")
     if not _port_free(8000):
         pytest.skip("port 8000 is taken on this machine")
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", **ONE_THREAD}
-    log = tmp_path / "server.log"  # a file, not a pipe nobody reads while the server runs
-    with log.open("w") as err:
-        server = subprocess.Popen(["bash", "-c", f"exec {SERVER}"], env=env, cwd=tmp_path,
-                                  stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
+    server, log = _serving(SERVER, tmp_path, "server")
     try:
-        deadline = time.monotonic() + 120
-        while _port_free(8000):
-            assert server.poll() is None, log.read_text()[-2000:]
-            assert time.monotonic() < deadline, "the server did not listen within 120 s"
-            time.sleep(0.2)
-        assert server.poll() is None, log.read_text()[-2000:]  # ours listens, not another
         done = _bash(CURL, tmp_path, 120)
         assert done.returncode == 0, done.stderr + log.read_text()[-2000:]
         answer = json.loads(done.stdout)
         assert answer["object"] == "chat.completion"
         assert answer["choices"][0]["message"]["content"].strip()
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        _stop(server)
+    if os.path.exists(LEDGER):  # a ledger left by an earlier run (its holders dead)
+        os.unlink(LEDGER)
+    server, log = _serving(MULTI, tmp_path, "multi")
+    try:
+        out = [_bash(cmd, tmp_path, 60) for cmd in MULTI_STEPS]
+        assert all(o.returncode == 0 for o in out), [o.stderr for o in out]
+        show, limit, slept, asleep, woken = (o.stdout for o in out)
+        assert "chat" in show and "code" in show and "limit MiB" in show
+        assert "64.0" in limit
+        assert json.loads(slept)["is_sleeping"] and json.loads(asleep) == {"is_sleeping": True}
+        assert json.loads(woken) == {"model": "code", "is_sleeping": False}
+        done = _bash(CURL.replace("smollm2-135m-instruct", "code"), tmp_path, 120)
+        assert json.loads(done.stdout)["model"] == "code", done.stdout + log.read_text()[-2000:]
+    finally:
+        _stop(server)
+        if os.path.exists(LEDGER):
+            os.unlink(LEDGER)
+
+
+def test_the_guides_vmcache_kv_help_is_the_commands_own():
+    guide = (ROOT / "docs/guide.md").read_text()
+    env = {**os.environ, "COLUMNS": "100"}
+    for args in (["--help"], ["--ledger", "LEDGER", "set-limit", "--help"]):
+        done = subprocess.run([f"{BIN}/vmcache-kv", *args], capture_output=True, text=True,
+                              env=env, timeout=60)  # fmt: skip
+        assert done.returncode == 0
+        assert f"$ vmcache-kv {' '.join(args)}\n{done.stdout.rstrip()}\n" in guide, args

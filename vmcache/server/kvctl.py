@@ -53,7 +53,12 @@ def table(view: LedgerView) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="vmcache-kv", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="vmcache-kv",
+        description="Read a KV budget's ledger and change a model's limit while it serves.",
+        epilog="examples: vmcache-kv --ledger kv.db show; vmcache-kv --ledger kv.db set-limit "
+        "chat 64 --preempt",
+    )
     p.add_argument("--ledger", required=True, help="the ledger file (the server's --kv-ledger)")
     sub = p.add_subparsers(dest="command", required=True)
     show = sub.add_parser("show", help="every model's KV memory, floor, limit and sleep state")
