@@ -19,7 +19,7 @@ CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip instal
 COMPILE = $(1)/bin/python -m compileall -q -j0 \
 	$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') >/dev/null || true
 
-.PHONY: fetch-model test-setup bench bench-compute bench-vllm bench-vllm-profile bench-gemm bench-long bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed bench-server lm-eval serve readme test test-newest test-oldest test-long coverage compile-sm90 lint \
+.PHONY: fetch-model test-setup bench bench-compute bench-vllm bench-vllm-profile bench-gemm bench-long bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed bench-server bench-multi lm-eval serve readme test test-newest test-oldest test-long coverage compile-sm90 lint \
 	gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -106,6 +106,11 @@ bench-prefix-shapes: $(STAMP)
 bench-server: $(STAMP) fetch-model
 	$(PIP) install -q -e '.[serve-anchor]'
 	cd benchmarks && ../$(PY) bench_server.py
+
+# three models on one KV budget (one server) against the static split (three servers, a third
+# each) under kvcached's staggered-peaks workload (docs/results.md's several-models table)
+bench-multi: $(STAMP) fetch-model
+	cd benchmarks && ../$(PY) bench_multi.py
 
 # the OpenAI-compatible server on the embedded model, loopback, port 8000 (flags: docs/guide.md)
 serve: $(STAMP) fetch-model

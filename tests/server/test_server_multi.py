@@ -77,12 +77,13 @@ def test_under_a_simultaneous_peak_each_model_gets_a_fair_share(pair):
         assert sampler.peak[m] >= 4.0 - 1.0, sampler.peak  # its share, within a chunk
 
 
-def test_idle_prefix_pages_yield_to_another_models_sequences(real):
+@pytest.mark.parametrize("cache", ["vm", "paged"])
+def test_idle_prefix_pages_yield_to_another_models_sequences(real, cache):
     # a caches a 1,000-token prompt (about 3 MiB of prefix pages) and goes idle; then b needs
     # 7.5 MiB of a 10 MiB budget: it gets them only if a's cached pages go, and they go
     # before b preempts anything
     flags = ("--kv-budget-mib", "10", "--kv-floor-mib", "a=0.5", "--kv-floor-mib", "b=0.5",
-             "--max-seq-len", "1100")  # fmt: skip
+             "--max-seq-len", "1100", "--cache", cache)  # fmt: skip
     with start_multi(real, ("a", "b"), *flags) as r:
         complete(r, "a", prompt(99, 1000), 4)
         time.sleep(0.6)  # the loop's snapshot is at most state_every_s old when idle
@@ -174,4 +175,31 @@ def test_a_busy_model_refuses_to_sleep_with_409(pair):
     status, body = http("POST", root(pair) + "/sleep?model=a")
     t.join()
     assert status == 409 and json.loads(body)["error"]["code"] == "model_busy", body
+    assert not pair.server.models["a"].is_sleeping
+
+
+def test_sleep_level_2_drops_the_weights_and_wake_loads_them_again(tmp_path):
+    from real_model import tiny_chat_checkpoint
+
+    from vmcache.server.cli import Running, build_server, parse_args
+
+    directory = tiny_chat_checkpoint(tmp_path / "tiny")
+    args = parse_args(["--model", f"a={directory}", "--model", f"b={directory}",
+                       "--kv-budget-mib", "8", "--max-seq-len", "512"])  # fmt: skip
+    with Running(build_server(args)[0]) as r:
+        ids = prompt(4, 64)
+        before = complete(r, "a", ids, 12).choices[0].text
+        weights = query(r, "a", lambda e: sum(p.numel() * 4 for p in e.runner.model.parameters()))
+        rss = resident_bytes()
+        status, body = http("POST", root(r) + "/sleep?model=a&level=2")
+        assert status == 200 and json.loads(body)["freed_bytes"] >= weights
+        assert rss - resident_bytes() >= weights * 0.9
+        assert query(r, "a", lambda e: sum(p.numel() for p in e.runner.model.parameters())) == 0
+        assert complete(r, "b", ids, 12).choices[0].text == before  # b keeps its own weights
+        assert complete(r, "a", ids, 12).choices[0].text == before  # loaded again on wake
+
+
+def test_sleep_level_2_is_refused_without_a_source_to_load_from(pair):
+    status, body = http("POST", root(pair) + "/sleep?model=a&level=2")
+    assert status == 400 and "level 2" in json.loads(body)["error"]["message"]
     assert not pair.server.models["a"].is_sleeping

@@ -201,8 +201,12 @@ def build_engine(args, model, budget=None):
 
 def build_server(args, model=None, tokenizer=None):
     """``(Server, EngineLoop)`` for ``args``: every model loaded (``model`` and
-    ``tokenizer``, when given, serve under every name), its engine built (on the shared KV
-    budget, with ``args.shared``), its loop started. The loop is the first model's."""
+    ``tokenizer``, when given, serve under every name: the first name ``model`` itself, the
+    others a copy each, since engines step on their own threads and a step sets the model's
+    attention for its length), its engine built (on the shared KV budget, with
+    ``args.shared``), its loop started. The loop is the first model's."""
+    import copy
+
     from vmcache.models import load
     from vmcache.server.app import Server
     from vmcache.server.fleet import Ledger, budget_for, set_floor
@@ -217,7 +221,10 @@ def build_server(args, model=None, tokenizer=None):
     metrics, served = Metrics(), []
     try:
         for entry in args.models:
-            m, tok = (model, tokenizer) if model is not None else load(entry.source, dtype=dtype)
+            if model is not None:
+                m, tok = (model if not served else copy.deepcopy(model)), tokenizer
+            else:
+                m, tok = load(entry.source, dtype=dtype)
             budget = budget_for(ledger, entry.name, total) if ledger is not None else None
             try:
                 engine = build_engine(args, m, budget)

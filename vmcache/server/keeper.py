@@ -14,7 +14,8 @@ the next request.
 Sleep, as vLLM's levels: 1 gives back every KV page (the prefix index dropped: its K/V would
 be lost) and the floor (the ledger's minimum drops to 0, so others may use it); 2 also drops
 the weights' memory, loaded again from the model's source on wake (eager engines only: the
-compiled step keeps packed copies of them). A model wakes with its floor promised again and
+compiled step keeps packed copies of them); on the CPU the heap memory freed is handed back
+to the OS (glibc's ``malloc_trim``). A model wakes with its floor promised again and
 its next request gets the same tokens as before (nothing of the model changed).
 
 The keeper uses the engine's and the cache's public calls only (``kv.elastic``,
@@ -23,6 +24,7 @@ The keeper uses the engine's and the cache's public calls only (``kv.elastic``,
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Callable
 
@@ -31,6 +33,16 @@ import torch
 from vmcache.engine.runner import ModelRunner
 
 SLEEP_LEVELS = (1, 2)
+
+
+def return_freed_heap() -> None:
+    """Hand the heap memory glibc keeps after frees back to the OS (a PagedKVCache's block
+    tensor and dropped weights are host allocations it would keep for reuse, so the
+    process's resident memory would not fall); nothing where there is no glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def drop_weights(model) -> int:
@@ -134,6 +146,8 @@ class Keeper:
         freed = engine.kv.elastic.sleep(keep="none")
         if level == 2:
             freed += drop_weights(engine.runner.model)
+        if engine.kv.config.device.type == "cpu":
+            return_freed_heap()
         if self.budget is not None:
             self.budget.set_limits(min_pages=0)
             self.budget.set_asleep(True)
