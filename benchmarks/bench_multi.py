@@ -16,11 +16,13 @@ Systems, started in this script and fed the same arrivals (one client thread a r
   static   three single-model vmcache-servers, each with --pool-mib = budget / 3
 Both on VMKVCache, eager, one torch thread a process (the static split's three processes and
 the shared server's three engine threads: three threads on 2 cores either way), recompute
-preemption, prefix caching on (random prompts share nothing).
+preemption, prefix caching off: random prompts share nothing, and a prompt that ends inside a
+page would be published as a partial entry whose page the next token copies (a page per
+layer and K/V: every sequence would copy its pages once, doubling what it needs).
 
 The design question (one process, one engine thread a model): does one model's compute stall
 another's requests worse than separate processes? After the peaks, m1's TTFT for short
-requests one after another, idle and while m0 decodes 16 long ones, on both systems.
+requests one after another, idle and while m0 decodes 4 long ones, on both systems.
 
 Memory, not compute, must bind at a peak: the script reports the KV bytes one sequence maps,
 and how many sequences a third of the budget and the whole budget hold.
@@ -115,8 +117,11 @@ class Server:
 
 
 def common(args) -> list[str]:
-    return ["--threads", "1", "--max-seq-len", str(args.max_seq_len), "--max-seqs", "32",
-            "--max-waiting", "512", "--request-timeout-s", "900"]  # fmt: skip
+    return ["--threads", str(args.threads), "--max-seq-len", str(args.max_seq_len),
+            "--max-seqs", "32", "--max-waiting", "512", "--request-timeout-s", "900",
+            "--no-prefix-caching",
+            *(["--compile", "--compile-cache", args.compile_cache] if args.compile
+              else [])]  # fmt: skip
 
 
 def start(system: str, args, logs: str) -> dict[str, Server]:
@@ -135,9 +140,18 @@ def start(system: str, args, logs: str) -> dict[str, Server]:
     return servers
 
 
+_CLIENTS: dict[str, openai.OpenAI] = {}  # one a server (httpx's pool is thread-safe)
+
+
+def client(url: str) -> openai.OpenAI:
+    if url not in _CLIENTS:
+        _CLIENTS[url] = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                                      timeout=900)  # fmt: skip
+    return _CLIENTS[url]
+
+
 def one(servers, model: str, ids: list[int], t_send: float, n_out: int) -> dict:
-    c = openai.OpenAI(base_url=servers[model].url + "/v1", api_key="none", max_retries=0,
-                      timeout=900)  # fmt: skip
+    c = client(servers[model].url)
     delay = t_send - time.perf_counter()
     if delay > 0:
         time.sleep(delay)
@@ -169,19 +183,21 @@ def run_load(servers, plan, prompts, n_out: int) -> list[dict]:
     return out
 
 
-def stall(servers, n_short: int = 12, n_long: int = 16, seed: int = 7) -> dict:
+def stall(servers, prompt: int, long_out: int, n_short: int = 12, n_long: int = 4,
+          seed: int = 7) -> dict:  # fmt: skip
     """Does one model's compute stall another's requests? m0 serves ``n_long`` long requests
-    (32 prompt tokens, 256 generated) while m1 gets ``n_short`` short ones one after another
-    (32 + 4): m1's TTFT, idle and under m0's load."""
+    (``prompt`` tokens, ``long_out`` generated) while m1 gets ``n_short`` short ones one
+    after another (``prompt`` + 1): m1's TTFT, idle and under m0's load."""
     rng = random.Random(seed)
-    ids = lambda: [rng.randrange(1000, 40000) for _ in range(32)]  # noqa: E731
-    idle = [one(servers, "m1", ids(), time.perf_counter(), 4)["ttft_s"] for _ in range(n_short)]
-    longs = [threading.Thread(target=one, args=(servers, "m0", ids(), time.perf_counter(), 256),
-                              daemon=True) for _ in range(n_long)]  # fmt: skip
+    ids = lambda: [rng.randrange(1000, 40000) for _ in range(prompt)]  # noqa: E731
+    idle = [one(servers, "m1", ids(), time.perf_counter(), 1)["ttft_s"] for _ in range(n_short)]
+    longs = [threading.Thread(target=one, daemon=True,
+                              args=(servers, "m0", ids(), time.perf_counter(), long_out))
+             for _ in range(n_long)]  # fmt: skip
     for th in longs:
         th.start()
     time.sleep(2.0)  # m0 decoding its batch
-    loaded = [one(servers, "m1", ids(), time.perf_counter(), 4)["ttft_s"] for _ in range(n_short)]
+    loaded = [one(servers, "m1", ids(), time.perf_counter(), 1)["ttft_s"] for _ in range(n_short)]
     for th in longs:
         th.join()
     return {"m1_ttft_idle_median_s": statistics.median(idle),
@@ -222,13 +238,21 @@ def kv_arithmetic(args) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--peaks", default="2,3,4", help="the peak rates P (requests/s)")
+    ap.add_argument("--peaks", default="2,4,6,8", help="the peak rates P (requests/s)")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--budget-mib", type=float, default=120.0)
-    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens a request")
-    ap.add_argument("--output", type=int, default=64, help="generated tokens a request")
-    ap.add_argument("--max-seq-len", type=int, default=128)
+    ap.add_argument("--budget-mib", type=float, default=26.25, help="7 sequences' pages")
+    ap.add_argument("--prompt", type=int, default=8, help="prompt tokens a request")
+    ap.add_argument("--output", type=int, default=8, help="generated tokens a request")
+    ap.add_argument("--max-seq-len", type=int, default=64, help="(the floor: one such sequence)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads a server process")
+    ap.add_argument(
+        "--eager",
+        dest="compile",
+        action="store_false",
+        help="the eager engine step (default: compiled, cached between starts)",
+    )
+    ap.add_argument("--compile-cache", default=os.path.expanduser("~/.cache/vmcache/bench-multi"))
     ap.add_argument("--out", default=os.environ.get("VMCACHE_RESULTS", "results"))
     args = ap.parse_args(argv)
     peaks = [int(p) for p in args.peaks.split(",")]
@@ -255,7 +279,9 @@ def main(argv=None) -> int:
                     rows.append(summarize(system, peak, rep, res, pre))
                     texts[system, peak, rep] = [r["text"] for r in res]
                     print(json.dumps(rows[-1]), flush=True)
-        stalls = {system: stall(servers[system]) for system in ("static", "shared")}
+        long_out = args.max_seq_len - args.prompt
+        stalls = {system: stall(servers[system], args.prompt, long_out)
+                  for system in ("static", "shared")}  # fmt: skip
         print("stall", json.dumps(stalls), flush=True)
     finally:
         for group in servers.values():

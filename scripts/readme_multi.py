@@ -58,7 +58,7 @@ def multi(name, doc) -> str:
     st = doc["stall"]
     stall = (
         f"One model's compute against another's requests (the design: one process, an engine "
-        f"thread a model): m1's median TTFT for short requests while m0 decodes 16 long ones "
+        f"thread a model): m1's median TTFT for short requests while m0 decodes 4 long ones "
         f"is {f(st['shared']['m1_ttft_loaded_median_s'])} s in the shared server (idle "
         f"{f(st['shared']['m1_ttft_idle_median_s'])} s) against "
         f"{f(st['static']['m1_ttft_loaded_median_s'])} s with separate processes (idle "

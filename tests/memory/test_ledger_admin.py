@@ -95,3 +95,20 @@ def test_a_scaled_budget_counts_pages_in_units():
             ScaledBudget(inner, **bad)
     shared = ScaledBudget(SharedBudget.__new__(SharedBudget), 2)  # forwards want
     assert hasattr(shared, "want") and not hasattr(ScaledBudget(inner, 2), "want")
+
+
+def test_the_fair_share_caps_a_grower_only_while_a_holder_below_its_share_wants(path):
+    a = SharedBudget(path, 90, name="a")
+    b = SharedBudget(path, name="b")
+    c = SharedBudget(path, name="c")
+    assert a.acquire(60)  # alone: as much as it likes
+    assert c.acquire(10) and not c.acquire(25)  # only 20 left: c is refused and wants
+    # c holds 10, below its share (90 / 3 holders active = 30): a may not pass 30 now
+    assert a.available() == 0
+    assert b.acquire(5) and not a.acquire(1)
+    a.release(40)  # a at 20: room up to its share of 30 (3 active) and what is free
+    assert a.available() == 10
+    assert c.acquire(20) and c.held == 30  # c reaches its share
+    # no wanting holder is below its share: a may take all that is free (acquire reads the
+    # ledger; available() may answer from its read of 2 ms ago)
+    assert not a.acquire(36) and a.acquire(35) and a.held == 55

@@ -10,10 +10,12 @@ first reaps holders that died or whose lease ran out.
     a holder may take n more pages when
         held + n <= max   and   Σ held + n + Σ_{others} max(0, min − held) <= T
     (every holder's guaranteed minimum stays available to it), and, while another holder
-    was refused pages in the last WANT_S seconds, only up to its fair share
-        held + n <= max(min, T / active holders)
+    that was refused pages in the last WANT_S seconds holds less than its own fair share,
+    only up to its fair share
+        held + n <= max(min, T / active holders)      (active: holding or wanting pages)
     so a busy process cannot take what another needs: when both are overloaded each keeps its
-    share (no page ping-pong, no preemption storms), and one alone may use the whole budget.
+    share (no page ping-pong, no preemption storms); one alone may use the whole budget, and
+    one whose neighbours want no more than their share (a light load) may use what they leave.
 
 Why SQLite, not a JSON file under ``flock``: an update is a transaction (a crash or a short
 write mid-update leaves the previous ledger, never a truncated one), a lock wait has a timeout
@@ -206,9 +208,10 @@ class SharedBudget:
         room = min(mine[3] - mine[1], total - held - promised)
         self.contended = any(r[4] > now for r in rows if r[0] != self.id)
         if self.contended:
-            active = sum(1 for r in rows if r[1] or r[4] > now)
-            fair = max(mine[2], total // max(active, 1))
-            room = min(room, fair - mine[1])
+            share = total // max(1, sum(1 for r in rows if r[1] or r[4] > now))
+            # capped only while a holder that wants pages holds less than its fair share
+            if any(r[4] > now and r[1] < max(r[2], share) for r in rows if r[0] != self.id):
+                room = min(room, max(mine[2], share) - mine[1])
         return max(0, room)
 
     def acquire(self, n: int) -> bool:
