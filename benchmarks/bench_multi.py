@@ -31,8 +31,8 @@ Reported per P and system: TTFT mean and p99 per model and over all requests, ou
 (tokens / the span from the first send to the last token), preemptions; the ratio static /
 shared of the p99 and the mean (median over --repeats, min-max); tokens compared request by
 request between the systems; the capacity figure: the largest P at which shared's p99 stays
-at or below the static split's p99 at the smallest P. JSON to results/multi-<date>-<device>.json
-with a plot beside it.
+at or below the static split's p99 at the largest P (the grid's end when it holds there).
+JSON to results/multi-<date>-<device>.json with a plot beside it.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -257,8 +258,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     peaks = [int(p) for p in args.peaks.split(",")]
     os.makedirs(args.out, exist_ok=True)
-    logs = os.path.join(args.out, "multi-logs")
-    os.makedirs(logs, exist_ok=True)
+    logs = tempfile.mkdtemp(prefix="vmcache-bench-multi-")  # the servers' logs
+    print("server logs in", logs, flush=True)
     kv = kv_arithmetic(args)
     print("kv", kv, flush=True)
     rows, texts = [], {}
@@ -321,7 +322,7 @@ def report(args, peaks, rows, kv, equal, n_last, stalls) -> dict:
                                                   for r in by["shared"]),
                         "static_preemptions": sum(sum(r["preemptions"].values())
                                                   for r in by["static"])})  # fmt: skip
-    base = summary[0]["static_ttft_p99_s"]
+    base = summary[-1]["static_ttft_p99_s"]  # the static split at the largest P
     holds = [s["peak"] for s in summary if s["shared_ttft_p99_s"] <= base]
     extra = {"cpu": platform.processor() or platform.machine(), "args": vars(args), "kv": kv,
              "summary": summary, "tokens_equal": equal, "requests_a_run": n_last,

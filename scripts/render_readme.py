@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its helper mod
 from readme_format import ROOT, f, md, newest, source  # noqa: E402
 from readme_long import BLOCKS as LONG_BLOCKS  # noqa: E402
 from readme_memory import elastic, handoff, tiers, window  # noqa: E402
+from readme_multi import multi, multi_headline  # noqa: E402
 from readme_prefix import prefix_shapes  # noqa: E402
 from readme_quant_spec import quant, spec  # noqa: E402
 from readme_real import compute_real, quant_headline, quant_ppl, spec_real  # noqa: E402
@@ -225,6 +226,8 @@ BLOCKS = {
     "window": lambda: window(*newest("window-*.json")),
     "handoff": lambda: handoff(*newest("handoff-*.json")),
     "elastic": lambda: elastic(*newest("elastic-*.json")),
+    "multi": lambda: multi(*newest("multi-20??-??-??-*.json")),
+    "multi-headline": lambda: multi_headline(*newest("multi-20??-??-??-*.json")),
     "tiers": lambda: tiers(*newest("tiers-*.json")),
     "spec": lambda: spec(*newest("spec-*.json")),
     "quant": lambda: quant(*newest("quant-*.json")),
