@@ -66,31 +66,6 @@ def quant_ppl(name, doc) -> str:
     return out + "\n" + verdict + "\n\n" + source(name, doc)
 
 
-def quant_headline(name, doc) -> str:
-    """The README's one result: capacity and the trained model's perplexity."""
-    cap = {r["model"]: r for r in doc["rows"] if r.get("kind") == "capacity"
-           and r["allocator"] == "paged-16"}  # fmt: skip
-    ratio = cap.get("llama-3-8b:fp8", {}).get("vs_bf16")
-    rows = _ppl_rows(doc)
-    by = {(r["text"], r["storage"]): r for r in rows if "ppl" in r}
-    texts = list(dict.fromkeys(r["text"] for r in rows))
-
-    def worst(prefix):
-        s = next((s for (_, s) in by if s.startswith(prefix)), None)
-        if s is None:
-            return "–"
-        return f"{100 * (max(by[t, s]['ppl_vs_compute'] for t in texts) - 1):+.2f}%"
-
-    return (
-        f"FP8 / INT8 K/V (`kv_dtype=`, head or per-token scales): {f(ratio)}x the sequences of "
-        f"BF16 in 16 GB (Llama-3-8B, paged-16, sizing replay); on the trained SmolLM2-135M, "
-        f"perplexity of real text changes by {worst('fp8 e4m3, calibrated (default)')} "
-        f"(FP8 e4m3), {worst('int8, per token')} (INT8 per token) and "
-        f"{worst('transformers QuantizedCache int4')} (transformers' int4 QuantizedCache) "
-        f"against its compute dtype, worst of two texts ({doc['date']}, CPU).\n"
-    )
-
-
 def spec_real(name, doc) -> str:
     rows = doc["rows"]
 

@@ -30,7 +30,7 @@ from readme_memory import elastic, handoff, tiers, window  # noqa: E402
 from readme_multi import multi, multi_headline  # noqa: E402
 from readme_prefix import prefix_shapes  # noqa: E402
 from readme_quant_spec import quant, spec  # noqa: E402
-from readme_real import compute_real, quant_headline, quant_ppl, spec_real  # noqa: E402
+from readme_real import compute_real, quant_ppl, spec_real  # noqa: E402
 from readme_server import BLOCKS as SERVER_BLOCKS  # noqa: E402
 from readme_speed import BLOCKS as SPEED_BLOCKS  # noqa: E402
 
@@ -231,7 +231,6 @@ BLOCKS = {
     "tiers": lambda: tiers(*newest("tiers-*.json")),
     "spec": lambda: spec(*newest("spec-*.json")),
     "quant": lambda: quant(*newest("quant-*.json")),
-    "quant-headline": lambda: quant_headline(*newest("quant-*.json")),
     "prefix-shapes": lambda: prefix_shapes(*newest("prefix_shapes-*.json")),
     "quant-ppl": lambda: quant_ppl(*newest("quant-*.json")),
     "spec-real": lambda: spec_real(*newest("spec_real-*.json")),

@@ -6,18 +6,16 @@
 
 A step has three stages, as vLLM's ``schedule`` / ``update_from_output``:
 
-    schedule      drafts proposed (Speculation) → Scheduler: grows (the map phase),
-                  preemption if the pool is short, admissions; drafts left out dropped
-    run           one packed model call for every scheduled sequence (prefills, decodes
-                  and drafts together) → logits rows
-    postprocess   next step's pages mapped ahead; drafts verified; tokens sampled;
-                  finished sequences freed, forks of ``n > 1`` made; free pages trimmed
+    schedule      drafts proposed → Scheduler: grows (the map phase), preemption if the
+                  pool is short, admissions; drafts left out dropped
+    run           one packed model call (prefills, decodes and drafts) → logits rows
+    postprocess   next pages mapped ahead; drafts verified; tokens sampled; finished
+                  sequences freed, forks of ``n > 1`` made; free pages trimmed
 
 A request with ``n > 1`` is prefilled once; its other sequences are forks (copy-on-write).
-The scheduler writes its counters into the engine's :class:`EngineStats`, the speculation its
-:class:`~vmcache.engine.speculation.SpeculationStats` (``stats.speculation``). Each stage is a
-scope of torch.profiler's traces (``vmcache: schedule`` / ``run`` / ``postprocess``; the
-model's call in ``run`` is ``vmcache: model``).
+The scheduler writes its counters into :class:`EngineStats`, the speculation its own
+(``stats.speculation``). Each stage is a torch.profiler scope (``vmcache: schedule`` / ``run``
+/ ``postprocess``; the model's call is ``vmcache: model``).
 """
 
 from __future__ import annotations
@@ -92,7 +90,6 @@ class Engine:
         if speculative is not None:
             self.speculation = Speculation(speculative, cache, self.vocab, self.stats.speculation)
         # every request's sequences, outputs, finish reasons and times, until released
-        # (a server reads its streams' deltas there: records.new_tokens / prefix_hit / release)
         self.records = Records()
         # called with (seq, its forked siblings) once a prompt is prefilled and sampled, for
         # those still running (vmcache.distributed.disagg hands them to a decode worker)
@@ -345,8 +342,7 @@ class Engine:
         self.stats.aborted_requests += 1
         return True
 
-    def preempt_one(self) -> bool:
-        """Between steps: :meth:`Scheduler.preempt_one` (False when nothing runs)."""
+    def preempt_one(self) -> bool:  # between steps; False when nothing runs
         return self.scheduler.preempt_one()
 
     def stop(self, req_id: str, index: int = 0) -> bool:

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from vmcache.models import chat_ids
@@ -36,74 +36,7 @@ from vmcache.server.loop import Delta, Done, EngineLoop, Failed, with_max_tokens
 from vmcache.server.metrics import Metrics
 from vmcache.server.protocol import APIError, Limits
 from vmcache.server.served import Served
-
-PING_S = 1.0  # a stream's keep-alive: how soon a vanished client is noticed while waiting
-
-
-def _error(e: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None  # RFC 6750
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
-
-
-GONE = object()  # a subscription's event: the client disconnected (its request aborted)
-
-
-class _Subscription:
-    """The events of one request, handed from the engine thread to this event loop."""
-
-    def __init__(self) -> None:
-        self._aloop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self.finished = False
-
-    async def watch(self, request: Request, abort) -> None:
-        """Until cancelled: when the client disconnects, ``abort()`` (unless the request
-        finished) and :data:`GONE` to the reader. The body is read by now, so the next ASGI
-        message is the disconnect: no polling, nothing runs past the step it happened in."""
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        if not self.finished:
-            abort()
-            self._queue.put_nowait(GONE)
-
-    def sink(self, event) -> None:  # called on the engine thread
-        try:
-            self._aloop.call_soon_threadsafe(self._queue.put_nowait, event)
-        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-            pass
-
-    async def next(self, deadline: float):
-        """The next event; None after ``PING_S`` without one (time to ping, or to look at
-        the client); ``TimeoutError`` past ``deadline`` (``time.monotonic()``)."""
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError
-        try:
-            return await asyncio.wait_for(self._queue.get(), min(PING_S, left))
-        except TimeoutError:
-            if time.monotonic() >= deadline:
-                raise
-            return None
-
-
-class _Stream(StreamingResponse):
-    """A streaming response that aborts its request however it ends early (the client gone,
-    the task cancelled, a write failed)."""
-
-    def __init__(self, body, on_close) -> None:
-        super().__init__(body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})  # fmt: skip
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+from vmcache.server.streams import GONE, Stream, Subscription, error_response, sse
 
 
 class Server:
@@ -173,10 +106,12 @@ class Server:
     # --- errors and guards ---------------------------------------------------------------
     async def _http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return _error(APIError(exc.status_code, str(exc.detail), code=code))
+        return error_response(APIError(exc.status_code, str(exc.detail), code=code))
 
     async def _internal_error(self, request: Request, exc: Exception) -> JSONResponse:
-        return _error(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+        return error_response(
+            APIError(500, f"internal error: {type(exc).__name__}", type="server_error")
+        )
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -205,14 +140,14 @@ class Server:
     # --- routes --------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
         if not all(m.loop.alive for m in self.models.values()):
-            return _error(APIError(503, "the engine is not running", type="server_error"))
+            return error_response(APIError(503, "the engine is not running", type="server_error"))
         return JSONResponse({"status": "ok"})
 
     async def list_models(self, request: Request) -> Response:
         try:
             self._authorize(request)
         except APIError as e:
-            return _error(e)
+            return error_response(e)
         return JSONResponse({"object": "list", "data": [m.card() for m in self.models.values()]})
 
     async def retrieve_model(self, request: Request) -> Response:
@@ -222,7 +157,7 @@ class Server:
             self._authorize(request)
             served = self.served(request.path_params["model_id"])
         except APIError as e:
-            return _error(e)
+            return error_response(e)
         return JSONResponse(served.card())
 
     # --- sleep and wake (vLLM's endpoints, plus the model) --------------------------------
@@ -243,7 +178,7 @@ class Server:
                 raise APIError(400, f"'level' must be 1 or 2, got {level!r}", param="level")
             freed = await asyncio.to_thread(served.sleep, int(level))
         except APIError as e:
-            return _error(e)
+            return error_response(e)
         return JSONResponse({"model": served.name, "is_sleeping": True, "freed_bytes": freed})
 
     async def wake_up(self, request: Request) -> Response:
@@ -251,19 +186,19 @@ class Server:
             served = self._model_param(request)
             await asyncio.to_thread(served.wake)
         except APIError as e:
-            return _error(e)
+            return error_response(e)
         return JSONResponse({"model": served.name, "is_sleeping": False})
 
     async def is_sleeping(self, request: Request) -> Response:
         try:
             served = self._model_param(request)
         except APIError as e:
-            return _error(e)
+            return error_response(e)
         return JSONResponse({"is_sleeping": served.is_sleeping})
 
     async def render_metrics(self, request: Request) -> Response:
         if self.metrics is None:
-            return _error(APIError(404, "metrics are off", code="not_found"))
+            return error_response(APIError(404, "metrics are off", code="not_found"))
         body = await asyncio.to_thread(self.metrics.render)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -293,7 +228,7 @@ class Server:
                     out.append((list(p), tok.decode(list(p)) if job.echo else ""))
             return out
 
-    def _submit(self, job: protocol.Job, prompts, sub: _Subscription, served: Served) -> list[str]:
+    def _submit(self, job: protocol.Job, prompts, sub: Subscription, served: Served) -> list[str]:
         """Every prompt queued as an engine request (events tagged with the prompt's place);
         all or none: a refusal aborts those queued before it."""
         silent = job.echo and job.max_tokens == 0  # the prompt's log-probabilities only
@@ -312,7 +247,7 @@ class Server:
         return rids
 
     async def _generate(self, request: Request, kind: str) -> Response:
-        sub = _Subscription()
+        sub = Subscription()
         try:
             self._authorize(request)
             self._check_content_type(request)
@@ -322,13 +257,13 @@ class Server:
             prompts = await asyncio.to_thread(self._tokenize, job, served.loop)
             rids = self._submit(job, prompts, sub, served)
         except APIError as e:
-            return _error(e)
+            return error_response(e)
         abort = lambda: [served.loop.abort(rid) for rid in rids]  # noqa: E731
         choices = Choices(job, [len(ids) for ids, _ in prompts], [t for _, t in prompts])
         name = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         created = protocol.now_s()
         if job.stream:  # Starlette's stream watches the disconnect and cancels the body
-            return _Stream(self._events(job, sub, choices, name, created, abort, served.name),
+            return Stream(self._events(job, sub, choices, name, created, abort, served.name),
                            lambda: None if sub.finished else abort())  # fmt: skip
         watch = asyncio.create_task(sub.watch(request, abort))
         try:
@@ -352,7 +287,7 @@ class Server:
 
     async def _events(self, job, sub, choices: Choices, name, created, abort, model: str):
         kind = job.kind
-        chunk = lambda chs, **kw: _sse(protocol.envelope(kind, name, model, created, chs,  # noqa: E731
+        chunk = lambda chs, **kw: sse(protocol.envelope(kind, name, model, created, chs,  # noqa: E731
                                                          chunk=True, **kw))  # fmt: skip
         if kind == "chat":  # the role first, as OpenAI streams it: one chunk per choice
             for i in choices.indices:
@@ -363,7 +298,7 @@ class Server:
                 ev = await sub.next(deadline)
             except TimeoutError:
                 abort()
-                yield _sse(APIError(504, "the request timed out", type="server_error").body())
+                yield sse(APIError(504, "the request timed out", type="server_error").body())
                 return
             if ev is None:
                 yield ": ping\n\n"  # noticed by a write if the client is gone
@@ -384,7 +319,7 @@ class Server:
             else:  # Failed: the request's other prompts are dropped with it
                 sub.finished = True
                 abort()
-                yield _sse(ev.error.body())
+                yield sse(ev.error.body())
                 return
 
     async def _whole(self, job, sub, choices: Choices, name, created, abort,
@@ -395,9 +330,9 @@ class Server:
                 ev = await sub.next(deadline)
             except TimeoutError:
                 abort()
-                return _error(APIError(504, "the request timed out", type="server_error"))
+                return error_response(APIError(504, "the request timed out", type="server_error"))
             if ev is GONE:  # nobody reads an answer: the request is aborted already
-                return _error(APIError(499, "the client closed the request"))
+                return error_response(APIError(499, "the client closed the request"))
             if ev is None:
                 continue
             k, ev = ev
@@ -405,7 +340,7 @@ class Server:
                 choices.delta(k, ev)
             elif isinstance(ev, Failed):
                 abort()
-                return _error(ev.error)
+                return error_response(ev.error)
             elif choices.done(ev):
                 body = protocol.envelope(
                     job.kind,
