@@ -1,6 +1,7 @@
 """One KV budget across server processes (``--kv-ledger``): two ``vmcache-server``
 processes on one ledger, a burst on one using what the other does not, a server naming
-another size refused, and a server killed with SIGKILL whose pages go back to the other."""
+another size refused, and a server killed with SIGKILL whose pages go back to the other; on
+both caches (a PagedKVCache's blocks are counted against the budget)."""
 
 import json
 import os
@@ -87,17 +88,19 @@ def checkpoint(tmp_path_factory):
     return tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
-def test_two_servers_share_one_budget_and_a_killed_ones_pages_return(checkpoint, tmp_path):
+@pytest.mark.parametrize("cache", ["vm", "paged"])
+def test_two_servers_share_one_budget_and_a_killed_ones_pages_return(checkpoint, tmp_path, cache):
     ledger = str(tmp_path / "kv.db")
-    x = Proc("x", checkpoint, ledger).wait_healthy()
-    y = Proc("y", checkpoint, ledger).wait_healthy()
+    x = Proc("x", checkpoint, ledger, "--cache", cache).wait_healthy()
+    y = Proc("y", checkpoint, ledger, "--cache", cache).wait_healthy()
     try:
-        other = Proc("z", checkpoint, ledger, "--kv-budget-mib", "16")
+        other = Proc("z", checkpoint, ledger, "--kv-budget-mib", "16", "--cache", cache)
         assert other.p.wait(120) == 2
         assert "the ledger's total is 2048 pages, not 4096" in other.p.communicate()[1]
         view = read(ledger)
         assert sorted(h.name for h in view.holders) == ["x", "y"]
-        assert [h.min_pages for h in view.holders] == [384, 384]  # 1.5 MiB floors
+        # 1.5 MiB floors: 24 pages of 64 KiB, or 32 blocks of 48 KiB
+        assert [h.min_pages for h in view.holders] == [384, 384]
         peak, out = peak_while(ledger, "x", lambda: x.burst(10))  # 12.5 MiB asked
         assert all(o.usage.completion_tokens == 100 for o in out)
         assert peak > 5.0  # what y does not use: all but y's floor
