@@ -203,3 +203,26 @@ def test_sleep_level_2_is_refused_without_a_source_to_load_from(pair):
     status, body = http("POST", root(pair) + "/sleep?model=a&level=2")
     assert status == 400 and "level 2" in json.loads(body)["error"]["message"]
     assert not pair.server.models["a"].is_sleeping
+
+
+def test_streaming_logprobs_and_abort_on_disconnect_hold_for_the_second_model(pair):
+    c = client(pair)
+    kw = dict(model="b", prompt=prompt(2, 30), max_tokens=10, temperature=0, logprobs=2,
+              extra_body={"ignore_eos": True})  # fmt: skip
+    whole = c.completions.create(**kw).choices[0]
+    pieces = list(c.completions.create(**kw, stream=True))
+    assert "".join(p.choices[0].text for p in pieces if p.choices) == whole.text
+    streamed = [lp for p in pieces if p.choices and p.choices[0].logprobs
+                for lp in p.choices[0].logprobs.token_logprobs]  # fmt: skip
+    assert streamed == pytest.approx(whole.logprobs.token_logprobs, abs=1e-4)
+    stream = c.completions.create(model="b", prompt=prompt(3, 30), max_tokens=400, stream=True,
+                                  temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()  # the client goes away mid-stream: b's request is aborted, pages back
+    deadline = time.monotonic() + 30
+    while query(pair, "b", lambda e: len(e.kv.sequences)):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert query(pair, "b", lambda e: e.stats.aborted_requests) >= 1
