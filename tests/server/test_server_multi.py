@@ -226,3 +226,13 @@ def test_streaming_logprobs_and_abort_on_disconnect_hold_for_the_second_model(pa
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert query(pair, "b", lambda e: e.stats.aborted_requests) >= 1
+
+
+def test_a_model_alone_on_a_budget_keeps_its_idle_prefix_cache(real):
+    with start_multi(real, ("a",), "--kv-budget-mib", "4", "--max-seq-len", "1100") as r:
+        complete(r, "a", prompt(11, 1000), 2)  # most of the budget, cached
+        cached = query(r, "a", lambda e: e.kv.prefix.index.reclaimable())
+        assert cached >= 40
+        time.sleep(1.0)  # ten checks while idle, nobody else there
+        assert query(r, "a", lambda e: e.kv.prefix.index.reclaimable()) == cached
+        assert r.server.models["a"].keeper.yielded_pages == 0

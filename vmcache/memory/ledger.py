@@ -89,6 +89,7 @@ class SharedBudget:
         self.asleep = False  # mirror of the row's sleep flag (only this instance changes it)
         self.shed = False  # the row's shed flag as last read (set from outside with a limit)
         self.contended = False  # whether another holder wanted pages at the last read
+        self.others_held = 0
         self.rejoined = 0  # times this holder found its row gone (reaped, file rebuilt)
         self._db: sqlite3.Connection | None = None
         self._inode: tuple[int, int] | None = None
@@ -204,6 +205,7 @@ class SharedBudget:
         mine = next(r for r in rows if r[0] == self.id)
         self.min, self.max, self.shed = mine[2], mine[3], bool(mine[5])  # may be set outside
         held = sum(r[1] for r in rows)
+        self.others_held = held - mine[1]  # what the other holders hold, as last read
         promised = sum(max(0, r[2] - r[1]) for r in rows if r[0] != self.id)
         room = min(mine[3] - mine[1], total - held - promised)
         self.contended = any(r[4] > now for r in rows if r[0] != self.id)

@@ -5,9 +5,10 @@ the next request.
     every check_s (idle or not)   read the ledger row: limit, shed flag, others' unmet demand
       limit lowered + shed        preempt sequences (the engine's victim policy) until it fits
       others want pages, or       free pages given back, then idle prefix-cached pages
-      idle with < 1/4 of the      evicted, down to its floor (promised to it anyway): an
-      budget left for it          idle model's cache goes before another model's sequences
-                                  must preempt (they take a tick, 0.1 s, to notice)
+      idle while others grow and  evicted, down to its floor (promised to it anyway): an
+      < 1/4 of the budget is      idle model's cache goes before another model's sequences
+      left for it                 must preempt (they take a tick, 0.1 s, to notice); a
+                                  model alone keeps its cache
       idle >= sleep_after_s       sleep (below)
     before a request is added     wake if asleep
 
@@ -85,6 +86,7 @@ class Keeper:
         self.last_busy_s = time.monotonic()
         self._checked_s = -float("inf")
         self.yielded_pages = 0  # prefix pages evicted for other holders
+        self._others_held = 0  # the other holders' pages at the last check
         self.shed_sequences = 0  # sequences preempted to meet a lowered limit
         self.sleeps = self.wakes = 0
 
@@ -108,9 +110,10 @@ class Keeper:
         if b.shed and b.excess():
             while b.excess() and engine.preempt_one():
                 self.shed_sequences += 1
-        # others want pages, or (idle) the budget is nearly spent: what this model holds
-        # beyond its floor (which is promised to it whether held or not) and does not use
-        tight = not busy and room < b.total // 4
+        # others want pages, or (idle) others grow into a nearly spent budget: what this
+        # model holds beyond its floor (promised to it whether held or not) and does not use
+        growing, self._others_held = b.others_held > self._others_held, b.others_held
+        tight = not busy and growing and room < b.total // 4
         if b.contended or b.excess() or tight:
             self._yield(kv)
         self._maybe_sleep(engine, busy, now)
