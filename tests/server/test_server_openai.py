@@ -224,3 +224,56 @@ def test_a_repeated_217_token_prompt_hits_at_least_208(srv, real):
     first, again = post(srv, "completions", body), post(srv, "completions", body)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 208
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def test_stop_reason_and_matched_stop_say_what_stopped_a_choice(srv):
+    # (vLLM's stop_reason: the stop string or token id, None at EOS or length; SGLang's
+    # matched_stop: the same, and the EOS id at EOS)
+    ids = list(range(1000, 1020))
+    base = {"model": MODEL, "prompt": ids, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    free = post(srv, "completions", {**base, "logprobs": 0, "return_tokens_as_token_ids": True})
+    choice = free["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"], choice["matched_stop"]) == (
+        "length", None, None)  # fmt: skip
+    tokens = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+    assert len(tokens) == 12
+    by_id = post(srv, "completions", {**base, "stop_token_ids": [tokens[4]]})["choices"][0]
+    assert (by_id["finish_reason"], by_id["stop_reason"], by_id["matched_stop"]) == (
+        "stop", tokens[4], tokens[4])  # fmt: skip
+    text = choice["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip()
+    by_text = post(srv, "completions", {**base, "stop": [stop]})["choices"][0]
+    assert (by_text["finish_reason"], by_text["stop_reason"], by_text["matched_stop"]) == (
+        "stop", stop, stop)  # fmt: skip
+    assert by_text["text"] == text[: text.index(stop)]
+    chunks = http("POST", f"{srv.url}/completions",
+                  json.dumps({**base, "stop": [stop], "stream": True}).encode())[1]  # fmt: skip
+    last = [json.loads(c[6:]) for c in chunks.split("\n\n") if c.startswith("data: {")][-1]
+    assert last["choices"][0]["stop_reason"] == stop
+
+
+def test_return_tokens_as_token_ids_names_every_token_by_its_id(srv, real):
+    tok = real[1]
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 5,
+            "temperature": 0, "logprobs": 2, "echo": True,
+            "return_tokens_as_token_ids": True}  # fmt: skip
+    lp = post(srv, "completions", body)["choices"][0]["logprobs"]
+    prompt_ids = tok("The capital of France is", add_special_tokens=False)["input_ids"]
+    assert lp["tokens"][: len(prompt_ids)] == [f"token_id:{t}" for t in prompt_ids]
+    assert all(t.startswith("token_id:") for t in lp["tokens"])
+    assert all(k.startswith("token_id:") for top in lp["top_logprobs"][1:] for k in top)
+    chat = post(srv, "chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+        "temperature": 0, "logprobs": True, "top_logprobs": 1,
+        "return_tokens_as_token_ids": True})["choices"][0]["logprobs"]["content"]  # fmt: skip
+    assert all(c["token"].startswith("token_id:") for c in chat)
+    assert all(t["token"].startswith("token_id:") for c in chat for t in c["top_logprobs"])
+    assert (
+        http(
+            "POST",
+            f"{srv.url}/completions",
+            json.dumps({**body, "return_tokens_as_token_ids": "yes"}).encode(),
+        )[0]
+        == 400
+    )

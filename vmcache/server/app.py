@@ -239,7 +239,7 @@ class Server:
                 params = with_max_tokens(job.params, job.max_tokens or (1 if silent else None),
                                          len(ids), max_seq_len)  # fmt: skip
                 sink = lambda ev, k=k: sub.sink((k, ev))  # noqa: E731
-                rids.append(loop.submit(ids, params, job.stops, sink, silent))
+                rids.append(loop.submit(ids, params, job.stops, sink, silent, job.token_ids))
         except APIError:
             for rid in rids:
                 loop.abort(rid)

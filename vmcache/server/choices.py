@@ -23,6 +23,7 @@ class Choices:
         self.echo_texts, self.prompts = echo_texts, len(prompt_lens)
         total = self.n * self.prompts
         self.texts, self.reasons = [""] * total, [None] * total
+        self.stops: list[protocol.Stopped | None] = [None] * total
         self.reports: list[list[protocol.Logprob]] = [[] for _ in range(total)]
         self.offsets = [0] * total  # characters of each choice's text streamed so far
         self.started = [False] * total
@@ -44,6 +45,7 @@ class Choices:
                 reports = [*(ev.prompt_logprobs or ()), *reports]
         self.texts[i] += text
         self.reasons[i] = ev.finish_reason or self.reasons[i]
+        self.stops[i] = ev.stopped or self.stops[i]
         self.generated += ev.tokens
         logprobs = None
         if self.reports_logprobs:
@@ -51,7 +53,7 @@ class Choices:
             logprobs = self._logprobs(reports, self.offsets[i])
         self.offsets[i] += len(text)
         return protocol.choice(self.kind, i, text, ev.finish_reason, delta=True,
-                               logprobs=logprobs)  # fmt: skip
+                               logprobs=logprobs, stop=ev.stopped)  # fmt: skip
 
     def done(self, ev: Done) -> bool:
         """A prompt's request ended: its usage added; True once every prompt's has."""
@@ -69,7 +71,7 @@ class Choices:
         """Every choice, whole (a non-streamed response)."""
         return [protocol.choice(self.kind, i, self.texts[i], self.reasons[i], delta=False,
                                 logprobs=self._logprobs(self.reports[i], 0)
-                                if self.reports_logprobs else None)
+                                if self.reports_logprobs else None, stop=self.stops[i])
                 for i in self.indices]  # fmt: skip
 
     def _logprobs(self, reports: list, offset: int) -> dict:

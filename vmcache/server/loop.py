@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from vmcache.engine.request import Request, Status
 from vmcache.server.observe import Finished, Observer
-from vmcache.server.protocol import APIError, Logprob
+from vmcache.server.protocol import APIError, Logprob, Stopped
 from vmcache.server.text import Detokenizer, StopMatcher
 
 
@@ -40,6 +40,7 @@ class Delta:
     # the prompt's reports (the first token's logprob None), on a sequence's first delta
     # when the request echoes its prompt with log-probabilities
     prompt_logprobs: tuple[Logprob, ...] | None = None
+    stopped: Stopped | None = None  # what stopped it, on a "stop" delta
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class _Live:
     sent: list[int]  # characters of text already sent
     finish: list[str | None]
     silent: bool = False  # nothing generated is shown (an echo with max_tokens 0)
+    token_ids: bool = False  # reports name tokens "token_id:N"
     reported: list[int] = field(default_factory=list)  # tokens whose Logprob was sent
     echoed: list[bool] = field(default_factory=list)  # prompt reports sent, per sequence
     arrival_s: float = field(default_factory=time.perf_counter)
@@ -120,7 +122,8 @@ class EngineLoop:
         return self._thread.is_alive() and not self._closing.is_set()
 
     def submit(self, prompt: list[int], params, stops: tuple[str, ...],
-               sink: Callable[[Event], None], silent: bool = False) -> str:  # fmt: skip
+               sink: Callable[[Event], None], silent: bool = False,
+               token_ids: bool = False) -> str:  # fmt: skip
         """Queue a request; returns its id. :class:`APIError` (nothing queued) when the
         engine would refuse it (400) or the queue is full (429). Its deltas carry the
         generated tokens' log-probabilities when ``params.logprobs`` is set, and a sequence's
@@ -142,7 +145,7 @@ class EngineLoop:
         n = params.n
         live = _Live(req, sink, [Detokenizer(self.tokenizer, prompt) for _ in range(n)],
                      StopMatcher(stops), [0] * n, [""] * n, [0] * n, [None] * n, silent,
-                     [0] * n, [False] * n)  # fmt: skip
+                     token_ids, [0] * n, [False] * n)  # fmt: skip
         self._inbox.put(("add", live))
         return req.req_id
 
@@ -260,25 +263,41 @@ class EngineLoop:
         start = len(live.text[i])
         text = live.text[i] = live.text[i] + piece
         hit = live.stops.find(text, start)
+        stopped = None
         if hit is not None:
+            matched = live.stops.which(text, hit)
             text = live.text[i] = text[:hit]
             if reason is None:
                 self.engine.stop(live.req.req_id, i)
-            reason = "stop"
+            reason, stopped = "stop", Stopped(matched, matched)
+        elif reason == "stop":  # a stop token id, or the model's end of sequence
+            stopped = self._stopped_by_token(live, i)
         upto = len(text) if reason is not None else live.stops.safe(text)
         delta, live.sent[i] = text[live.sent[i] : upto], max(live.sent[i], upto)
         live.finish[i] = reason
         if delta or reason is not None:
             covered, live.reported[i] = live.seen[i] - live.reported[i], live.seen[i]
             live.sink(Delta(i, delta, reason, covered, self._reports(live, i, covered),
-                            self._echo(live, i)))  # fmt: skip
+                            self._echo(live, i), stopped))  # fmt: skip
+
+    def _stopped_by_token(self, live: _Live, i: int) -> Stopped | None:
+        """What stopped sequence ``i`` at a token: one of the request's stop ids (vLLM's
+        stop_reason), else the model's end of sequence (no stop_reason; SGLang's
+        matched_stop is the id)."""
+        out = self.engine.outputs.get(live.req.req_id)
+        tokens = out[i] if out is not None else None
+        if not tokens:
+            return None
+        last = tokens[-1]
+        return Stopped(last if last in live.req.params.stop_token_ids else None, last)
 
     def _reports(self, live: _Live, i: int, count: int) -> tuple[Logprob, ...] | None:
         """The Logprob of sequence ``i``'s last ``count`` generated tokens (if asked)."""
         if live.req.params.logprobs is None:
             return None
         seen, rid = live.seen[i], live.req.req_id
-        return self._wire(self.engine.records.logprobs(rid, i, seen - count, seen))
+        return self._wire(self.engine.records.logprobs(rid, i, seen - count, seen),
+                          live.token_ids)  # fmt: skip
 
     def _echo(self, live: _Live, i: int) -> tuple[Logprob, ...] | None:
         """The prompt's reports, once per sequence (if the request echoes them)."""
@@ -287,13 +306,16 @@ class EngineLoop:
         live.echoed[i] = True
         reports = self.engine.records.prompt_logprobs(live.req.req_id)
         with self.tokenizer_lock:
-            first = Logprob(self.tokenizer.decode([live.req.prompt[0]]), None, ())
-        return (first, *self._wire(reports[1:]))
+            head = (f"token_id:{live.req.prompt[0]}" if live.token_ids
+                    else self.tokenizer.decode([live.req.prompt[0]]))  # fmt: skip
+        return (Logprob(head, None, ()), *self._wire(reports[1:], live.token_ids))
 
-    def _wire(self, reports: list) -> tuple[Logprob, ...]:
-        """Engine reports (token ids) as text: every token decoded alone."""
+    def _wire(self, reports: list, token_ids: bool = False) -> tuple[Logprob, ...]:
+        """Engine reports (token ids) as text: every token decoded alone, or named
+        ``token_id:N`` (``token_ids``: vLLM's ``return_tokens_as_token_ids``)."""
         with self.tokenizer_lock:
-            text = self.tokenizer.decode
+            text = ((lambda ids: f"token_id:{ids[0]}") if token_ids
+                    else self.tokenizer.decode)  # fmt: skip
             return tuple(Logprob(text([r.token]), r.logprob,
                                  tuple((text([t]), lp) for t, lp in r.top))
                          for r in reports)  # fmt: skip

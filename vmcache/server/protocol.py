@@ -75,6 +75,7 @@ class Job:
     include_usage: bool
     continuous_usage: bool = False  # every stream chunk carries the usage so far
     echo: bool = False  # a completion's text (and log-probabilities) start with its prompt
+    token_ids: bool = False  # log-probabilities name tokens "token_id:N" (vLLM's flag)
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -282,8 +283,9 @@ def parse(body, kind: str, limits: Limits) -> Job:
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0, open_lo=True),
         logit_bias=_logit_bias(body, limits))  # fmt: skip
+    token_ids = _opt(body, "return_tokens_as_token_ids", (bool,), False)
     return Job(kind, prompts, messages, params, max_tokens, _stops(body), stream,
-               include_usage, continuous, echo)  # fmt: skip
+               include_usage, continuous, echo, token_ids)  # fmt: skip
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
@@ -320,16 +322,29 @@ def chat_logprobs(reports) -> dict:
 
 
 def choice(kind: str, index: int, text: str, finish: str | None, *, delta: bool,
-           first: bool = False, logprobs: dict | None = None) -> dict:  # fmt: skip
-    """One choice of a response (``delta``: of a stream chunk)."""
+           first: bool = False, logprobs: dict | None = None, stop=None) -> dict:  # fmt: skip
+    """One choice of a response (``delta``: of a stream chunk). ``stop``: what stopped it
+    (:class:`Stopped`), said as vLLM's ``stop_reason`` and SGLang's ``matched_stop``."""
+    ends = {"finish_reason": finish, "stop_reason": stop.reason if stop else None,
+            "matched_stop": stop.matched if stop else None}  # fmt: skip
     if kind == "completion":
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, **ends}
     if delta:
         msg = {"role": "assistant", "content": text} if first else {"content": text}
         return {"index": index, "delta": msg if text or first else {}, "logprobs": logprobs,
-                "finish_reason": finish}  # fmt: skip
+                **ends}  # fmt: skip
     return {"index": index, "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs, "finish_reason": finish}  # fmt: skip
+            "logprobs": logprobs, **ends}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """What ended a sequence that finished with ``"stop"``: ``reason`` the stop string or
+    stop token id (None at the model's end-of-sequence id, as vLLM says it), ``matched``
+    the same or the end-of-sequence id (SGLang's)."""
+
+    reason: str | int | None
+    matched: str | int | None
 
 
 def envelope(kind: str, rid: str, model: str, created: int, choices: list, *, chunk: bool,

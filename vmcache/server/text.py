@@ -59,6 +59,11 @@ class StopMatcher:
         hits = [i for i in (text.find(s, lo) for s in self.stops) if i >= 0]
         return min(hits) if hits else None
 
+    def which(self, text: str, at: int) -> str:
+        """The stop string that starts at ``at`` in ``text`` (where :meth:`find` found one;
+        the longest when several do)."""
+        return max((s for s in self.stops if text.startswith(s, at)), key=len)
+
     def safe(self, text: str) -> int:
         """How many leading characters of ``text`` no later stop string can cut."""
         return max(0, len(text) - self._hold) if self.stops else len(text)
