@@ -51,6 +51,7 @@ from vmcache.memory.ledger_rows import (  # noqa: F401  (LedgerError, _start_tim
     LedgerError,
     _seconds,
     _start_time,
+    check_access,
     reap,
 )
 
@@ -138,9 +139,7 @@ class SharedBudget:
                 pass
         elif not os.path.exists(self.path):
             raise ValueError(f"no ledger at {self.path}: give total_pages")
-        if not os.access(self.path, os.R_OK | os.W_OK):
-            raise LedgerError(f"ledger {self.path} cannot be read and written by this "
-                              f"process (uid {os.geteuid()})")  # fmt: skip
+        check_access(self.path)
         try:
             st = os.stat(self.path)
             db = sqlite3.connect(self.path, timeout=self.lock_timeout_s, isolation_level=None,

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from vmcache.memory.budget import _pages
-from vmcache.memory.ledger_rows import SCHEMA, LedgerError, reap
+from vmcache.memory.ledger_rows import SCHEMA, LedgerError, check_access, reap
 
 
 @dataclass(frozen=True)
@@ -54,9 +54,7 @@ def _open(path, timeout_s: float) -> sqlite3.Connection:
     path = os.fspath(path)
     if not os.path.exists(path):
         raise LedgerError(f"no ledger at {path}")
-    if not os.access(path, os.R_OK | os.W_OK):
-        raise LedgerError(f"ledger {path} cannot be read and written by this process "
-                          f"(uid {os.geteuid()})")  # fmt: skip
+    check_access(path)
     try:
         db = sqlite3.connect(path, timeout=timeout_s, isolation_level=None)
         db.execute("BEGIN IMMEDIATE")

@@ -42,6 +42,13 @@ def _alive(pid: int, start: str | None) -> bool:
     return start is None or _start_time(pid) in (None, start)
 
 
+def check_access(path: str) -> None:
+    """:class:`LedgerError` unless this process may read and write the ledger file."""
+    if not os.access(path, os.R_OK | os.W_OK):
+        raise LedgerError(f"ledger {path} cannot be read and written by this process "
+                          f"(uid {os.geteuid()})")  # fmt: skip
+
+
 def reap(db, now: float, keep: str | None = None) -> int:
     """Delete the rows of holders whose process is gone or whose lease ran out (never
     ``keep``'s); returns how many."""

@@ -160,8 +160,9 @@ def is_loopback(host: str) -> bool:
 
 
 def build_engine(args, model, budget=None):
-    """The cache and engine ``args`` describe, for ``model``; with ``budget`` (a
-    :class:`SharedBudget` in the fleet's units), a cache of the whole budget drawing on it."""
+    """The cache and engine ``args`` describe, for ``model``; with ``budget`` (an unbound
+    :class:`ScaledBudget` over the fleet's ledger), a cache of the whole budget drawing on it
+    (the budget bound to the cache's page size here)."""
     from vmcache import KVSpec, VMKVCache
     from vmcache.engine import Engine, NgramDrafter
     from vmcache.paged_fallback import PagedKVCache
@@ -172,12 +173,10 @@ def build_engine(args, model, budget=None):
     pool = int(args.pool_mib * 2**20)
     extra, keep = {}, None
     if budget is not None:
-        from vmcache.memory.budget import ScaledBudget
-        from vmcache.server.fleet import CHUNK_PAGES, UNIT_BYTES
+        from vmcache.server.fleet import CHUNK_PAGES
 
         pool = int((args.kv_budget_mib or args.pool_mib) * 2**20)
-        scaled = ScaledBudget(budget, unit_bytes=UNIT_BYTES)  # bound to the page size below
-        extra = {"budget": scaled, "chunk_pages": CHUNK_PAGES}
+        extra = {"budget": budget, "chunk_pages": CHUNK_PAGES}
         keep = CHUNK_PAGES if args.cache == "vm" else None  # blocks: nothing to give back
     prefix = not args.no_prefix_caching
     swap = pool if args.preemption == "swap" else None
@@ -191,7 +190,7 @@ def build_engine(args, model, budget=None):
                        prefix_caching=prefix, swap_bytes=swap,
                        rollback_tokens=rollback, **extra)  # fmt: skip
     if budget is not None:
-        scaled.bind_page_bytes(kv.config.page_bytes)
+        budget.bind_page_bytes(kv.config.page_bytes)
     drafter = NgramDrafter(k=4) if args.speculative else None
     return Engine(model, kv, preemption=args.preemption,
                   max_batch_tokens=args.max_batch_tokens, speculative=drafter,
@@ -207,9 +206,10 @@ def build_server(args, model=None, tokenizer=None):
     ``args.shared``), its loop started. The loop is the first model's."""
     import copy
 
+    from vmcache.memory.budget import ScaledBudget
     from vmcache.models import load
     from vmcache.server.app import Server
-    from vmcache.server.fleet import Ledger, budget_for, set_floor
+    from vmcache.server.fleet import UNIT_BYTES, Ledger, budget_for, set_floor
     from vmcache.server.keeper import Keeper
     from vmcache.server.loop import EngineLoop
     from vmcache.server.metrics import Metrics
@@ -217,7 +217,7 @@ def build_server(args, model=None, tokenizer=None):
 
     dtype = MODEL_DTYPES[args.dtype]
     ledger = Ledger(args.kv_ledger) if args.shared else None
-    total = int((args.kv_budget_mib or args.pool_mib) * 2**20) // 4096
+    total = int((args.kv_budget_mib or args.pool_mib) * 2**20) // UNIT_BYTES
     metrics, served = Metrics(), []
     try:
         for entry in args.models:
@@ -226,9 +226,10 @@ def build_server(args, model=None, tokenizer=None):
             else:
                 m, tok = load(entry.source, dtype=dtype)
             budget = budget_for(ledger, entry.name, total) if ledger is not None else None
+            scaled = None if budget is None else ScaledBudget(budget, unit_bytes=UNIT_BYTES)
             try:
-                engine = build_engine(args, m, budget)
-                floor = (set_floor(budget, engine.kv, args.floors.get(entry.name),
+                engine = build_engine(args, m, scaled)
+                floor = (set_floor(budget, scaled.k, engine.kv, args.floors.get(entry.name),
                                    args.max_seq_len) if budget is not None else 0)  # fmt: skip
             except BaseException:
                 if budget is not None:
@@ -236,8 +237,9 @@ def build_server(args, model=None, tokenizer=None):
                 raise
             reload = (None if model is not None
                       else lambda src=entry.source: load(src, dtype=dtype)[0])  # fmt: skip
-            keeper = Keeper(budget, floor, sleep_after_s=args.sleep_after_s,
-                            sleep_level=args.sleep_level, reload=reload)  # fmt: skip
+            keeper = Keeper(budget, floor, units_per_page=scaled.k if scaled else 1,
+                            sleep_after_s=args.sleep_after_s, sleep_level=args.sleep_level,
+                            reload=reload)  # fmt: skip
             observer = metrics.model(entry.name)
             loop = EngineLoop(engine, tok, max_waiting=args.max_waiting, observer=observer,
                               keeper=keeper)  # fmt: skip
@@ -283,8 +285,10 @@ def main(argv=None) -> int:
               f"{'off' if args.no_prefix_caching else 'on'}, preemption {args.preemption}, "
               f"speculative {'on' if args.speculative else 'off'}", file=sys.stderr)  # fmt: skip
     if server.ledger is not None:
+        from vmcache.server.fleet import UNIT_BYTES
+
         b = next(iter(server.models.values())).keeper.budget
-        print(f"vmcache-server: one KV budget of {b.total * 4096 / 2**20:.1f} MiB for "
+        print(f"vmcache-server: one KV budget of {b.total * UNIT_BYTES / 2**20:.1f} MiB for "
               f"{len(server.models)} model(s), ledger {server.ledger.path} (vmcache-kv "
               f"--ledger {server.ledger.path} show)", file=sys.stderr)  # fmt: skip
     print(f"vmcache-server: http://{args.host}:{args.port}/v1", file=sys.stderr)

@@ -106,24 +106,20 @@ class Ledger:
             self._tmp.cleanup()
 
 
-def budget_for(ledger: Ledger, name: str, total_units: int, lease_s: float | None = None):
+def budget_for(ledger: Ledger, name: str, total_units: int):
     """Model ``name``'s holder of the ledger (floor 0 until its cache exists)."""
     from vmcache.memory.ledger import SharedBudget
 
-    return SharedBudget(ledger.path, total_units, name=name, unit_bytes=UNIT_BYTES,
-                        lease_s=lease_s)  # fmt: skip
+    return SharedBudget(ledger.path, total_units, name=name, unit_bytes=UNIT_BYTES)
 
 
-def units_per_page(page_bytes: int) -> int:
-    return -(-page_bytes // UNIT_BYTES)
-
-
-def set_floor(budget, kv, floor_mib: float | None, max_seq_len: int) -> int:
+def set_floor(budget, units_per_page: int, kv, floor_mib: float | None,
+              max_seq_len: int) -> int:  # fmt: skip
     """Promise model's floor on the ledger: ``floor_mib``, or one ``max_seq_len`` sequence's
-    pages; returns it in ledger units. ``ValueError`` when the floors exceed the budget."""
-    k = units_per_page(kv.config.page_bytes)
+    pages (``units_per_page`` ledger units each: its cache's ScaledBudget's); returns it in
+    ledger units. ``ValueError`` when the floors exceed the budget."""
     if floor_mib is None:
-        floor = kv.capacity.pages_for_tokens(max_seq_len) * k
+        floor = kv.capacity.pages_for_tokens(max_seq_len) * units_per_page
     else:
         floor = -(-int(floor_mib * 2**20) // UNIT_BYTES)
     try:

@@ -69,17 +69,19 @@ def restore_weights(model, fresh) -> None:
 class Keeper:
     """Housekeeping of one model's engine over its ``budget`` (a :class:`SharedBudget`, whose
     pages may be a :class:`ScaledBudget`'s units; None: the model has a pool of its own and
-    only sleeps). ``floor_pages``: the ledger minimum it holds while awake. ``reload()``:
-    the model loaded again from its source (level 2)."""
+    only sleeps). ``floor_pages``: the ledger minimum it holds while awake;
+    ``units_per_page``: ledger pages one cache page counts for (the ScaledBudget's).
+    ``reload()``: the model loaded again from its source (level 2)."""
 
-    def __init__(self, budget, floor_pages: int, *, sleep_after_s: float | None = None,
+    def __init__(self, budget, floor_pages: int, *, units_per_page: int = 1,
+                 sleep_after_s: float | None = None,
                  sleep_level: int = 1, reload: Callable[[], object] | None = None,
                  check_s: float = 0.1) -> None:  # fmt: skip
         if sleep_level not in SLEEP_LEVELS:
             raise ValueError(f"sleep_level must be one of {SLEEP_LEVELS}, got {sleep_level!r}")
         if sleep_after_s is not None and not sleep_after_s > 0:
             raise ValueError(f"sleep_after_s must be > 0, got {sleep_after_s!r}")
-        self.budget, self.floor_pages = budget, floor_pages
+        self.budget, self.floor_pages, self.units_per_page = budget, floor_pages, units_per_page
         self.sleep_after_s, self.sleep_level = sleep_after_s, sleep_level
         self.reload, self.check_s = reload, check_s
         self.level = 0  # 0 awake, else the level it sleeps at (engine thread writes)
@@ -122,8 +124,7 @@ class Keeper:
         """Free pages back, then idle prefix pages, down to the floor (or the limit)."""
         b = self.budget
         kv.elastic.trim(0)
-        k = -(-kv.config.page_bytes // (b.unit_bytes or kv.config.page_bytes))
-        over = -(-(b.held - min(b.min, b.max)) // k)
+        over = -(-(b.held - min(b.min, b.max)) // self.units_per_page)
         index = kv.prefix.index
         if over > 0 and index is not None and index.reclaimable():
             self.yielded_pages += index.reclaim(min(over, index.reclaimable()))

@@ -9,6 +9,7 @@ these by the OpenAI ``model`` field; sleep and wake run on the model's engine th
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -27,8 +28,8 @@ class Served:
     source: str = ""  # where its weights come from (a name, a directory, a file)
     created: int = field(default_factory=lambda: int(time.time()))
 
-    @property
-    def limits(self) -> Limits:
+    @functools.cached_property
+    def limits(self) -> Limits:  # the cache's configuration is frozen: read once
         kv = self.loop.engine.kv
         return Limits(self.name, kv.config.max_seq_len, kv.config.max_seqs,
                       self.loop.engine.vocab)  # fmt: skip
