@@ -119,6 +119,17 @@ def test_two_servers_share_one_budget_and_a_killed_ones_pages_return(checkpoint,
         assert peak > 6.5  # the whole budget is y's now
         with urllib.request.urlopen(y.url + "/is_sleeping") as r:
             assert json.loads(r.read()) == {"is_sleeping": False}
+        # y put to sleep over HTTP: its pages and its floor leave the ledger; its next
+        # request wakes it with the same tokens
+        before = [o.choices[0].text for o in y.burst(2, 12)]
+        sleep = urllib.request.Request(y.url + "/sleep?level=1", method="POST")
+        with urllib.request.urlopen(sleep) as r:
+            assert json.loads(r.read())["is_sleeping"]
+        (row,) = read(ledger).holders
+        assert (row.asleep, row.held_pages, row.min_pages) == (True, 0, 0)
+        assert [o.choices[0].text for o in y.burst(2, 12)] == before
+        (row,) = read(ledger).holders
+        assert not row.asleep and row.min_pages == 384
     finally:
         for p in (x, y):
             p.stop()
