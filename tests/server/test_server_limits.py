@@ -38,7 +38,9 @@ def test_a_limit_lowered_with_preemption_and_raised_while_serving(real):
         assert [m["name"] for m in shown["models"]] == ["a", "b"]
         assert shown["total_bytes"] == 8 << 20 and shown["models"][0]["floor_bytes"] == 24 << 16
         with ThreadPoolExecutor(1) as pool:
-            done = pool.submit(burst, r, [("a", prompt(i, 300), 100) for i in range(10)])
+            # 16 requests: enough still queued when the limit is raised again to grow into
+            # (with 10, a loaded run raised it with two left, and a peaked at exactly 3 MiB)
+            done = pool.submit(burst, r, [("a", prompt(i, 300), 100) for i in range(16)])
             until(lambda: held_mib(r)["a"] > 4)
             out = kv("--ledger", path, "set-limit", "a", "2", "--preempt")
             assert out.returncode == 0 and "a " in out.stdout, out.stderr
@@ -50,7 +52,7 @@ def test_a_limit_lowered_with_preemption_and_raised_while_serving(real):
             assert kv("--ledger", path, "set-limit", "a", "8").returncode == 0
             results = done.result(timeout=120)
             sampler.stop()
-        assert [o.usage.completion_tokens for o in results] == [100] * 10  # none lost
+        assert [o.usage.completion_tokens for o in results] == [100] * 16  # none lost
         assert sampler.peak["a"] > 3  # grew again once raised
 
 
