@@ -40,6 +40,15 @@ _libc.fallocate.restype = ctypes.c_int
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
+def punch_hole(fd: int, offset: int, size: int) -> None:
+    """Give ``size`` bytes at ``offset`` of file ``fd`` back to the OS; they read as zeros
+    after (``fallocate(PUNCH_HOLE|KEEP_SIZE)``; a memfd's pages leave every mapping of it)."""
+    if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, size) != 0:
+        err = ctypes.get_errno()
+        raise DriverError("fallocate(PUNCH_HOLE)", errno.errorcode.get(err, str(err)),
+                          f"{size} bytes at offset {offset}")  # fmt: skip
+
+
 def max_map_count() -> int:
     try:
         with open("/proc/sys/vm/max_map_count") as f:
@@ -143,9 +152,7 @@ class HostBackend:
         view.zero_()
 
     def _punch(self, offset: int, size: int) -> None:
-        mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-        if _libc.fallocate(self._fd, mode, offset, size) != 0:
-            raise self._error("fallocate(PUNCH_HOLE)", f"{size} bytes at offset {offset}")
+        punch_hole(self._fd, offset, size)
 
     # --- tensors -----------------------------------------------------------------------
     def view(self, va: int, nbytes: int) -> torch.Tensor:

@@ -1,0 +1,146 @@
+"""vLLM's scheduler with vmcache deciding which blocks hold memory (``--scheduler-cls``).
+
+It is vLLM's own ``Scheduler``; around three of its calls it moves the :class:`Balloon`:
+
+    schedule()            before: let out of the balloon what this step's requests may need
+                          (as the budget allows); after: note the blocks handed out (written)
+    update_from_output()  after: punch the pages of blocks freed without a prefix hash, take
+    finish_requests()     back free blocks past a chunk and the prefix-cache bound
+
+vLLM runs these on its engine core's one thread, between model steps (the CPU build schedules
+synchronously), so no block is punched while the model may read it. The KV memory is the
+worker's memfd (:mod:`vmcache.vllm.region`), published before vLLM builds this class.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import vllm
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from vmcache.memory.budget import LocalBudget, ScaledBudget
+from vmcache.vllm import check_version
+from vmcache.vllm.balloon import Balloon
+from vmcache.vllm.config import MIB, VllmKVConfig
+from vmcache.vllm.region import BlockPuncher, rendezvous_path
+
+check_version(vllm.__version__)
+log = logging.getLogger("vllm.vmcache")  # shown by vLLM's log handlers
+UNIT_BYTES = 4096  # one ledger unit, as vmcache-server's (vmcache.server.fleet.UNIT_BYTES)
+
+
+class VmcacheScheduler(Scheduler):
+    def __init__(self, vllm_config, kv_cache_config, *args, **kwargs) -> None:
+        cfg = VllmKVConfig.from_additional(vllm_config.additional_config)
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise ValueError(f"vmcache.vllm handles one KV cache group; this model has "
+                             f"{len(kv_cache_config.kv_cache_groups)}")  # fmt: skip
+        if vllm_config.parallel_config.world_size != 1:
+            raise ValueError("vmcache.vllm is tested with one worker (no tensor or pipeline "
+                             "parallelism)")  # fmt: skip
+        super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
+        self.vmcache_config = cfg
+        self.puncher = BlockPuncher(rendezvous_path(vllm_config.instance_id, 0))
+        layout = self.puncher.layout
+        pool = self.kv_cache_manager.block_pool
+        if layout.num_blocks != pool.num_gpu_blocks:
+            raise ValueError(f"the worker's KV memory holds {layout.num_blocks} blocks, the "
+                             f"scheduler's pool {pool.num_gpu_blocks}")  # fmt: skip
+        self.block_bytes = layout.block_bytes
+        space = layout.num_blocks * self.block_bytes
+        self.budget = self._budget(cfg, space, vllm_config.model_config.max_model_len)
+        keep = cfg.blocks(cfg.prefix_cache_mib if cfg.prefix_cache_mib is not None
+                          else space / 10 / MIB, self.block_bytes)  # fmt: skip
+        self.balloon = Balloon(pool, self.budget, self.puncher.release,
+                               chunk_blocks=cfg.chunk_blocks, keep_cached=keep)  # fmt: skip
+        log.info("vmcache: vLLM's KV space of %.0f MiB (%d blocks of %.2f MiB) is mapped as it "
+                 "is used; budget: %s; prefix-cache blocks kept resident: at most %d (%.0f MiB)",
+                 space / MIB, layout.num_blocks, self.block_bytes / MIB, self._budget_text(cfg),
+                 keep, keep * self.block_bytes / MIB)  # fmt: skip
+
+    # --- the budget ------------------------------------------------------------------------
+    def _budget(self, cfg: VllmKVConfig, space: int, max_model_len: int):
+        if cfg.budget_mib is not None and cfg.budget_mib * MIB < self.block_bytes:
+            raise ValueError(f"vmcache.budget_mib {cfg.budget_mib} is below one block of every "
+                             f"layer ({self.block_bytes / MIB:.2f} MiB)")  # fmt: skip
+        total = int(cfg.budget_mib * MIB) // UNIT_BYTES if cfg.budget_mib is not None else None
+        if cfg.ledger is None:
+            inner = LocalBudget(total if total is not None else -(-space // UNIT_BYTES))
+        else:
+            from vmcache.memory.ledger import SharedBudget
+
+            inner = SharedBudget(cfg.ledger, total, name=cfg.name, unit_bytes=UNIT_BYTES,
+                                 lock_timeout_s=cfg.lock_timeout_s)  # fmt: skip
+            one_seq = -(-max_model_len // self.block_size) * self.block_bytes
+            floor_bytes = cfg.floor_mib * MIB if cfg.floor_mib is not None else one_seq
+            floor = -(-int(floor_bytes) // self.block_bytes) * -(-self.block_bytes // UNIT_BYTES)
+            try:
+                inner.set_limits(min_pages=floor)
+            except ValueError as e:
+                inner.close()
+                raise ValueError(f"vmcache: a floor of {floor * UNIT_BYTES / MIB:.1f} MiB does not "
+                                 f"fit the ledger beside the others' ({e}): lower "
+                                 "vmcache.floor_mib") from None  # fmt: skip
+        budget = ScaledBudget(inner, unit_bytes=UNIT_BYTES)
+        budget.bind_page_bytes(self.block_bytes)
+        return budget
+
+    def _budget_text(self, cfg: VllmKVConfig) -> str:
+        if cfg.ledger is None:
+            return f"{self.budget.inner.limit * UNIT_BYTES / MIB:.0f} MiB of this process's own"
+        return f"the ledger {cfg.ledger} as {cfg.name!r}"
+
+    # --- around vLLM's calls ---------------------------------------------------------------
+    def schedule(self, *args, **kwargs):
+        self.balloon.grow(self._blocks_wanted())
+        out = super().schedule(*args, **kwargs)
+        ids = [b for req in out.scheduled_new_reqs for b in req.block_ids[0]]
+        ids += [b for new in out.scheduled_cached_reqs.new_block_ids if new for b in new[0]]
+        self.balloon.written(ids)
+        return out
+
+    def update_from_output(self, *args, **kwargs):
+        out = super().update_from_output(*args, **kwargs)
+        self.balloon.trim()
+        return out
+
+    def finish_requests(self, *args, **kwargs):
+        out = super().finish_requests(*args, **kwargs)
+        self.balloon.trim()
+        return out
+
+    def reset_prefix_cache(self, *args, **kwargs) -> bool:
+        lent = len(self.balloon.lend_all())
+        try:
+            return super().reset_prefix_cache(*args, **kwargs)
+        finally:
+            self.balloon.take_back(lent)
+            self.balloon.trim()
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            self.balloon.close()
+            close = getattr(self.budget.inner, "close", None)
+            if close is not None:
+                close()
+            self.puncher.close()
+
+    def _blocks_wanted(self) -> int:
+        """Blocks the next step may allocate: each running request's next tokens, then the
+        waiting ones' prompts in order, within the step's token budget (an upper bound: a
+        prefix-cache hit needs fewer)."""
+        bs, left = self.block_size, self.max_num_scheduled_tokens
+        extra = self.num_spec_tokens + self.num_lookahead_tokens
+        need = 0
+        for group in (self.running, self.waiting):
+            for req in group:
+                if left <= 0:
+                    return need
+                done = req.num_computed_tokens
+                new = min(max(req.num_tokens_with_spec - done, 1), left)
+                left -= new
+                need += max(0, -(-(done + new + extra) // bs) - -(-done // bs))
+        return need
