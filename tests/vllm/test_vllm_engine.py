@@ -1,0 +1,168 @@
+"""vmcache under an unmodified vLLM (its CPU build, in its own venv: `make test-vllm`): the
+same greedy tokens with and without it, the worker's KV memory resident only while used, the
+block pool's real calls under the balloon, and bad settings refused with a clear error.
+Skipped where vLLM is not installed (`make test`'s venvs)."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+
+import psutil
+import pytest
+
+vllm = pytest.importorskip("vllm")
+MODEL = os.environ.get("VMCACHE_VLLM_MODEL")
+if not MODEL:
+    pytest.skip("VMCACHE_VLLM_MODEL (the fp32 SmolLM2 directory) is not set: run `make test-vllm`",
+                allow_module_level=True)  # fmt: skip
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+
+from vmcache.memory.budget import LocalBudget  # noqa: E402
+from vmcache.vllm import SCHEDULER_CLS, WORKER_CLS  # noqa: E402
+from vmcache.vllm.balloon import Balloon  # noqa: E402
+
+MIB = 2**20
+SPACE = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * 1024 * MIB
+PROMPTS = [f"Story {i}: " + "once upon a time, " * (i * 7) for i in range(12)]
+NEW = [40 + 25 * i for i in range(12)]  # up to 315 tokens: requests cross blocks of 128
+
+
+def worker_of(before: set[int]) -> psutil.Process:
+    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    return max(new, key=lambda p: p.memory_info().rss)  # the model's process
+
+
+def status_mib(proc: psutil.Process, key: str) -> float:
+    with open(f"/proc/{proc.pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024
+
+
+def start(vm: dict | None, **kw) -> tuple[LLM, psutil.Process]:
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    extra = {} if vm is None else dict(worker_cls=WORKER_CLS, scheduler_cls=SCHEDULER_CLS,
+                                       additional_config={"vmcache": vm})  # fmt: skip
+    llm = LLM(model=MODEL, dtype="float32", max_model_len=1024, seed=0, enforce_eager=True,
+              **extra, **kw)  # fmt: skip
+    return llm, worker_of(before)
+
+
+def generate(llm: LLM) -> list[list[int]]:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in NEW]
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+class Sampler(threading.Thread):
+    """The worker's memfd-backed (shared) resident memory every 20 ms."""
+
+    def __init__(self, proc: psutil.Process) -> None:
+        super().__init__(daemon=True)
+        self.proc, self.peak, self.done = proc, 0.0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            self.peak = max(self.peak, status_mib(self.proc, "RssShmem"))
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    llm, worker = start(None)
+    yield generate(llm), status_mib(worker, "RssAnon")
+    del llm
+
+
+def settle(proc: psutil.Process, below_mib: float, within_s: float = 5.0) -> float:
+    deadline = time.monotonic() + within_s
+    while (now := status_mib(proc, "RssShmem")) > below_mib and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return now
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_same_tokens_and_kv_memory_follows_the_load(baseline, prefix_caching):
+    tokens0, anon0 = baseline
+    bound = 30  # MiB of freed prefix-cache blocks kept resident (a setting)
+    llm, worker = start({"prefix_cache_mib": bound}, enable_prefix_caching=prefix_caching)
+    idle = status_mib(worker, "RssShmem")
+    assert idle <= 0.10 * SPACE / MIB, idle
+    assert anon0 - status_mib(worker, "RssAnon") >= 0.75 * SPACE / MIB  # vLLM's own holds it all
+    sampler = Sampler(worker)
+    sampler.start()
+    assert generate(llm) == tokens0
+    sampler.done.set()
+    sampler.join()
+    assert sampler.peak >= 100, sampler.peak  # 12 sequences of 1-3 blocks of 5.6 MiB
+    after = settle(worker, 1 if not prefix_caching else bound + 0.5)
+    if prefix_caching:
+        assert 0 < after <= bound + 0.5, after  # cached blocks, at most the bound
+    else:
+        assert after <= 1, after  # every block given back
+    assert generate(llm) == tokens0  # and again, on memory given back and taken again
+
+
+def test_a_budget_below_the_load_preempts_with_the_same_tokens(baseline):
+    tokens0, _ = baseline
+    llm, worker = start({"budget_mib": 40, "prefix_cache_mib": 0})  # 7 blocks of 5.6 MiB
+    sampler = Sampler(worker)
+    sampler.start()
+    assert generate(llm) == tokens0
+    sampler.done.set()
+    sampler.join()
+    assert sampler.peak <= 40, sampler.peak
+
+
+def test_the_balloon_on_vllms_block_pool_against_a_shadow():
+    """vLLM's real BlockPool under random allocation, freeing and budget changes: the pool's
+    free count is what the budget backs, no balloon block has a hash or is handed out, every
+    freed block's pages are given back (blocks with prefix hashes: the engine tests above)."""
+    rng = random.Random(0)
+    pool = BlockPool(64, enable_caching=True, hash_block_size=16)
+    budget = LocalBudget(20)
+    released: list[int] = []
+    b = Balloon(pool, budget, released.extend, chunk_blocks=2, keep_cached=3)
+    assert pool.get_num_free_blocks() == 0 and len(b.held) == 63
+    live: list = []
+    for step in range(400):
+        op = rng.random()
+        if op < 0.4:
+            b.grow(rng.randint(0, 6))
+            n = rng.randint(0, pool.get_num_free_blocks())
+            got = pool.get_new_blocks(n)
+            b.written(x.block_id for x in got)
+            live += got
+        elif op < 0.8 and live:
+            rng.shuffle(live)
+            k = rng.randint(1, len(live))
+            done, live = live[:k], live[k:]
+            pool.free_blocks(done)
+            b.trim()
+        elif op < 0.9:
+            budget.set_limit(rng.randint(4, 30))
+            b.trim()
+        held_ids = {x.block_id for x in b.held}
+        assert not held_ids & {x.block_id for x in live}
+        assert all(x.block_hash is None and x.ref_cnt == 1 for x in b.held)
+        assert b.backed == 63 - len(b.held) == budget.held
+        assert b.in_use() == len(live)
+        if 0.4 <= op < 0.9 and (live or op >= 0.8):  # after a trim no free block holds pages
+            assert not [i for i in b.dirty if pool.blocks[i].ref_cnt == 0]
+            assert pool.get_num_free_blocks() <= 2 or budget.excess() > 0
+    assert set(released) >= {x.block_id for x in b.held if x.block_id in set(released)}
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"ledger": "/nonexistent/dir/kv.ledger"}, "ledger"),
+    ({"budget_mib": 1}, "below one block of every layer"),
+    ({"budget": 1}, "unknown vmcache settings"),
+])  # fmt: skip
+def test_bad_settings_stop_the_engine_with_a_clear_error(cfg, match, capfd):
+    with pytest.raises(Exception):  # noqa: B017 - vLLM wraps the engine core's error
+        start(cfg)
+    cap = capfd.readouterr()  # the engine core's and the worker's logs, whichever stream
+    text = cap.out + cap.err
+    assert any(match in line for line in text.splitlines()), text[-3000:]
