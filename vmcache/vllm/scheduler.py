@@ -118,6 +118,16 @@ class VmcacheScheduler(Scheduler):
             self.balloon.take_back(lent)
             self.balloon.trim()
 
+    def get_kv_cache_usage(self) -> float:
+        """The fraction of vLLM's KV space requests hold (the balloon's blocks are not used)."""
+        return self.balloon.in_use() / max(self.balloon.pool.num_gpu_blocks - 1, 1)
+
+    def make_stats(self, *args, **kwargs):
+        stats = super().make_stats(*args, **kwargs)
+        if stats is not None:
+            stats.kv_cache_usage = self.get_kv_cache_usage()
+        return stats
+
     def shutdown(self) -> None:
         try:
             super().shutdown()
