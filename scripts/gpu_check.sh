@@ -129,7 +129,8 @@ k = c.views.k_cache(0); print('view device:', k.device); assert k.device.type ==
 # GPU-marked tests (CUDA backend, every kernel on CUDA memory); short tracebacks (a long one
 # would repr tensors over unmapped memory); a skipped GPU test is a failure here
 step gpu_tests 260 $PY -P -m pytest tests/gpu/test_cuda.py tests/gpu/test_cuda_quant.py \
-  tests/gpu/test_cuda_graphs.py tests/distributed/test_transfer.py -m gpu -q \
+  tests/gpu/test_cuda_graphs.py tests/gpu/test_vllm_device.py tests/distributed/test_transfer.py \
+  -m gpu -q \
   -p no:cacheprovider --tb=short -rs --junitxml="$WORK/gpu-tests.xml"
 if grep -q 'skipped="[1-9]' "$WORK/gpu-tests.xml" 2>/dev/null; then
   echo "GPU tests were skipped: a GPU machine must run them all" >> "$WORK/gpu_tests.log"

@@ -14,7 +14,7 @@ from repo import ROOT
 
 tomllib = pytest.importorskip("tomllib")
 # the modules that import vLLM (the `vllm` extra): imported where it is installed
-VLLM_MODULES = ("vmcache.vllm.worker", "vmcache.vllm.scheduler")
+VLLM_MODULES = ("vmcache.vllm.worker", "vmcache.vllm.gpu_worker", "vmcache.vllm.scheduler")
 
 
 def _listed() -> set[str]:

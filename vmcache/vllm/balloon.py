@@ -1,21 +1,25 @@
 """Which of vLLM's blocks may hold memory: a balloon of blocks held out of vLLM's free pool.
 
 vLLM's block pool counts every block of its KV space as usable. The balloon takes the blocks
-the budget does not back out of the pool, with the pool's own calls (``get_new_blocks``,
-``free_blocks``), as a virtual machine's balloon driver takes pages from its guest: the pool's
-free count is then what the budget backs, and when it runs out vLLM preempts or queues as it
-does at a full cache. Nothing of vLLM's is patched or replaced.
+the budget does not back out of the pool, with the pool's own calls (``free_blocks``,
+``touch``, ``evict_blocks``), as a virtual machine's balloon driver takes pages from its
+guest: the pool's free count is then what the budget backs, and when it runs out vLLM preempts
+or queues as it does at a full cache. Nothing of vLLM's is patched or replaced.
 
-    pool blocks = null block + in use by requests + free in the pool + in the balloon
-    budget held = in use + free in the pool                          (blocks, scaled to units)
-    resident    = in use + free blocks kept for their prefix hash     (the rest are punched)
+Memory comes in *groups*: ``group_blocks`` consecutive block ids whose bytes are whole pages in
+every layer (1 on the CPU's 4 KiB pages; on CUDA's 2 MiB pages, as many blocks as share them).
+Group 0 holds vLLM's null block and is always backed.
 
-``grow(need)`` (before vLLM schedules) lets out of the balloon what the step may need, in
-chunks, as the budget allows; ``trim()`` (after a step and after aborts) takes back free
-blocks beyond a chunk and the prefix-cache bound and gives their pages and budget back. The
-pool hands out uncached free blocks first and then its least recently used cached ones, so the
-balloon takes those first, as vLLM's own eviction would. ``sweep`` punches the pages of blocks
-freed without a hash (their contents are dead) while keeping them in the pool.
+    pool blocks = in use by requests + free in the pool + in the balloon (whole groups)
+    budget held = groups outside the balloon                            (scaled to units)
+    resident    = backed groups' written pages, less punched dead blocks (on the CPU)
+
+``grow(need)`` (before vLLM schedules) lets groups out of the balloon so that the step's
+requests find ``need`` free blocks, in chunks, as the budget allows; ``trim()`` (after a step
+and after aborts) takes back wholly free groups beyond a chunk and the prefix-cache bound and
+gives their pages and budget back, uncached groups first, then the least recently used. On the
+CPU (one block a group) ``sweep`` also punches each block freed without a prefix hash while it
+stays in the pool (its contents are dead).
 """
 
 from __future__ import annotations
@@ -24,69 +28,96 @@ from collections.abc import Callable, Iterable
 
 
 class Balloon:
-    """The balloon over ``pool`` (a vLLM ``BlockPool``); ``budget`` counts blocks (a
-    :class:`vmcache.memory.budget.ScaledBudget` over bytes); ``release(ids)`` gives the pages
-    of blocks back. ``keep_cached`` blocks with a prefix hash may stay free and resident."""
+    """The balloon over ``pool`` (a vLLM ``BlockPool``). ``budget`` counts groups (a
+    :class:`vmcache.memory.budget.ScaledBudget` over bytes). ``back(groups)`` is called before
+    groups are let out (map them: CUDA) and ``unback(groups)`` after they are taken (give their
+    pages back); ``punch(block_ids)`` gives single dead blocks' pages back (None: groups only).
+    ``keep_cached`` freed blocks with a prefix hash may stay resident."""
 
-    def __init__(self, pool, budget, release: Callable[[list[int]], None], *,
-                 chunk_blocks: int, keep_cached: int) -> None:  # fmt: skip
-        self.pool, self.budget, self._release = pool, budget, release
+    def __init__(self, pool, budget, *, group_blocks: int, chunk_blocks: int, keep_cached: int,
+                 back: Callable[[list[int]], None], unback: Callable[[list[int]], None],
+                 punch: Callable[[list[int]], None] | None) -> None:  # fmt: skip
+        if pool.num_gpu_blocks % group_blocks:
+            raise ValueError(f"{pool.num_gpu_blocks} blocks are not whole groups of "
+                             f"{group_blocks}")  # fmt: skip
+        self.pool, self.budget, self.g = pool, budget, group_blocks
         self.chunk, self.keep_cached = chunk_blocks, keep_cached
-        self.held: list = []  # the balloon's blocks (ref_cnt 1, no hash, no pages)
+        self._back, self._unback, self._punch = back, unback, punch
+        self.groups = pool.num_gpu_blocks // group_blocks
         self.dirty: dict[int, int] = {}  # block -> step last handed out, since last punched
         self.step = 0
         self.refused = 0  # grows the budget could not (fully) give
-        self.held += pool.get_new_blocks(pool.get_num_free_blocks())
-        self.backed = 0  # blocks the budget gave: pool blocks outside the balloon, null excluded
+        if not budget.acquire(1):
+            raise ValueError("the budget cannot give one group of blocks (vLLM's null block's)")
+        self.backed = 1  # groups outside the balloon; group 0 always
+        self._back([0])
+        everything = pool.get_new_blocks(pool.get_num_free_blocks())
+        ours = [b for b in everything if b.block_id < group_blocks]
+        pool.free_blocks(ours)  # group 0's other blocks stay usable
+        self.held: set[int] = set(range(1, self.groups))  # the balloon's groups
 
-    @property
-    def usable(self) -> int:
-        """Blocks vLLM may hand out beyond those in use: the pool's free count."""
-        return self.pool.get_num_free_blocks()
+    def blocks_of(self, groups: Iterable[int]) -> list:
+        return [self.pool.blocks[i] for g in groups for i in range(g * self.g, (g + 1) * self.g)]
 
     def in_use(self) -> int:
-        return self.backed - self.pool.get_num_free_blocks()
+        """Blocks requests hold (vLLM's null block excluded)."""
+        return self.backed * self.g - 1 - self.pool.get_num_free_blocks()
 
     def grow(self, need: int) -> int:
-        """Let out of the balloon so that ``need`` blocks are free, as the budget allows (in
-        chunks). Returns the blocks let out."""
+        """Let groups out so that ``need`` blocks are free, as the budget allows (in chunks).
+        Returns the groups let out."""
         short = need - self.pool.get_num_free_blocks()
         if short <= 0 or not self.held:
             return 0
-        n = min(len(self.held), -(-short // self.chunk) * self.chunk)
+        n = min(len(self.held), -(-max(short, self.chunk) // self.g))
         if not self.budget.acquire(n):
             self.refused += 1
             n = min(n, self.budget.available())
             if n <= 0 or not self.budget.acquire(n):
                 return 0
-        out, self.held = self.held[-n:], self.held[:-n]
+        out = sorted(self.held)[:n]  # low ids first: memory stays compact
+        self._back(out)
+        self.held.difference_update(out)
         self.backed += n
-        self.pool.free_blocks(out)
+        self.pool.free_blocks(self.blocks_of(out))
         return n
 
     def trim(self) -> int:
-        """Punch freed blocks' pages (evicting the least recently used cached ones past the
-        bound first), then take back free blocks beyond a chunk and the cached ones (and
-        beyond the budget's limit, when it was lowered). Returns the blocks taken."""
+        """Evict cached blocks past the bound, punch dead ones, then take back wholly free
+        groups beyond a chunk and the cached blocks (and beyond the budget's limit, when it
+        was lowered). Returns the groups taken."""
         cached = self._evict_cached()
         self.sweep()
         free = self.pool.get_num_free_blocks()
-        excess = max(free - self.chunk - cached, 0)
+        excess = (free - self.chunk - cached) // self.g
         over = self.budget.excess()
         if over:
-            excess = max(excess, min(over, free))
+            excess = max(excess, over)
         if excess <= 0:
             return 0
-        taken = self.pool.get_new_blocks(excess)  # uncached first, then LRU cached (evicted)
-        ids = [b.block_id for b in taken if b.block_id in self.dirty]
-        if ids:
-            self._release(ids)
-            for b in ids:
-                del self.dirty[b]
-        self.held += taken
-        self.backed -= excess
-        self.budget.release(excess)
-        return excess
+        blocks, n = self.pool.blocks, self.g
+        candidates = []
+        for g in range(1, self.groups):
+            if g in self.held:
+                continue
+            members = blocks[g * n:(g + 1) * n]  # fmt: skip
+            if all(b.ref_cnt == 0 for b in members):
+                hashed = [b.block_id for b in members if b.block_hash is not None]
+                last = max((self.dirty.get(b, 0) for b in hashed), default=0)
+                candidates.append((len(hashed), last, g))
+        take = [g for _, _, g in sorted(candidates)[:excess]]  # uncached, then LRU
+        if not take:
+            return 0
+        members = self.blocks_of(take)
+        self.pool.evict_blocks({b.block_id for b in members if b.block_hash is not None})
+        self.pool.touch(members)  # out of the free queue, ref_cnt 1, no hash: the balloon's
+        self._unback(take)
+        for b in members:
+            self.dirty.pop(b.block_id, None)
+        self.held.update(take)
+        self.backed -= len(take)
+        self.budget.release(len(take))
+        return len(take)
 
     def written(self, block_ids: Iterable[int]) -> None:
         """Blocks a step's requests hold (new ones will be written; prefix hits are used)."""
@@ -96,7 +127,7 @@ class Balloon:
 
     def _evict_cached(self) -> int:
         """Drop the prefix hash of the least recently used free cached blocks past
-        ``keep_cached`` (their pages are punched by the sweep); returns those kept."""
+        ``keep_cached``; returns those kept."""
         blocks = self.pool.blocks
         free = [b for b in self.dirty
                 if blocks[b].ref_cnt == 0 and blocks[b].block_hash is not None]  # fmt: skip
@@ -107,24 +138,29 @@ class Balloon:
         return self.keep_cached
 
     def sweep(self) -> int:
-        """Punch the pages of free blocks without a prefix hash (dead contents)."""
+        """Punch the pages of free blocks without a prefix hash (dead contents), where single
+        blocks can be given back (one block a group)."""
+        if self._punch is None:
+            return 0
         blocks = self.pool.blocks
         dead = [b for b in self.dirty if blocks[b].ref_cnt == 0 and blocks[b].block_hash is None]
         if dead:
-            self._release(dead)
+            self._punch(dead)
             for b in dead:
                 del self.dirty[b]
         return len(dead)
 
-    def lend_all(self) -> list:
-        """Return every balloon block to the pool without budget (for a call that needs the
-        pool whole, e.g. resetting the prefix cache); :meth:`take_back` ends it."""
-        out, self.held = self.held, []
-        self.pool.free_blocks(out)
+    def lend_all(self) -> list[int]:
+        """Return every balloon group's blocks to the pool without budget (for a call that
+        needs the pool whole, e.g. resetting the prefix cache); :meth:`take_back` ends it."""
+        out = sorted(self.held)
+        self.pool.free_blocks(self.blocks_of(out))
         return out
 
-    def take_back(self, n: int) -> None:
-        self.held += self.pool.get_new_blocks(n)  # they were put first in the queue
+    def take_back(self, groups: list[int]) -> None:
+        members = self.blocks_of(groups)
+        self.pool.evict_blocks({b.block_id for b in members if b.block_hash is not None})
+        self.pool.touch(members)
 
     def close(self) -> None:
         if self.backed:

@@ -13,15 +13,17 @@ back to the OS with its last holder (a file under /dev/shm would outlive both).
 
 A block's bytes are ``segments``: (offset, stride, span): block b of a segment is
 ``[offset + b * stride, offset + b * stride + span)``; one segment per layer (and per outer
-dimension of a view, e.g. K and V when they are outermost). Every offset, stride and span is a
-multiple of the OS page, so a block's pages are its own: :meth:`BlockLayout.from_views` refuses
-a layout where they are not (:class:`UnsupportedLayout`, naming it).
+dimension of a view, e.g. K and V when they are outermost). Memory is given back by *groups*
+of ``group_blocks`` consecutive blocks whose bytes are whole pages in every segment (1 where a
+block's stride is a multiple of the page, as on the CPU); every segment must start on a page
+(:class:`UnsupportedLayout` otherwise, naming it and what makes it so).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 import mmap
 import os
 import stat
@@ -51,41 +53,54 @@ class BlockLayout:
     def __post_init__(self) -> None:
         if not 0 < len(self.segments) <= MAX_SEGMENTS or self.num_blocks < 1:
             raise ValueError(f"a layout needs 1..{MAX_SEGMENTS} segments and a block")
+        if self.page_bytes < 1 or self.page_bytes & (self.page_bytes - 1):
+            raise ValueError(f"page_bytes must be a power of two, got {self.page_bytes}")
         for off, stride, span in self.segments:
             if min(off, stride, span) < 0 or span > stride or stride == 0:
                 raise ValueError(f"bad segment (offset {off}, stride {stride}, span {span})")
-            if off % self.page_bytes or stride % self.page_bytes or span % self.page_bytes:
-                raise UnsupportedLayout(
-                    f"a block's bytes (offset {off}, stride {stride}, span {span}) are not whole "
-                    f"{self.page_bytes}-byte pages, so its memory cannot be given back alone: "
-                    "use a block size that makes them so (--block-size)"
-                )
+        g = self.group_blocks
+        bad = [off for off, _, _ in self.segments if off % self.page_bytes]
+        if bad or self.num_blocks % g:
+            raise UnsupportedLayout(
+                f"vLLM's KV views ({self.num_blocks} blocks of {self.segments[0][1]} bytes a "
+                f"layer) do not start every layer on a {self.page_bytes}-byte page, so groups of "
+                f"{g} blocks are not whole pages: a number of blocks that is a multiple of {g} "
+                "makes them so (--num-gpu-blocks-override)"
+            )
+
+    @property
+    def group_blocks(self) -> int:
+        """The fewest consecutive blocks whose bytes are whole pages in every segment."""
+        return math.lcm(*(self.page_bytes // math.gcd(self.page_bytes, s)
+                          for _, s, _ in self.segments))  # fmt: skip
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_blocks // self.group_blocks
 
     @property
     def block_bytes(self) -> int:
-        """The bytes one block holds over every layer."""
-        return sum(span for _, _, span in self.segments)
+        """The bytes one block spans over every layer."""
+        return sum(stride for _, stride, _ in self.segments)
+
+    @property
+    def group_bytes(self) -> int:
+        return self.block_bytes * self.group_blocks
 
     @property
     def extent(self) -> int:
-        """The bytes of the file the layout addresses."""
-        last = self.num_blocks - 1
-        return max(off + last * stride + span for off, stride, span in self.segments)
+        """The bytes the layout's groups address (to the end of the last block's stride)."""
+        return max(off + self.num_blocks * stride for off, stride, _ in self.segments)
 
-    def ranges(self, block_ids: list[int]) -> list[tuple[int, int]]:
-        """(offset, length) of the bytes of ``block_ids``, adjacent blocks merged."""
-        ids = sorted(set(block_ids))
-        if ids and not (0 <= ids[0] and ids[-1] < self.num_blocks):
-            raise ValueError(f"block ids outside [0, {self.num_blocks})")
-        out = []
-        for off, stride, span in self.segments:
-            for start, count in runs(ids, 1):
-                first = off + ids[start] * stride
-                if span == stride:
-                    out.append((first, count * stride))
-                else:
-                    out.extend((first + i * stride, span) for i in range(count))
-        return out
+    def ranges(self, groups: list[int]) -> list[tuple[int, int]]:
+        """(offset, length) of the bytes of ``groups`` in every segment (whole pages),
+        adjacent groups merged."""
+        ids = sorted(set(groups))
+        if ids and not (0 <= ids[0] and ids[-1] < self.num_groups):
+            raise ValueError(f"group ids outside [0, {self.num_groups})")
+        g = self.group_blocks
+        return [(off + ids[start] * g * stride, count * g * stride)
+                for off, stride, _ in self.segments for start, count in runs(ids, 1)]  # fmt: skip
 
     @classmethod
     def from_views(cls, views: list[torch.Tensor], base: int, num_blocks: int,
@@ -145,46 +160,80 @@ class HostKVRegion:
         """The memfd's bytes backed by memory now (its allocated blocks)."""
         return os.fstat(self.fd).st_blocks * 512
 
-    def punch(self, ranges: list[tuple[int, int]]) -> None:
-        for off, length in ranges:
-            punch_hole(self.fd, off, length)
-
     def publish(self, path: Path, layout: BlockLayout) -> None:
-        """Write the rendezvous file (atomically, 0600) for :class:`BlockPuncher`."""
-        body = {"pid": os.getpid(), "fd": self.fd, "nbytes": self.nbytes,
-                "num_blocks": layout.num_blocks, "page_bytes": layout.page_bytes,
-                "segments": [list(s) for s in layout.segments]}  # fmt: skip
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(body, fh)
-        os.replace(tmp, path)
+        publish_rendezvous(path, "host", self.fd, self.nbytes, layout)
+
+
+def publish_rendezvous(path: Path, kind: str, fd: int, nbytes: int, layout: BlockLayout) -> None:
+    """Write the rendezvous file (atomically, 0600): this process's memfd ``fd`` of ``nbytes``
+    (``kind`` "host": the KV memory itself; "groups": one byte a group the scheduler sets)."""
+    body = {"kind": kind, "pid": os.getpid(), "fd": fd, "nbytes": nbytes,
+            "num_blocks": layout.num_blocks, "page_bytes": layout.page_bytes,
+            "segments": [list(s) for s in layout.segments]}  # fmt: skip
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(out, "w") as fh:
+        json.dump(body, fh)
+    os.replace(tmp, path)
+
+
+def open_peer_fd(body: dict) -> int:
+    """The worker's memfd named by a rendezvous ``body``, opened through /proc and checked."""
+    src = f"/proc/{body['pid']}/fd/{body['fd']}"
+    try:
+        fd = os.open(src, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as e:
+        raise RuntimeError(f"cannot open the vLLM worker's KV memory {src}: {e}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != body["nbytes"]:
+        os.close(fd)
+        raise RuntimeError(f"{src} is not the worker's memfd (size {st.st_size}, expected "
+                           f"{body['nbytes']})")  # fmt: skip
+    return fd
+
+
+def open_worker_memory(path: Path):
+    """The scheduler's handle on the worker's KV memory published at ``path`` (which it
+    removes): a :class:`BlockPuncher` (host) or a :class:`vmcache.vllm.device.WantedGroups`.
+    Either has ``layout``, ``back(groups)``, ``unback(groups)``, ``punch`` (a callable that
+    gives single blocks back, or None) and ``close()``."""
+    body = _read_rendezvous(path)
+    layout = BlockLayout(tuple(tuple(s) for s in body["segments"]), body["num_blocks"],
+                         body["page_bytes"])  # fmt: skip
+    if body.get("kind") == "host":
+        if layout.extent > body["nbytes"]:
+            raise ValueError(f"{path}: the layout addresses past the KV memory's end")
+        handle = BlockPuncher(body, layout)
+    elif body.get("kind") == "groups":
+        from vmcache.vllm.device import WantedGroups
+
+        if body["nbytes"] != layout.num_groups:
+            raise ValueError(f"{path}: {body['nbytes']} bytes for {layout.num_groups} groups")
+        handle = WantedGroups(body, layout)
+    else:
+        raise ValueError(f"{path}: unknown kind {body.get('kind')!r}")
+    path.unlink(missing_ok=True)
+    return handle
 
 
 class BlockPuncher:
-    """The scheduler's handle on the worker's KV memory (see the module docstring)."""
+    """The scheduler's handle on the worker's host KV memory (see the module docstring)."""
 
-    def __init__(self, path: Path) -> None:
-        body = _read_rendezvous(path)
-        self.layout = BlockLayout(tuple(tuple(s) for s in body["segments"]),
-                                  body["num_blocks"], body["page_bytes"])  # fmt: skip
-        if self.layout.extent > body["nbytes"]:
-            raise ValueError(f"{path}: the layout addresses past the KV memory's end")
-        src = f"/proc/{body['pid']}/fd/{body['fd']}"
-        try:
-            self.fd = os.open(src, os.O_RDWR | os.O_CLOEXEC)
-        except OSError as e:
-            raise RuntimeError(f"cannot open the vLLM worker's KV memory {src}: {e}") from None
-        st = os.fstat(self.fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != body["nbytes"]:
-            os.close(self.fd)
-            raise RuntimeError(f"{src} is not the worker's KV memory (size {st.st_size}, "
-                               f"expected {body['nbytes']})")  # fmt: skip
-        path.unlink(missing_ok=True)
+    def __init__(self, body: dict, layout: BlockLayout) -> None:
+        self.layout = layout
+        self.fd = open_peer_fd(body)
+        # single blocks can be given back where a group is one block
+        self.punch = self.release if layout.group_blocks == 1 else None
 
-    def release(self, block_ids: list[int]) -> None:
-        """Give the pages of ``block_ids`` back to the OS; they read as zeros after."""
-        for off, length in self.layout.ranges(block_ids):
+    def back(self, groups: list[int]) -> None:
+        """Nothing to do: a written page of the memfd is resident from its first write."""
+
+    def unback(self, groups: list[int]) -> None:
+        self.release(groups)
+
+    def release(self, groups: list[int]) -> None:
+        """Give the pages of ``groups`` back to the OS; they read as zeros after."""
+        for off, length in self.layout.ranges(groups):
             punch_hole(self.fd, off, length)
 
     def resident_bytes(self) -> int:
@@ -222,6 +271,8 @@ def _read_rendezvous(path: Path) -> dict:
         raise ValueError(f"{path} is larger than a rendezvous file may be")
     body = json.loads(raw)
     ints = ("pid", "fd", "nbytes", "num_blocks", "page_bytes")
+    if not isinstance(body, dict) or body.get("kind") not in ("host", "groups"):
+        raise ValueError(f"{path} is not a vmcache rendezvous file")
     if not isinstance(body, dict) or any(type(body.get(k)) is not int or body[k] < 0 for k in ints):
         raise ValueError(f"{path} is not a vmcache rendezvous file")
     segs = body.get("segments")

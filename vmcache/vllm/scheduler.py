@@ -23,7 +23,7 @@ from vmcache.memory.budget import LocalBudget, ScaledBudget
 from vmcache.vllm import check_version
 from vmcache.vllm.balloon import Balloon
 from vmcache.vllm.config import MIB, VllmKVConfig
-from vmcache.vllm.region import BlockPuncher, rendezvous_path
+from vmcache.vllm.region import open_worker_memory, rendezvous_path
 
 check_version(vllm.__version__)
 log = logging.getLogger("vllm.vmcache")  # shown by vLLM's log handlers
@@ -41,29 +41,33 @@ class VmcacheScheduler(Scheduler):
                              "parallelism)")  # fmt: skip
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         self.vmcache_config = cfg
-        self.puncher = BlockPuncher(rendezvous_path(vllm_config.instance_id, 0))
-        layout = self.puncher.layout
+        self.memory = open_worker_memory(rendezvous_path(vllm_config.instance_id, 0))
+        layout = self.memory.layout
         pool = self.kv_cache_manager.block_pool
         if layout.num_blocks != pool.num_gpu_blocks:
             raise ValueError(f"the worker's KV memory holds {layout.num_blocks} blocks, the "
                              f"scheduler's pool {pool.num_gpu_blocks}")  # fmt: skip
-        self.block_bytes = layout.block_bytes
+        self.block_bytes, self.group_bytes = layout.block_bytes, layout.group_bytes
         space = layout.num_blocks * self.block_bytes
         self.budget = self._budget(cfg, space, vllm_config.model_config.max_model_len)
         keep = cfg.blocks(cfg.prefix_cache_mib if cfg.prefix_cache_mib is not None
                           else space / 10 / MIB, self.block_bytes)  # fmt: skip
-        self.balloon = Balloon(pool, self.budget, self.puncher.release,
-                               chunk_blocks=cfg.chunk_blocks, keep_cached=keep)  # fmt: skip
-        log.info("vmcache: vLLM's KV space of %.0f MiB (%d blocks of %.2f MiB) is mapped as it "
-                 "is used; budget: %s; prefix-cache blocks kept resident: at most %d (%.0f MiB)",
-                 space / MIB, layout.num_blocks, self.block_bytes / MIB, self._budget_text(cfg),
-                 keep, keep * self.block_bytes / MIB)  # fmt: skip
+        m = self.memory
+        self.balloon = Balloon(pool, self.budget, group_blocks=layout.group_blocks,
+                               chunk_blocks=cfg.chunk_blocks, keep_cached=keep,
+                               back=m.back, unback=m.unback, punch=m.punch)  # fmt: skip
+        log.info("vmcache: vLLM's KV space of %.0f MiB (%d blocks of %.2f MiB, given back in "
+                 "groups of %d) is mapped as it is used; budget: %s; prefix-cache blocks kept "
+                 "resident: at most %d (%.0f MiB)", space / MIB, layout.num_blocks,
+                 self.block_bytes / MIB, layout.group_blocks, self._budget_text(cfg), keep,
+                 keep * self.block_bytes / MIB)  # fmt: skip
 
     # --- the budget ------------------------------------------------------------------------
     def _budget(self, cfg: VllmKVConfig, space: int, max_model_len: int):
-        if cfg.budget_mib is not None and cfg.budget_mib * MIB < self.block_bytes:
+        if cfg.budget_mib is not None and cfg.budget_mib * MIB < self.group_bytes:
             raise ValueError(f"vmcache.budget_mib {cfg.budget_mib} is below one block of every "
-                             f"layer ({self.block_bytes / MIB:.2f} MiB)")  # fmt: skip
+                             f"layer ({self.group_bytes / MIB:.2f} MiB: the memory is given in "
+                             "groups of blocks that fill whole pages)")  # fmt: skip
         total = int(cfg.budget_mib * MIB) // UNIT_BYTES if cfg.budget_mib is not None else None
         if cfg.ledger is None:
             inner = LocalBudget(total if total is not None else -(-space // UNIT_BYTES))
@@ -74,7 +78,7 @@ class VmcacheScheduler(Scheduler):
                                  lock_timeout_s=cfg.lock_timeout_s)  # fmt: skip
             one_seq = -(-max_model_len // self.block_size) * self.block_bytes
             floor_bytes = cfg.floor_mib * MIB if cfg.floor_mib is not None else one_seq
-            floor = -(-int(floor_bytes) // self.block_bytes) * -(-self.block_bytes // UNIT_BYTES)
+            floor = -(-int(floor_bytes) // self.group_bytes) * -(-self.group_bytes // UNIT_BYTES)
             try:
                 inner.set_limits(min_pages=floor)
             except ValueError as e:
@@ -83,7 +87,7 @@ class VmcacheScheduler(Scheduler):
                                  f"fit the ledger beside the others' ({e}): lower "
                                  "vmcache.floor_mib") from None  # fmt: skip
         budget = ScaledBudget(inner, unit_bytes=UNIT_BYTES)
-        budget.bind_page_bytes(self.block_bytes)
+        budget.bind_page_bytes(self.group_bytes)
         return budget
 
     def _budget_text(self, cfg: VllmKVConfig) -> str:
@@ -136,7 +140,7 @@ class VmcacheScheduler(Scheduler):
             close = getattr(self.budget.inner, "close", None)
             if close is not None:
                 close()
-            self.puncher.close()
+            self.memory.close()
 
     def _blocks_wanted(self) -> int:
         """Blocks the next step may allocate: each running request's next tokens, then the
