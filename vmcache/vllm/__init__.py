@@ -18,8 +18,12 @@ scheduler (vLLM's engine core, another process) decides which blocks hold pages:
 :mod:`vmcache.vllm.region` (the memory), :mod:`vmcache.vllm.balloon` (the blocks vLLM may
 use) and :mod:`vmcache.vllm.scheduler`.
 
-This package imports nothing from vLLM; its ``worker`` and ``scheduler`` modules do, and check
-its version first (:func:`check_version`).
+On a GPU, ``--worker-cls vmcache.vllm.gpu_worker.VmcacheGPUWorker`` keeps the tensor on a CUDA
+VMM reservation whose pages follow the scheduler's wants (:mod:`vmcache.vllm.device`; not yet
+run on a GPU).
+
+This package imports nothing from vLLM; its ``worker``, ``gpu_worker`` and ``scheduler``
+modules do, and check its version first (:func:`check_version`).
 """
 
 from __future__ import annotations
