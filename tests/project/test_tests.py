@@ -7,7 +7,7 @@ import ast
 from repo import ROOT
 
 FOLDERS = {"memory", "sequences", "prefix", "kernels", "hf", "engine", "server", "distributed",
-           "bench", "models", "properties", "gpu", "project"}  # fmt: skip
+           "bench", "models", "properties", "gpu", "project", "vllm"}  # fmt: skip
 
 
 def modules() -> list:

@@ -91,7 +91,10 @@ def test_idle_prefix_pages_yield_to_another_models_sequences(real, cache):
         assert cached >= 40 and held_mib(r)["a"] > 2.5
         out = burst(r, [("b", prompt(i, 300), 100) for i in range(6)])
         assert all(o.usage.completion_tokens == 100 for o in out)
-        assert metric(r, "num_preemptions_total", "b") == 0
+        # a yields at its next check (every 0.1 s): b's first refusals may come before it (a
+        # loaded run preempted once, a fresh clone's `make test` once); without the yield
+        # rule b preempted 20 times
+        assert metric(r, "num_preemptions_total", "b") <= 2
         assert r.server.models["a"].keeper.yielded_pages >= 40
         time.sleep(0.6)
         assert metric(r, "kv_pages_prefix_idle", "a") < cached
