@@ -122,7 +122,7 @@ def common(args) -> list[str]:
             "--max-seqs", "32", "--max-waiting", "512", "--request-timeout-s", "900",
             "--no-prefix-caching",
             *(["--compile", "--compile-cache", args.compile_cache] if args.compile
-              else [])]  # fmt: skip
+              else ["--no-compile"])]  # fmt: skip
 
 
 def start(system: str, args, logs: str) -> dict[str, Server]:

@@ -265,7 +265,8 @@ def soak(n: int, clients: int = 32, seed: int = 0, cache: str = "vm", new: int =
     from vmcache.server.cli import Running, build_server, parse_args
 
     model, tok = smol()
-    args = ["--cache", cache, "--max-seqs", "32", "--kv-budget-mib", "128", "--max-waiting",
+    args = ["--no-compile", "--cache", cache, "--max-seqs", "32", "--kv-budget-mib", "128",
+            "--max-waiting",
             str(2 * n + 64), "--max-seq-len", "1024",
             *(a for m in SOAK_MODELS for a in ("--model", f"{m}={SERVED}"))]  # fmt: skip
     server, _ = build_server(parse_args(args), model, tok)

@@ -13,7 +13,10 @@ from vmcache.sequences.invariants import check_invariants
 from vmcache.server.cli import Running, build_server, parse_args
 
 MODEL = "smollm2-135m-instruct"
-BASE = ["--max-seqs", "8", "--max-seq-len", "1024", "--pool-mib", "64", "--max-waiting", "16"]
+# (the eager step: the compiled one, the server's default, has its own tests in
+# tests/engine/test_engine_compiled.py and tests/project/test_docs_commands.py)
+BASE = ["--max-seqs", "8", "--max-seq-len", "1024", "--pool-mib", "64", "--max-waiting", "16",
+        "--no-compile"]  # fmt: skip
 
 
 def start(real, *extra) -> Running:

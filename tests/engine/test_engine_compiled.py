@@ -263,6 +263,30 @@ def test_the_server_flag_builds_the_compiled_engine(model, steps):
     assert isinstance(engine.runner, CompiledRunner)
     out = engine.run([Request("a", (5, 6, 7), SamplingParams(max_new_tokens=4))])
     assert len(out["a"][0]) == 4
-    assert not isinstance(build_engine(parse_args([]), model).runner, CompiledRunner)
+    assert not isinstance(build_engine(parse_args(["--no-compile"]), model).runner,
+                          CompiledRunner)  # fmt: skip
     with pytest.raises(SystemExit):  # where to keep a compiled step, with nothing compiled
-        parse_args(["--compile-cache", str(steps)])
+        parse_args(["--no-compile", "--compile-cache", str(steps)])
+    with pytest.raises(SystemExit):
+        parse_args(["--compile", "--no-compile"])
+
+
+def test_the_server_compiles_by_default_where_it_can_and_says_so(model, steps, capsys):
+    from vmcache.server.cli import build_engine, parse_args
+
+    assert parse_args([]).compile == "auto"
+    small = ["--compile-cache", str(steps), "--pool-mib", "1", "--max-seqs", "4",
+             "--max-seq-len", "64"]  # fmt: skip
+    engine = build_engine(parse_args(small), model)  # no flag: compiled, from the cache here
+    assert isinstance(engine.runner, CompiledRunner) and engine.runner.compiles == 0
+    assert engine.compile_choice.startswith(f"compiled: loaded from {steps}")
+    assert "the compiled step: loaded from" in capsys.readouterr().err
+    # where it cannot (INT8 K/V), the eager step, with the reason
+    engine = build_engine(parse_args([*small, "--kv-dtype", "int8"]), model)
+    assert not isinstance(engine.runner, CompiledRunner)
+    assert engine.compile_choice.startswith("eager: the compiled step cannot run")
+    assert "K/V" in engine.compile_choice
+    with pytest.raises(ValueError, match="K/V"):  # --compile insists
+        build_engine(parse_args([*small, "--kv-dtype", "int8", "--compile"]), model)
+    with pytest.raises(ValueError, match="compile must be"):
+        Engine(model, make("vm", 40), compile="yes")

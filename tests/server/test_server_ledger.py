@@ -20,7 +20,8 @@ from real_model import tiny_chat_checkpoint
 
 from vmcache.memory.ledger_admin import read
 
-FLAGS = ["--max-seq-len", "512", "--max-seqs", "16", "--kv-budget-mib", "8", "--threads", "1"]
+FLAGS = ["--max-seq-len", "512", "--max-seqs", "16", "--kv-budget-mib", "8", "--threads", "1",
+         "--no-compile"]  # fmt: skip
 
 
 def free_port() -> int:

@@ -112,6 +112,53 @@ def unsupported(model, kv) -> str | None:
     return None
 
 
+def toolchain_missing(device: torch.device) -> str | None:
+    """Why inductor cannot build a step on ``device`` here (None: it can): a C++ compiler on
+    the CPU, triton on a GPU."""
+    if device.type == "cpu":
+        try:
+            from torch._inductor.cpp_builder import get_cpp_compiler
+
+            get_cpp_compiler()
+        except Exception as e:  # noqa: BLE001 - inductor's own check, whatever it raises
+            return f"no C++ compiler for inductor ({type(e).__name__}: {str(e)[:200]})"
+        return None
+    import importlib.util
+
+    return None if importlib.util.find_spec("triton") else "triton is not installed"
+
+
+def make_runner(model, kv, compile, compile_cache=None):
+    """The engine's step runner for ``compile`` (True, False or ``"auto"``) → ``(runner,
+    choice)``, ``choice`` saying which step runs and why. ``"auto"`` compiles where the model,
+    the cache and the toolchain allow (:func:`unsupported`, :func:`toolchain_missing`, or a
+    compile that fails) and runs the eager step otherwise; True refuses instead
+    (``ValueError`` with the reason)."""
+    if not (isinstance(compile, bool) or compile == "auto"):
+        raise ValueError(f'compile must be True, False or "auto", got {compile!r}')
+    if compile_cache is not None and compile is False:
+        raise ValueError("compile_cache is where a compiled step is kept; pass compile=True or "
+                         '"auto" with it')  # fmt: skip
+    if compile is False:
+        return ModelRunner(model, kv), "eager (compile=False)"
+    if compile == "auto":
+        why = unsupported(model, kv) or toolchain_missing(ModelRunner(model, kv).device)
+        if why is not None:
+            return ModelRunner(model, kv), f"eager: the compiled step cannot run {why}"
+        try:
+            runner = CompiledRunner(model, kv, compile_cache=compile_cache)
+        except ValueError as e:
+            return ModelRunner(model, kv), f"eager: {e}"
+    else:
+        runner = CompiledRunner(model, kv, compile_cache=compile_cache)
+    kept = runner.package is not None and compile_cache is not None
+    if runner.compiles or runner.device.type != "cpu":
+        how = f"built{f' into {runner.package.parent}' if kept else ''}"
+    else:
+        how = f"loaded from {runner.package.parent}"
+    return runner, f"compiled: {how} in {runner.startup_s:.1f} s"
+
+
 # The CPU step's inductor settings. Frozen weights; kernels that read the thread count when
 # they run. Where vmcache's GEMM builds, the graph inductor gets has no linear layers left
 # (packed_linears); where it does not, each linear layer's weight is packed for oneDNN's matmul

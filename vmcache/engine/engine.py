@@ -28,12 +28,11 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from vmcache.engine.compiled import CompiledRunner
+from vmcache.engine.compiled import make_runner
 from vmcache.engine.drafts import DraftModel, NgramDrafter
 from vmcache.engine.logits import pick, record_prompt_logprobs
 from vmcache.engine.records import Records
 from vmcache.engine.request import Request, Seq, Status, model_eos_ids
-from vmcache.engine.runner import ModelRunner
 from vmcache.engine.scheduler import Scheduler
 from vmcache.engine.speculation import Speculation
 from vmcache.engine.stats import EngineStats
@@ -57,7 +56,8 @@ class Engine:
                  max_batch_tokens: int = 2048, map_ahead: bool = True,
                  keep_free_pages: int | None = None,
                  speculative: NgramDrafter | DraftModel | None = None,
-                 compile: bool = False, compile_cache: str | os.PathLike | None = None,
+                 compile: bool | str = False,
+                 compile_cache: str | os.PathLike | None = None,
                  ) -> None:  # fmt: skip
         """``keep_free_pages``: after each step, give back the memory of free pages beyond
         that many (elastic memory: an engine sharing a device's budget returns what it does
@@ -66,7 +66,8 @@ class Engine:
         (:mod:`vmcache.engine.drafts`); a sliding-window cache must keep
         ``rollback_tokens`` ≥ its ``k`` (a rejected draft is truncated away). ``compile``:
         run the model's forward compiled (:mod:`vmcache.engine.compiled`: warmed up here,
-        ``runner.startup_s`` long; ``ValueError`` with the reason where it cannot);
+        ``runner.startup_s`` long; ``ValueError`` with the reason where it cannot; ``"auto"``:
+        compiled where it can, eager otherwise; :attr:`compile_choice` says which and why);
         ``compile_cache``: a directory to keep it in (created private), so that later
         engines on the same model load it instead of compiling (CPU: seconds instead of
         minutes); None compiles for this engine only.
@@ -77,11 +78,7 @@ class Engine:
         self.kv, self.map_ahead, self.keep_free_pages = cache, map_ahead, keep_free_pages
         self.max_wait_s = 60.0  # on a shared budget: how long nothing may run before CacheFull
         self._stalled_since: float | None = None
-        if compile_cache is not None and not compile:
-            raise ValueError("compile_cache is where compile=True keeps the compiled step; "
-                             "pass compile=True with it")  # fmt: skip
-        self.runner = (CompiledRunner(model, cache, compile_cache=compile_cache) if compile
-                       else ModelRunner(model, cache))  # fmt: skip
+        self.runner, self.compile_choice = make_runner(model, cache, compile, compile_cache)
         self.vocab = model.config.get_text_config().vocab_size
         self.eos_token_ids = model_eos_ids(model)  # stop ids of every request but ignore_eos
         self.stats = EngineStats()  # the scheduler and the speculation write their parts

@@ -13,8 +13,11 @@ prompt lookup. The settings chosen are printed at start.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -80,16 +83,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument(
+    step = p.add_mutually_exclusive_group()
+    step.add_argument(
         "--compile",
-        action="store_true",
-        help="the compiled engine step (compiles at start: a minute or more on a CPU)",
+        dest="compile",
+        action="store_const",
+        const="on",
+        default="auto",
+        help="the compiled engine step, refusing to start where it cannot run (default: "
+        "compiled where the model and this machine allow, the eager step otherwise)",
     )
+    step.add_argument("--no-compile", dest="compile", action="store_const", const="off",
+                      help="the eager engine step (nothing compiled)")  # fmt: skip
     p.add_argument(
         "--compile-cache",
         metavar="DIR",
-        help="with --compile: keep the compiled step in DIR (created private); later starts "
-        "on the same model load it (CPU: seconds) instead of compiling",
+        help="where the compiled step is kept (created private; default "
+        "~/.cache/vmcache/compiled): a first start on a model compiles it there, later ones "
+        "load it in seconds",
     )
     p.add_argument(
         "--speculative",
@@ -141,8 +152,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    or args.kv_ledger is not None or bool(args.floors))  # fmt: skip
     if args.max_waiting < 0:
         p.error("--max-waiting must be >= 0")
-    if args.compile_cache is not None and not args.compile:
-        p.error("--compile-cache keeps the compiled step of --compile; pass --compile with it")
+    if args.compile_cache is not None and args.compile == "off":
+        p.error("--compile-cache keeps a compiled step; --no-compile compiles none")
     if args.api_key_file is not None:
         args.api_key = args.api_key_file.read_text().strip()
         if not args.api_key:
@@ -192,10 +203,43 @@ def build_engine(args, model, budget=None):
     if budget is not None:
         budget.bind_page_bytes(kv.config.page_bytes)
     drafter = NgramDrafter(k=4) if args.speculative else None
-    return Engine(model, kv, preemption=args.preemption,
-                  max_batch_tokens=args.max_batch_tokens, speculative=drafter,
-                  compile=args.compile, compile_cache=args.compile_cache,
-                  keep_free_pages=keep)  # fmt: skip
+    compile = {"on": True, "off": False, "auto": "auto"}[args.compile]
+    cache_dir = None if compile is False else args.compile_cache or default_compile_cache()
+    with compiling_notice(compile is not False, cache_dir):
+        return Engine(model, kv, preemption=args.preemption,
+                      max_batch_tokens=args.max_batch_tokens, speculative=drafter,
+                      compile=compile, compile_cache=cache_dir,
+                      keep_free_pages=keep)  # fmt: skip
+
+
+def default_compile_cache() -> Path:
+    """``~/.cache/vmcache/compiled``: the server's compiled steps, kept between starts."""
+    return Path.home() / ".cache" / "vmcache" / "compiled"
+
+
+@contextlib.contextmanager
+def compiling_notice(on: bool, cache_dir, every_s: float = 15.0):
+    """While an engine is built that may compile its step: say so and where it is kept, with
+    an estimate (measured here: SmolLM2-135M's 30 layers took ~70 s on 2 cores), and every
+    ``every_s`` how long it has taken, until it is built."""
+    if not on:
+        yield
+        return
+    print(f"vmcache-server: the compiled step: loaded from {cache_dir}, or compiled into it on "
+          "a first start on this model and machine (about 2-3 s a layer on 2 CPU cores; "
+          "later starts load it in seconds; --no-compile skips it)", file=sys.stderr)  # fmt: skip
+    done, t0 = threading.Event(), time.monotonic()
+
+    def tick():
+        while not done.wait(every_s):
+            print(f"vmcache-server: still building the step ({time.monotonic() - t0:.0f} s)",
+                  file=sys.stderr)  # fmt: skip
+
+    threading.Thread(target=tick, daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def build_server(args, model=None, tokenizer=None):
@@ -283,7 +327,8 @@ def main(argv=None) -> int:
               f"max_seqs {kv.config.max_seqs}, "
               f"max_seq_len {kv.config.max_seq_len}, prefix caching "
               f"{'off' if args.no_prefix_caching else 'on'}, preemption {args.preemption}, "
-              f"speculative {'on' if args.speculative else 'off'}", file=sys.stderr)  # fmt: skip
+              f"speculative {'on' if args.speculative else 'off'}, step "
+              f"{m.loop.engine.compile_choice}", file=sys.stderr)  # fmt: skip
     if server.ledger is not None:
         from vmcache.server.fleet import UNIT_BYTES
 
