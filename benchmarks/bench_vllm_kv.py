@@ -13,8 +13,8 @@ greedy, VLLM_CPU_OMP_THREADS_BIND=0-1) and stay up for the whole run:
   throughput  ``--decode`` requests of 128 new tokens (EOS ignored), the engines alternating
               for ``--repeats`` rounds; output tokens/s, median with min-max
   tokens      every answer of both compared (greedy)
-The JSON (benchmarks/results/vllm_kv-DATE-cpu-*.json) is rendered by scripts/readme_vllm_kv.py;
-scripts/plot_vllm_kv.py draws the memory plot from it.
+The JSON (benchmarks/results/vllm_kv-DATE-cpu-*.json) is rendered by scripts/readme_vllm_kv.py,
+which, run as a script, also draws the memory plot from it (make bench-vllm-kv does both).
 """
 
 from __future__ import annotations

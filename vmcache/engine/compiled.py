@@ -142,13 +142,14 @@ def make_runner(model, kv, compile, compile_cache=None):
     if compile is False:
         return ModelRunner(model, kv), "eager (compile=False)"
     if compile == "auto":
-        why = unsupported(model, kv) or toolchain_missing(ModelRunner(model, kv).device)
+        eager = ModelRunner(model, kv)  # its device, and the step where none compiles
+        why = unsupported(model, kv) or toolchain_missing(eager.device)
         if why is not None:
-            return ModelRunner(model, kv), f"eager: the compiled step cannot run {why}"
+            return eager, f"eager: the compiled step cannot run {why}"
         try:
             runner = CompiledRunner(model, kv, compile_cache=compile_cache)
         except ValueError as e:
-            return ModelRunner(model, kv), f"eager: {e}"
+            return eager, f"eager: {e}"
     else:
         runner = CompiledRunner(model, kv, compile_cache=compile_cache)
     kept = runner.package is not None and compile_cache is not None

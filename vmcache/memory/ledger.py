@@ -56,6 +56,10 @@ from vmcache.memory.ledger_rows import (  # noqa: F401  (LedgerError, _start_tim
 )
 
 WANT_S = 1.0  # how long a refusal marks a holder as wanting pages
+# the bytes one ledger page stands for where holders of different page sizes share a ledger
+# (vmcache-server's models, vmcache.vllm's engines: each counts its pages through a
+# ScaledBudget of this unit)
+UNIT_BYTES = 4096
 TTL_S = 0.002  # available() answers from a cached read this long (acquire always locks)
 
 

@@ -26,7 +26,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-UNIT_BYTES = 4096  # one ledger page
+from vmcache.memory.ledger import UNIT_BYTES, SharedBudget  # (UNIT_BYTES: one ledger page)
+
 CHUNK_PAGES = 16  # cache pages taken from the budget at a time (and kept free after a step)
 
 
@@ -108,8 +109,6 @@ class Ledger:
 
 def budget_for(ledger: Ledger, name: str, total_units: int):
     """Model ``name``'s holder of the ledger (floor 0 until its cache exists)."""
-    from vmcache.memory.ledger import SharedBudget
-
     return SharedBudget(ledger.path, total_units, name=name, unit_bytes=UNIT_BYTES)
 
 

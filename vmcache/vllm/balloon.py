@@ -46,7 +46,6 @@ class Balloon:
         self.groups = pool.num_gpu_blocks // group_blocks
         self.dirty: dict[int, int] = {}  # block -> step last handed out, since last punched
         self.step = 0
-        self.refused = 0  # grows the budget could not (fully) give
         if not budget.acquire(1):
             raise ValueError("the budget cannot give one group of blocks (vLLM's null block's)")
         self.backed = 1  # groups outside the balloon; group 0 always
@@ -71,7 +70,6 @@ class Balloon:
             return 0
         n = min(len(self.held), -(-max(short, self.chunk) // self.g))
         if not self.budget.acquire(n):
-            self.refused += 1
             n = min(n, self.budget.available())
             if n <= 0 or not self.budget.acquire(n):
                 return 0

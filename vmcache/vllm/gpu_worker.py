@@ -47,7 +47,9 @@ def group_blocks(block_bytes_a_layer: int, page: int = CUDA_PAGE) -> int:
 
 class VmcacheGPUWorker(Worker):
     def __init__(self, vllm_config, *args, **kwargs) -> None:
-        self.vmcache_config = VllmKVConfig.from_additional(vllm_config.additional_config)
+        # checked here, before vLLM loads the model: a bad setting stops it at once (the
+        # scheduler reads the settings it uses)
+        VllmKVConfig.from_additional(vllm_config.additional_config)
         super().__init__(vllm_config, *args, **kwargs)
         self.kv = KVPlacement(_device_region)
         self._stop = threading.Event()

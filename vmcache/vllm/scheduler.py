@@ -20,6 +20,7 @@ import vllm
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vmcache.memory.budget import LocalBudget, ScaledBudget
+from vmcache.memory.ledger import UNIT_BYTES, SharedBudget
 from vmcache.vllm import check_version
 from vmcache.vllm.balloon import Balloon
 from vmcache.vllm.config import MIB, VllmKVConfig
@@ -27,7 +28,6 @@ from vmcache.vllm.region import open_worker_memory, rendezvous_path
 
 check_version(vllm.__version__)
 log = logging.getLogger("vllm.vmcache")  # shown by vLLM's log handlers
-UNIT_BYTES = 4096  # one ledger unit, as vmcache-server's (vmcache.server.fleet.UNIT_BYTES)
 
 
 class VmcacheScheduler(Scheduler):
@@ -40,7 +40,6 @@ class VmcacheScheduler(Scheduler):
             raise ValueError("vmcache.vllm is tested with one worker (no tensor or pipeline "
                              "parallelism)")  # fmt: skip
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
-        self.vmcache_config = cfg
         self.memory = open_worker_memory(rendezvous_path(vllm_config.instance_id, 0))
         layout = self.memory.layout
         pool = self.kv_cache_manager.block_pool
@@ -72,13 +71,14 @@ class VmcacheScheduler(Scheduler):
         if cfg.ledger is None:
             inner = LocalBudget(total if total is not None else -(-space // UNIT_BYTES))
         else:
-            from vmcache.memory.ledger import SharedBudget
-
             inner = SharedBudget(cfg.ledger, total, name=cfg.name, unit_bytes=UNIT_BYTES,
                                  lock_timeout_s=cfg.lock_timeout_s)  # fmt: skip
+        budget = ScaledBudget(inner, unit_bytes=UNIT_BYTES)
+        budget.bind_page_bytes(self.group_bytes)  # budget.k: the units of one group
+        if cfg.ledger is not None:
             one_seq = -(-max_model_len // self.block_size) * self.block_bytes
             floor_bytes = cfg.floor_mib * MIB if cfg.floor_mib is not None else one_seq
-            floor = -(-int(floor_bytes) // self.group_bytes) * -(-self.group_bytes // UNIT_BYTES)
+            floor = -(-int(floor_bytes) // self.group_bytes) * budget.k
             try:
                 inner.set_limits(min_pages=floor)
             except ValueError as e:
@@ -86,8 +86,6 @@ class VmcacheScheduler(Scheduler):
                 raise ValueError(f"vmcache: a floor of {floor * UNIT_BYTES / MIB:.1f} MiB does not "
                                  f"fit the ledger beside the others' ({e}): lower "
                                  "vmcache.floor_mib") from None  # fmt: skip
-        budget = ScaledBudget(inner, unit_bytes=UNIT_BYTES)
-        budget.bind_page_bytes(self.group_bytes)
         return budget
 
     def _budget_text(self, cfg: VllmKVConfig) -> str:

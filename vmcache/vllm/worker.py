@@ -19,7 +19,9 @@ class VmcacheCPUWorker(CPUWorker):
     """vLLM's ``CPUWorker``; only where its KV tensor lives differs (a memfd)."""
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
-        self.vmcache_config = VllmKVConfig.from_additional(vllm_config.additional_config)
+        # checked here, before vLLM loads the model: a bad setting stops it at once (the
+        # scheduler reads the settings it uses)
+        VllmKVConfig.from_additional(vllm_config.additional_config)
         super().__init__(vllm_config, *args, **kwargs)
         self.kv = KVPlacement(host_region)
 
