@@ -82,12 +82,16 @@ class _Live:
 class EngineLoop:
     def __init__(self, engine, tokenizer, *, max_waiting: int = 256, idle_s: float = 0.05,
                  observer: Observer | None = None, state_every_s: float = 0.25,
-                 keeper=None) -> None:  # fmt: skip
+                 keeper=None, threads: int | None = None) -> None:  # fmt: skip
         """``max_waiting``: sequences that may wait beyond the ``max_seqs`` the cache runs;
         a request past that is refused at once (429). ``keeper``: the model's share of a
         shared KV budget (:class:`vmcache.server.keeper.Keeper`), ticked between steps and
-        asked to wake the model before a request is added."""
-        self.keeper = keeper
+        asked to wake the model before a request is added. ``threads``: torch's intra-op
+        threads on the loop's thread (None: as the thread finds them)."""
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                    or threads < 1):  # fmt: skip
+            raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+        self.keeper, self.threads = keeper, threads
         self.engine, self.tokenizer = engine, tokenizer
         self.max_waiting, self.idle_s, self.state_every_s = max_waiting, idle_s, state_every_s
         self._observed_s = -float("inf")  # when the observer last saw the engine (loop thread)
@@ -163,6 +167,10 @@ class EngineLoop:
     # --- the loop thread -----------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        if self.threads is not None:
+            import torch
+
+            torch.set_num_threads(self.threads)  # this thread's OpenMP team, first made here
         while not self._closing.is_set():
             self._drain(block=not engine.scheduler.has_work())
             if self.keeper is not None:
