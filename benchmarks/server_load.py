@@ -67,7 +67,8 @@ class Proc:
                     fields = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
                 except OSError:
                     continue
-                if int(fields[3]) == self.p.pid:  # the session id: set by start_new_session
+                # the session id (start_new_session), zombies left out (nothing runs there)
+                if int(fields[3]) == self.p.pid and fields[0] != "Z":
                     pids.append(int(d))
         return pids
 
@@ -106,6 +107,14 @@ class Proc:
         except subprocess.TimeoutExpired:
             os.killpg(self.p.pid, signal.SIGKILL)
             self.p.wait(10)
+        deadline = time.monotonic() + 10
+        while self._group() and time.monotonic() < deadline:  # its children go too
+            for pid in self._group():
+                try:
+                    os.kill(pid, signal.SIGKILL if time.monotonic() > deadline - 5 else 0)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
         self.log.close()
 
 

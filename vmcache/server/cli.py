@@ -67,7 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="K/V storage (auto: the model's dtype; int8: per-token scales)",
     )
     p.add_argument("--pool-mib", type=_positive(float), default=256.0, help="KV pool size in MiB")
-    p.add_argument("--max-seqs", type=_positive(int), default=32, help="sequences running at once")
+    p.add_argument("--max-seqs", type=_positive(int), default=128,
+                   help="sequences running at once (vLLM's server's default on a CPU)")  # fmt: skip
     p.add_argument(
         "--max-seq-len",
         type=_positive(int),
