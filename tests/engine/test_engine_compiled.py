@@ -15,6 +15,7 @@ from transformers import LlamaForCausalLM
 from vmcache import KVSpec, VMKVCache, kernels
 from vmcache.engine import Engine, NgramDrafter, Request, SamplingParams
 from vmcache.engine.compiled import CompiledRunner, unsupported
+from vmcache.kernels import cpu_decode, step_op
 from vmcache.kernels.reference import dense_attention
 from vmcache.kernels.step_op import step_attention
 from vmcache.paged_fallback import PagedKVCache
@@ -217,6 +218,9 @@ def test_step_attention_equals_the_batched_kernel_and_the_reference(kind):
     with torch.inference_mode():
         got = step_attention(q, k.reshape(n, -1), v.reshape(n, -1), store, layout,
                              b.write_index(layer), read, lens, 0.25)  # fmt: skip
+        # decodes beside prefills: the decodes through the CPU kernel, in place (where it builds)
+        mixed = isinstance(step_op._LAST_PLAN[0][4], step_op._Mixed)
+        assert mixed == cpu_decode.serves(q, torch.float32)
         b.write(layer, k, v)  # the same K/V again, through the eager path
         want = kernels.attend(kv, layer, q, seqs, q_lens, scale=0.25, batch=b)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
