@@ -1,11 +1,13 @@
 """The CPU linear kernel (vmcache.kernels.cpu_gemm) against float64 ``x · Wᵀ + b`` over awkward
 sizes (one row, rows across its 8-row blocks and 64-row tasks, columns not a multiple of a
-panel, K past a 128 chunk or under one), through its operator, and its refusals."""
+panel, K past a 128 chunk or under one), its tall blocks (6 rows by half a panel) wherever the
+machine's vectors are, through its operator, and its refusals."""
 
 import pytest
 import torch
 
 from vmcache.kernels import cpu_gemm
+from vmcache.kernels.cbuild import WIDE_VECTORS, CFunction
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available()[0],
                                 reason=f"no kernel: {cpu_gemm.available()[1]}")  # fmt: skip
@@ -16,7 +18,19 @@ def _reference(x, w, b):
     return out + b.double() if b is not None else out
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 63, 64, 65, 130])
+# every block tall (6 rows by 16 columns, from 1 row on): without AVX-512 the kernel takes
+# them from 32 rows a task on; with it never, so they are built here to be checked everywhere
+_TALL = CFunction(cpu_gemm.SOURCE, (*WIDE_VECTORS, "-DTALL=1"), "vmcache_linear", cpu_gemm._ARGS)
+
+
+def _tall_linear(x, packed, n, bias):
+    out = torch.empty(x.shape[0], n)
+    _TALL.fn(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+             out.data_ptr(), x.shape[0], x.shape[1], n, torch.get_num_threads())  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 32, 37, 63, 64, 65, 100, 130])
 @pytest.mark.parametrize("n,k", [(1, 1), (31, 7), (32, 128), (33, 129), (100, 300), (96, 576)])
 def test_matches_float64_reference(rows, n, k):
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
@@ -29,6 +43,8 @@ def test_matches_float64_reference(rows, n, k):
         got = cpu_gemm.packed_linear(x, packed, n, bias)
         assert got.shape == (rows, n) and got.dtype == torch.float32
         torch.testing.assert_close(got.double(), _reference(x, w, bias), rtol=1e-5, atol=tol)
+        tall = _tall_linear(x, packed, n, bias)
+        torch.testing.assert_close(tall.double(), _reference(x, w, bias), rtol=1e-5, atol=tol)
 
 
 def test_leading_dims_threads_and_the_operator():

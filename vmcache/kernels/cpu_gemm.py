@@ -18,6 +18,11 @@ registers:
         for k-chunks of KC (a decode's ≤ MC rows; more rows: all of K at once):
             for 8 rows at a time:  acc[8][NB] += x[m, k] · packed[p, k, :]   (FMAs, registers)
                                    (the panel's chunk stays in L1 across the rows)
+            or, from 32 rows a task on where the CPU has no AVX-512, for 6 rows at a time and
+            each half of the panel: acc[6][16] (8 × 32 sums are 32 AVX2 registers of the 16
+            there are: they spilled). SmolLM2's 30 layers on an AMD EPYC's 2 cores (AVX2,
+            2026-12-06): 64 rows 144 -> 122 ms, 300 rows 665 -> 418 ms (vLLM's oneDNN GEMM
+            114 and 433 ms); up to 31 rows unchanged (15 ms at 1 row, 40 ms at 16)
 
 A small C function compiled once a process (:mod:`vmcache.kernels.cbuild`); where no compiler
 works, :func:`available` says why and the compiled step keeps inductor's GEMMs.
@@ -41,34 +46,82 @@ SOURCE = r"""
 #define KC 128  /* a decode's k-chunk (the panel's chunk in L1 while its rows go by) */
 #define MC 64
 #define AHEAD (32 * NB)  /* prefetch distance along the panel, in floats (4 KiB) */
+/* From TALL rows on, blocks of 6 rows by half a panel (16 columns): 12 sums, 2 columns of
+   the panel and a row's value in 16 AVX2 registers, where 8 rows by 32 columns spill them.
+   With AVX-512's 32 registers 8 by 32 fit: never (-DTALL=n sets it: the tests take 1). */
+#ifndef TALL
+#ifdef __AVX512F__
+#define TALL 0
+#else
+#define TALL 32
+#endif
+#endif
 
-/* acc[mb][NB] over k in [k0, k1) of rows x[0..mb) and panel w; starts from out unless k0 = 0 */
+/* acc[mb][jw] over k in [k0, k1) of rows x[0..mb) and columns [0, jw) of the panel from w
+   (a row of it every NB floats); starts from out unless k0 = 0; nn of the jw are real */
 static inline __attribute__((always_inline)) void block(const float *x, const float *w,
         float *out, int64_t N, int64_t K, int64_t k0, int64_t k1, int64_t n0, int64_t nn,
-        const int mb) {
+        const int mb, const int jw) {
     float acc[8][NB];
     for (int m = 0; m < mb; ++m)
-        if (k0 == 0 || nn < NB)  /* (a narrow last panel: its missing columns stay 0) */
-            for (int j = 0; j < NB; ++j) acc[m][j] = k0 == 0 || j >= nn ? 0.f : out[m * N + n0 + j];
+        if (k0 == 0 || nn < jw)  /* (a narrow last panel: its missing columns stay 0) */
+            for (int j = 0; j < jw; ++j) acc[m][j] = k0 == 0 || j >= nn ? 0.f : out[m * N + n0 + j];
         else
             #pragma omp simd
-            for (int j = 0; j < NB; ++j) acc[m][j] = out[m * N + n0 + j];
+            for (int j = 0; j < jw; ++j) acc[m][j] = out[m * N + n0 + j];
     for (int64_t k = k0; k < k1; ++k) {
         const float *wk = w + k * NB;
         __builtin_prefetch(wk + AHEAD);
-        __builtin_prefetch(wk + AHEAD + 16);
+        if (jw > 16) __builtin_prefetch(wk + AHEAD + 16);
         for (int m = 0; m < mb; ++m) {
             const float xv = x[m * K + k];
             #pragma omp simd
-            for (int j = 0; j < NB; ++j) acc[m][j] += xv * wk[j];
+            for (int j = 0; j < jw; ++j) acc[m][j] += xv * wk[j];
         }
     }
     for (int m = 0; m < mb; ++m)
-        if (nn == NB)
+        if (nn >= jw)
             #pragma omp simd
-            for (int j = 0; j < NB; ++j) out[m * N + n0 + j] = acc[m][j];
+            for (int j = 0; j < jw; ++j) out[m * N + n0 + j] = acc[m][j];
         else
             for (int j = 0; j < nn; ++j) out[m * N + n0 + j] = acc[m][j];
+}
+
+/* rows [m0, hi) of a panel's k-chunk, r rows at a time (the row count a constant in each):
+   8 rows by the whole panel, or (tall) 6 rows by each half of it */
+#define BLOCK(r, jw) block(x + m * K, w + j0, out + m * N, N, K, k0, k1, n0 + j0, nj, r, jw)
+static __attribute__((noinline)) void rows_of(const float *x, const float *w, float *out,
+        int64_t N, int64_t K, int64_t k0, int64_t k1, int64_t n0, int64_t nn, int64_t m0,
+        int64_t hi) {
+    const int64_t j0 = 0, nj = nn;
+    for (int64_t m = m0; m < hi; m += 8)
+        switch (hi - m < 8 ? hi - m : 8) {
+        case 1: BLOCK(1, NB); break;
+        case 2: BLOCK(2, NB); break;
+        case 3: BLOCK(3, NB); break;
+        case 4: BLOCK(4, NB); break;
+        case 5: BLOCK(5, NB); break;
+        case 6: BLOCK(6, NB); break;
+        case 7: BLOCK(7, NB); break;
+        default: BLOCK(8, NB); break;
+        }
+}
+
+static __attribute__((noinline)) void tall_rows_of(const float *x, const float *w, float *out,
+        int64_t N, int64_t K, int64_t k0, int64_t k1, int64_t n0, int64_t nn, int64_t m0,
+        int64_t hi) {
+    for (int64_t m = m0; m < hi; m += 6)
+        for (int64_t j0 = 0; j0 < nn; j0 += 16) {
+            const int64_t nj = nn - j0;
+            switch (hi - m < 6 ? hi - m : 6) {
+            case 1: BLOCK(1, 16); break;
+            case 2: BLOCK(2, 16); break;
+            case 3: BLOCK(3, 16); break;
+            case 4: BLOCK(4, 16); break;
+            case 5: BLOCK(5, 16); break;
+            default: BLOCK(6, 16); break;
+            }
+        }
 }
 
 void vmcache_linear(const float *x, const float *packed, const float *bias, float *out,
@@ -80,23 +133,9 @@ void vmcache_linear(const float *x, const float *packed, const float *bias, floa
         const int64_t p = t / MBLK, lo = (t % MBLK) * MC, hi = lo + MC < M ? lo + MC : M;
         const float *w = packed + p * K * NB;
         const int64_t n0 = p * NB, nn = N - n0 < NB ? N - n0 : NB;
-        for (int64_t k0 = 0; k0 < K; k0 += kc) {
-            const int64_t k1 = k0 + kc < K ? k0 + kc : K;
-            for (int64_t m0 = lo; m0 < hi; m0 += 8) {
-                const float *xm = x + m0 * K;
-                float *om = out + m0 * N;
-                switch (hi - m0 < 8 ? hi - m0 : 8) {  /* the row count a constant in each */
-                case 1: block(xm, w, om, N, K, k0, k1, n0, nn, 1); break;
-                case 2: block(xm, w, om, N, K, k0, k1, n0, nn, 2); break;
-                case 3: block(xm, w, om, N, K, k0, k1, n0, nn, 3); break;
-                case 4: block(xm, w, om, N, K, k0, k1, n0, nn, 4); break;
-                case 5: block(xm, w, om, N, K, k0, k1, n0, nn, 5); break;
-                case 6: block(xm, w, om, N, K, k0, k1, n0, nn, 6); break;
-                case 7: block(xm, w, om, N, K, k0, k1, n0, nn, 7); break;
-                default: block(xm, w, om, N, K, k0, k1, n0, nn, 8); break;
-                }
-            }
-        }
+        for (int64_t k0 = 0; k0 < K; k0 += kc)
+            (TALL && hi - lo >= TALL ? tall_rows_of : rows_of)(
+                x, w, out, N, K, k0, k0 + kc < K ? k0 + kc : K, n0, nn, lo, hi);
         if (bias)
             for (int64_t m = lo; m < hi; ++m)
                 for (int64_t j = 0; j < nn; ++j) out[m * N + n0 + j] += bias[n0 + j];
