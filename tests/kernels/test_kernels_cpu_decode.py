@@ -1,16 +1,29 @@
 """The CPU decode kernel (vmcache.kernels.cpu_decode) against SDPA over gathered rows, over
 awkward sizes (one key, GQA groups of 1 to 4, head dims not a power of two, scattered and
-repeated rows; head dims of 16·NV that take the vector path, with lengths that leave rows past
-the last block of 16, and sequences long enough to be split into parts), and its refusals:
-nothing is read out of bounds."""
+repeated rows; head dims of VW·NV that take the vector path, with lengths that leave rows past
+the last block of VW, and sequences long enough to be split into parts), at both vector widths
+(8, AVX2's; 16, AVX-512's: each built here whatever the machine's), and its refusals: nothing
+is read out of bounds."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from vmcache.kernels.cpu_decode import DecodeRows, available, decode_rows
+from vmcache.kernels.cbuild import CFunction
+from vmcache.kernels.cpu_decode import FLAGS, KERNEL, SOURCE, DecodeRows, available, decode_rows
 
 pytestmark = pytest.mark.skipif(not available()[0], reason=f"no kernel: {available()[1]}")
+
+# the kernel at each vector width, whatever this machine's (None: the machine's, as shipped)
+_WIDTHS = {vw: CFunction(SOURCE, (*FLAGS, f"-DVW={vw}"), "vmcache_decode", KERNEL._spec[3])
+           for vw in (8, 16)}  # fmt: skip
+
+
+def _decode(q, store, layout, read, lens, scale, vw=None):
+    plan = DecodeRows(read, lens, layout[0], q.shape[1], q.shape[2])
+    if vw is not None:
+        plan.fn = _WIDTHS[vw].fn
+    return plan(q, store, layout, scale)
 
 
 def _store(rows, width, pad=5):
@@ -40,7 +53,8 @@ def _reference(q, store, layout, read, lens, scale):
      (4, 12, 3, 24, 129), (2, 6, 2, 128, 70), (3, 4, 1, 32, 33), (2, 6, 3, 48, 47),
      (1, 9, 3, 64, 1100), (2, 2, 2, 112, 17)],
 )  # fmt: skip
-def test_matches_sdpa_over_gathered_rows(batch, heads, heads_kv, dim, span):
+@pytest.mark.parametrize("vw", [None, 8, 16])
+def test_matches_sdpa_over_gathered_rows(batch, heads, heads_kv, dim, span, vw):
     g = torch.Generator().manual_seed(batch * 1000 + span)
     rows = 3 * span + 11
     store, layout = _store(rows, heads_kv * dim)
@@ -48,7 +62,7 @@ def test_matches_sdpa_over_gathered_rows(batch, heads, heads_kv, dim, span):
     lens = torch.randint(1, span + 1, (batch,), generator=g)
     lens[0] = span
     q = torch.randn(batch, heads, dim, generator=g)
-    out = decode_rows(q, store, layout, read, lens, 0.37)
+    out = _decode(q, store, layout, read, lens, 0.37, vw)
     ref = _reference(q, store, layout, read, lens, 0.37)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -69,8 +83,9 @@ def test_reads_only_each_sequences_length():
 
 @pytest.mark.parametrize("dim", [8, 64, 128])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_vector_blocks_read_no_row_past_a_length(dim, threads):
-    """The blocks of 16 and 32 rows stop at each sequence's length: NaN in every K and V row
+@pytest.mark.parametrize("vw", [None, 8, 16])
+def test_vector_blocks_read_no_row_past_a_length(dim, threads, vw):
+    """The blocks of VW and 32 rows stop at each sequence's length: NaN in every K and V row
     past it changes nothing, at lengths on and off a block's edge, one part or several."""
     g = torch.Generator().manual_seed(dim + threads)
     lens = torch.tensor([16, 17, 31, 33, 600])
@@ -82,13 +97,13 @@ def test_vector_blocks_read_no_row_past_a_length(dim, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = decode_rows(q, store, layout, read, lens, 0.3)
+        out = _decode(q, store, layout, read, lens, 0.3, vw)
         poisoned = store.clone()
         for at in layout[2:]:
             kv = poisoned[at : at + rows * width].view(-1, span, width)
             for b, n in enumerate(lens.tolist()):
                 kv[b, n:] = float("nan")
-        again = decode_rows(q, poisoned, layout, read, lens, 0.3)
+        again = _decode(q, poisoned, layout, read, lens, 0.3, vw)
     finally:
         torch.set_num_threads(before)
     assert not again.isnan().any()

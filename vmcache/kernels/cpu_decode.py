@@ -18,14 +18,16 @@ torch path.
 
 A row is read whole (all N_KV heads, 768 B on SmolLM2), once: the step's K/V bytes stream
 from memory once, as a decode's roofline counts them (a task per head reading a third of
-each row ran at a fifth of the bandwidth here). Heads of 16·NV floats (d_h a multiple of 16
-up to 128; 64 and 128 compiled with their loops unrolled) go in 16-float vectors: pass 1
-takes 16 rows at a time and adds up their 16 dot products in one tree of shuffles (not one
-horizontal sum per row and head), pass 3 keeps a head's output in registers across 32 rows.
-On SmolLM2's shape at 4,096 tokens (batch 4, 30 layers, 2 threads of an Intel Xeon,
-2026-12-05) that took the layers' attention from 65 to 55 ms, the K/V streaming in 40 ms at
-this machine's read rate; the per-row code before it (a horizontal sum and an integer
-division per row and head) ran at 11.5 GB/s.
+each row ran at a fifth of the bandwidth here). Heads of VW·NV floats (d_h a multiple of VW
+up to 128; 64 and 128 compiled with their loops unrolled) go in VW-float vectors (VW 16 with
+AVX-512, else 8: AVX2's registers): pass 1 takes VW rows at a time and adds up their VW dot
+products in one tree of shuffles (not one horizontal sum per row and head), pass 3 keeps a
+head's output in registers across 32 rows. On SmolLM2's shape at 4,096 tokens (batch 4, 30
+layers, 2 threads of an Intel Xeon, 2026-12-05) that took the layers' attention from 65 to
+55 ms, the K/V streaming in 40 ms at this machine's read rate; the per-row code before it (a
+horizontal sum and an integer division per row and head) ran at 11.5 GB/s. On an AMD EPYC's
+2 cores (AVX2, 2026-12-06) the 16-wide vectors spilled and gcc broke their shuffles into
+single floats: 4 GB/s; 8 wide, 14-27 GB/s (batch 64 of 320 tokens: 225 -> 66 ms a step).
 """
 
 from __future__ import annotations
@@ -42,102 +44,131 @@ SOURCE = r"""
 #include <float.h>
 #include <string.h>
 
-/* 16 floats as one value (an AVX-512 register; two AVX2 ones); v16u reads and writes them at
-   any float's address and may alias floats (as the intrinsics' own unaligned types do) */
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
-typedef int32_t i16v __attribute__((vector_size(64)));
-#define LD(p) (*(const v16u *)(p))
+/* VW floats as one value: 16 (an AVX-512 register) where the CPU has AVX-512, else 8 (an
+   AVX2 register: 16 floats as two of them spilled the 16 there are, and gcc broke the 16-wide
+   shuffles into single floats: 4 GB/s on an AMD EPYC). vfu reads and writes them at any
+   float's address and may alias floats (as the intrinsics' own unaligned types do). */
+#ifndef VW  /* (-DVW=8 or 16 sets it: the tests build both) */
+#ifdef __AVX512F__
+#define VW 16
+#else
+#define VW 8
+#endif
+#endif
+#define MAXNV (128 / VW)  /* vectors in the widest head taken (d_h 128) */
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+#define LD(p) (*(const vfu *)(p))
 #if defined(__clang__)
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
-#define SHUF(a, b, ...) __builtin_shuffle(a, b, (i16v){__VA_ARGS__})
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
 #endif
 
-/* The lane sums of a[0..16) as one vector, in 15 shuffle-adds (not 16 horizontal sums):
+/* The lane sums of a[0..VW) as one vector, in VW - 1 shuffle-adds (not VW horizontal sums):
    each level halves the lanes a vector spends on one input and doubles its inputs,
 
-       a[i]: 16 lanes of input i → 8 of i, 8 of i+1 → 4 lanes each of 4 → ... → 1 of 16
+       a[i]: VW lanes of input i → VW/2 of i, VW/2 of i+1 → ... → 1 of VW
 
-   lane l of the result sums a[REV[l]], REV reversing l's 4 bits (a wrong entry fails the
+   lane l of the result sums a[REV[l]], REV reversing l's bits (a wrong entry fails the
    tests' comparison with SDPA). */
+#if VW == 16
 static const int REV[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-static inline __attribute__((always_inline)) v16 sums16(v16 *a) {
+static inline __attribute__((always_inline)) vf sums(vf *a) {
     #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
-        const v16 x = a[2 * i], y = a[2 * i + 1];
+        const vf x = a[2 * i], y = a[2 * i + 1];
         a[i] = SHUF(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
              + SHUF(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
     }
     #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
-        const v16 x = a[2 * i], y = a[2 * i + 1];
+        const vf x = a[2 * i], y = a[2 * i + 1];
         a[i] = SHUF(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
              + SHUF(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
     }
     #pragma GCC unroll 2
     for (int i = 0; i < 2; ++i) {
-        const v16 x = a[2 * i], y = a[2 * i + 1];
+        const vf x = a[2 * i], y = a[2 * i + 1];
         a[i] = SHUF(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
              + SHUF(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
     }
     return SHUF(a[0], a[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
          + SHUF(a[0], a[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
+#else
+static const int REV[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+static inline __attribute__((always_inline)) vf sums(vf *a) {
+    #pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+        const vf x = a[2 * i], y = a[2 * i + 1];
+        a[i] = SHUF(x, y, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(x, y, 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+    #pragma GCC unroll 2
+    for (int i = 0; i < 2; ++i) {
+        const vf x = a[2 * i], y = a[2 * i + 1];
+        a[i] = SHUF(x, y, 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+    return SHUF(a[0], a[1], 0, 8, 2, 10, 4, 12, 6, 14)
+         + SHUF(a[0], a[1], 1, 9, 3, 11, 5, 13, 7, 15);
+}
+#endif
 
-/* s[0..16) = scale · q · K[rows[jj]] for 16 rows, one query head (its K head at kbase + row·R;
-   NV vectors a head): row jj's products summed into one vector, put where sums16 returns it
-   as lane jj. */
-static inline __attribute__((always_inline)) void dots16(const float *qh, const float *kbase,
+/* s[0..VW) = scale · q · K[rows[jj]] for VW rows, one query head (its K head at kbase +
+   row·R; NV vectors a head): row jj's products summed into one vector, put where sums
+   returns it as lane jj. */
+static inline __attribute__((always_inline)) void dots(const float *qh, const float *kbase,
         const int64_t *rows, int64_t R, float *s, float scale, const int NV) {
-    v16 q[8], a[16];
-    #pragma GCC unroll 8
-    for (int t = 0; t < NV; ++t) q[t] = LD(qh + 16 * t);
+    vf q[MAXNV], a[VW];
     #pragma GCC unroll 16
-    for (int jj = 0; jj < 16; ++jj) {
+    for (int t = 0; t < NV; ++t) q[t] = LD(qh + VW * t);
+    #pragma GCC unroll 16
+    for (int jj = 0; jj < VW; ++jj) {
         const float *k = kbase + rows[jj] * R;
-        v16 acc = q[0] * LD(k);
-        #pragma GCC unroll 8
-        for (int t = 1; t < NV; ++t) acc += q[t] * LD(k + 16 * t);
+        vf acc = q[0] * LD(k);
+        #pragma GCC unroll 16
+        for (int t = 1; t < NV; ++t) acc += q[t] * LD(k + VW * t);
         a[REV[jj]] = acc;
     }
-    *(v16u *)s = sums16(a) * scale;
+    *(vfu *)s = sums(a) * scale;
 }
 
-/* o[0 .. 16·NV) += Σ_jj p[jj] · V[rows[jj]] over nr rows, one query head: the sums in
+/* o[0 .. VW·NV) += Σ_jj p[jj] · V[rows[jj]] over nr rows, one query head: the sums in
    registers across the rows. */
 static inline __attribute__((always_inline)) void axpys(float *o, const float *p,
         const float *vbase, const int64_t *rows, int64_t R, int64_t nr, const int NV) {
-    v16 acc[8];
-    #pragma GCC unroll 8
-    for (int t = 0; t < NV; ++t) acc[t] = LD(o + 16 * t);
+    vf acc[MAXNV];
+    #pragma GCC unroll 16
+    for (int t = 0; t < NV; ++t) acc[t] = LD(o + VW * t);
     for (int64_t jj = 0; jj < nr; ++jj) {
         const float *v = vbase + rows[jj] * R;
         const float pj = p[jj];
-        #pragma GCC unroll 8
-        for (int t = 0; t < NV; ++t) acc[t] += pj * LD(v + 16 * t);
+        #pragma GCC unroll 16
+        for (int t = 0; t < NV; ++t) acc[t] += pj * LD(v + VW * t);
     }
-    #pragma GCC unroll 8
-    for (int t = 0; t < NV; ++t) *(v16u *)(o + 16 * t) = acc[t];
+    #pragma GCC unroll 16
+    for (int t = 0; t < NV; ++t) *(vfu *)(o + VW * t) = acc[t];
 }
 
 /* Sequence b's rows [lo, hi): unnormalized output o [HQ, D], and per query head its max
-   score and sum of exponentials (ml [HQ, 2]); s: scratch [HQ, hi - lo]. Heads of 16·NV
-   (NV ≤ 8) go in vectors, 16 rows at a time for the scores (their K in L1 while every query
-   head goes by) and 32 for the output; any other D, and the scores' last rows, one by one. */
+   score and sum of exponentials (ml [HQ, 2]); s: scratch [HQ, hi - lo]. Heads of VW·NV
+   floats (up to 128) go in vectors, VW rows at a time for the scores (their K in L1 while
+   every query head goes by) and 32 for the output; any other D, and the scores' last rows,
+   one by one. */
 static inline __attribute__((always_inline)) void part(
         const float *qb, const float *store, int64_t k_at, int64_t v_at, const int64_t *rows,
         int64_t lo, int64_t hi, float *s, float *o, float *ml, int64_t HQ, int64_t G,
         int64_t D, int64_t R, float scale) {
     const int64_t n = hi - lo;
-    const int NV = D / 16, vec = D % 16 == 0 && NV <= 8;
+    const int NV = D / VW, vec = D % VW == 0 && NV <= MAXNV;
     int32_t kvh[HQ];  /* query head → its K/V head (no division inside the loops) */
     for (int64_t hq = 0; hq < HQ; ++hq) kvh[hq] = (int32_t)(hq / G);
     int64_t j0 = 0;
     if (vec)
-        for (; j0 + 16 <= n; j0 += 16)
+        for (; j0 + VW <= n; j0 += VW)
             for (int64_t hq = 0; hq < HQ; ++hq)
-                dots16(qb + hq * D, store + k_at + kvh[hq] * D, rows + lo + j0, R,
+                dots(qb + hq * D, store + k_at + kvh[hq] * D, rows + lo + j0, R,
                        s + hq * n + j0, scale, NV);
     for (int64_t j = j0; j < n; ++j) {
         const float *k = store + k_at + rows[lo + j] * R;
