@@ -9,14 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vmcache.kernels.cbuild import CFunction
-from vmcache.kernels.cpu_decode import FLAGS, KERNEL, SOURCE, DecodeRows, available, decode_rows
+from vmcache.kernels.cpu_decode import KERNEL, DecodeRows, available, decode_rows
 
 pytestmark = pytest.mark.skipif(not available()[0], reason=f"no kernel: {available()[1]}")
 
 # the kernel at each vector width, whatever this machine's (None: the machine's, as shipped)
-_WIDTHS = {vw: CFunction(SOURCE, (*FLAGS, f"-DVW={vw}"), "vmcache_decode", KERNEL._spec[3])
-           for vw in (8, 16)}  # fmt: skip
+_WIDTHS = {vw: KERNEL.variant(f"-DVW={vw}") for vw in (8, 16)}
 
 
 def _decode(q, store, layout, read, lens, scale, vw=None):

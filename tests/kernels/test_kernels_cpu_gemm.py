@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from vmcache.kernels import cpu_gemm
-from vmcache.kernels.cbuild import WIDE_VECTORS, CFunction
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available()[0],
                                 reason=f"no kernel: {cpu_gemm.available()[1]}")  # fmt: skip
@@ -20,7 +19,7 @@ def _reference(x, w, b):
 
 # every block tall (6 rows by 16 columns, from 1 row on): without AVX-512 the kernel takes
 # them from 32 rows a task on; with it never, so they are built here to be checked everywhere
-_TALL = CFunction(cpu_gemm.SOURCE, (*WIDE_VECTORS, "-DTALL=1"), "vmcache_linear", cpu_gemm._ARGS)
+_TALL = cpu_gemm._KERNEL.variant("-DTALL=1")
 
 
 def _tall_linear(x, packed, n, bias):

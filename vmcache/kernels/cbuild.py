@@ -36,6 +36,12 @@ class CFunction:
     def reason(self) -> str:
         return (self._built or self._build())[1]
 
+    def variant(self, *flags: str) -> CFunction:
+        """The same function built with ``flags`` added (a ``-D`` that picks another of its
+        code paths), its own library, built at its own first use."""
+        source, base, name, argtypes = self._spec
+        return CFunction(source, (*base, *flags), name, argtypes)
+
     def available(self) -> tuple[bool, str]:
         """(whether the function runs here, why not)."""
         fn, reason = self._built or self._build()
