@@ -15,7 +15,7 @@ from transformers import LlamaForCausalLM
 from vmcache import KVSpec, VMKVCache, kernels
 from vmcache.engine import Engine, NgramDrafter, Request, SamplingParams
 from vmcache.engine.compiled import CompiledRunner, unsupported
-from vmcache.kernels import cpu_decode, step_op
+from vmcache.kernels import cpu_decode, cpu_gemm, step_op
 from vmcache.kernels.reference import dense_attention
 from vmcache.kernels.step_op import step_attention
 from vmcache.paged_fallback import PagedKVCache
@@ -91,7 +91,34 @@ def compiled(model, tmp_path_factory):
     count = _CountGemms()
     with torch._inductor.config.patch(post_grad_custom_post_pass=count):
         engine = Engine(model, make("vm", 40), compile=True, compile_cache=where)
-    return where, count.gemms, engine.runner.compiles
+    return where, count.gemms, engine.runner.compiles, engine.runner.layered
+
+
+def uneven(model):
+    """The model with its last layer's down projection given a bias of zeros: the same
+    logits, but layers that differ, so the step is compiled as the whole model's graph."""
+    m = copy.deepcopy(model)
+    old = m.model.layers[-1].mlp.down_proj
+    new = torch.nn.Linear(old.in_features, old.out_features, bias=True)
+    with torch.no_grad():
+        new.weight.copy_(old.weight)
+        new.bias.zero_()
+    m.model.layers[-1].mlp.down_proj = new
+    return m
+
+
+@pytest.fixture(scope="module")
+def whole(model, tmp_path_factory):
+    """The step as the whole model's graph (``uneven``): → (the model, the directory, the
+    GEMMs counted)."""
+    m = uneven(model)
+    where = tmp_path_factory.mktemp("whole")
+    where.chmod(0o700)
+    count = _CountGemms()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=count):
+        engine = Engine(m, make("vm", 40), compile=True, compile_cache=where)
+    assert not engine.runner.layered and engine.runner.compiles == 1
+    return m, where, count.gemms
 
 
 @pytest.fixture
@@ -100,16 +127,33 @@ def steps(compiled):
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
-def test_projections_sharing_an_input_run_as_one_gemm(model, compiled):
-    """q, k and v become one GEMM, gate and up another (vmcache.engine.packed_linears; without
-    its kernel, inductor's concat-linear pass): 4 GEMMs a layer, and the lm_head's, in the one
-    graph of the step."""
-    where, gemms, compiles = compiled
+def test_projections_sharing_an_input_run_as_one_gemm(model, compiled, whole):
+    """q, k and v become one GEMM, gate and up another (vmcache.engine.packed_linears and
+    vmcache.engine.layered; without the GEMM kernel, inductor's concat-linear pass): 4 GEMMs a
+    layer. Built from one layer (where the GEMM kernel builds), the graph is that layer's (the
+    lm_head runs the packed GEMM outside it); as the whole model, every layer's and the
+    lm_head's."""
+    where, gemms, compiles, built_from_one = compiled
     assert compiles == 1
-    assert gemms == 4 * CFG.num_hidden_layers + 1
+    assert built_from_one == cpu_gemm.available()[0]
+    assert gemms == (4 if built_from_one else 4 * CFG.num_hidden_layers + 1)
+    assert whole[2] == 4 * CFG.num_hidden_layers + 1
     reqs = requests([(9, 4), (3, 4)], seed=5)
     engine = Engine(model, make("vm", 40), compile=True, compile_cache=where)
     assert outputs(engine, reqs) == outputs(Engine(model, make("vm", 40)), reqs)
+
+
+@pytest.mark.parametrize("kind,pages", [("vm", 40), ("paged", 8)])
+def test_the_whole_graph_step_keeps_the_tokens(whole, kind, pages):
+    """Where the layers differ, the whole model's graph: the same tokens as the eager step,
+    nothing recompiled."""
+    m, where, _ = whole
+    reqs = requests(SHAPES, seed=3)
+    want = outputs(Engine(m, make(kind, pages)), reqs)
+    engine = Engine(m, make(kind, pages), compile=True, compile_cache=where)
+    assert engine.runner.compiles == 0 and not engine.runner.layered
+    assert outputs(engine, reqs) == want
+    assert engine.runner.compiles == 0
 
 
 def test_engines_on_one_model_share_one_package_whatever_their_cache(model, steps):

@@ -25,7 +25,10 @@ runner built, so a caller can see that serving compiled nothing more.
 On the CPU the step is exported (``torch.export``) and compiled ahead of time into an
 AOTInductor package (:mod:`vmcache.engine.packaged`), kept in ``compile_cache`` when one is
 given: a later engine on the same model, in this process or another, over any cache, loads it in
-seconds instead of compiling for minutes. Before inductor compiles it, the exported step's
+seconds instead of compiling again. Where a model's decoder layers are alike (every model the
+CPU GEMM serves so far), the package is one layer's code with its weights as inputs, run for
+each layer (:mod:`vmcache.engine.layered`: seconds to build, not minutes); otherwise the whole
+model's graph, as follows. Before inductor compiles it, the exported step's
 float32 linear layers go onto vmcache's CPU GEMM (:mod:`vmcache.engine.packed_linears`,
 :mod:`vmcache.kernels.cpu_gemm`): each weight packed once into panels, and the projections that
 share an input (q, k and v; gate and up) stacked into one GEMM each, as vLLM's merged linear
@@ -62,7 +65,7 @@ import torch
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from vmcache.engine import packaged
+from vmcache.engine import layered, packaged
 from vmcache.engine.runner import ModelRunner
 from vmcache.hf.attention import no_mask
 from vmcache.kernels.step_op import default_scale, step_attention
@@ -236,6 +239,7 @@ class CompiledRunner:
         self.layout = torch.stack(per_layer)  # int64 [L, 4]
         self.compiles = 0  # graphs built for this runner (CPU: a package; ≤ 1)
         self.package: Path | None = None  # CPU: the package the step runs (compile_cache)
+        self.layered = False  # CPU: the step built from one layer (vmcache.engine.layered)
         t = time.perf_counter()
         try:
             if self.device.type == "cpu":
@@ -264,20 +268,35 @@ class CompiledRunner:
         """The CPU step as an AOTInductor package (:mod:`vmcache.engine.packaged`): loaded from
         ``compile_cache`` when it holds this step's, else compiled (into it; None: into a
         directory of this runner's, removed with it)."""
-        settings = dict(CPU_SETTINGS)
         if compile_cache is None:
             self._scratch = tempfile.TemporaryDirectory(prefix="vmcache-step-")
             compile_cache = self._scratch.name
         where = packaged.PackageDir(compile_cache)
-        key = packaged.package_key(self.model, self.store.dtype, settings)
+        example = packaged.example_inputs(self.store, self.layout)
+        plan = None
+        if layered.unsupported(self.model) is None:  # one layer compiled, run for each
+            try:
+                with self._settings():
+                    plan = layered.Plan(self.model, STEP_KWARG, example)
+            except ValueError:
+                plan = None  # (what the model hands its layers: the whole graph below)
+        if plan is not None:
+            settings = {**layered.SETTINGS, "plan": plan.key()}
+            key = packaged.package_key(self.model, self.store.dtype, settings, weights=False)
+            build = partial(plan.build, self.model, layered.SETTINGS)
+        else:
+            settings = dict(CPU_SETTINGS)
+            key = packaged.package_key(self.model, self.store.dtype, settings)
+            build = partial(packaged.build, _Step(self), example, settings)
         self.package = where.lookup(key)
         if self.package is None:
-            example = packaged.example_inputs(self.store, self.layout)
-            module = _Step(self)
             with torch.inference_mode(), self._settings():
-                build = partial(packaged.build, module, example, settings)
                 self.package = where.save(key, build)
             self.compiles = 1
+        if plan is not None:
+            self.layered = True
+            return plan.step(self.model, packaged.load(self.package),
+                             partial(self.eager._attention, COMPILED_ATTN_NAME))  # fmt: skip
         return packaged.load(self.package)
 
     @contextlib.contextmanager

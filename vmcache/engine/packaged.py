@@ -72,10 +72,12 @@ def _linear_layout() -> str:
     return cpu_gemm.LAYOUT if cpu_gemm.available()[0] else "inductor"
 
 
-def package_key(model: torch.nn.Module, store_dtype: torch.dtype, settings: dict) -> str:
+def package_key(model: torch.nn.Module, store_dtype: torch.dtype, settings: dict,
+                weights: bool = True) -> str:  # fmt: skip
     """The package's name: SHA-256 (hex) over everything that shapes its code (module
     docstring): the model, the cache's storage dtype, the compiler's ``settings`` and
-    inductor's configuration."""
+    inductor's configuration. ``weights=False``: the weights' names, dtypes and shapes, not
+    their bytes (a package that takes its weights as inputs)."""
     from torch._inductor import config as inductor_config
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
@@ -96,9 +98,10 @@ def package_key(model: torch.nn.Module, store_dtype: torch.dtype, settings: dict
             "inductor": hashlib.sha256(inductor.encode()).hexdigest()}  # fmt: skip
     h.update(json.dumps(head, sort_keys=True).encode())
     for name, t in model.state_dict(keep_vars=False).items():
-        t = t.detach().contiguous().cpu()
+        t = t.detach().contiguous().cpu() if weights else t
         h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
-        h.update(t.view(-1).view(torch.uint8).numpy())  # the bytes in place, not a copy
+        if weights:
+            h.update(t.view(-1).view(torch.uint8).numpy())  # the bytes in place, not a copy
     return h.hexdigest()
 
 

@@ -221,14 +221,16 @@ def default_compile_cache() -> Path:
 @contextlib.contextmanager
 def compiling_notice(on: bool, cache_dir, every_s: float = 15.0):
     """While an engine is built that may compile its step: say so and where it is kept, with
-    an estimate (measured here: SmolLM2-135M's 30 layers took ~70 s on 2 cores), and every
+    an estimate (measured here, SmolLM2-135M on 2 cores: 16 s built from one layer, 80-90 s as
+    the whole model's graph), and every
     ``every_s`` how long it has taken, until it is built."""
     if not on:
         yield
         return
     print(f"vmcache-server: the compiled step: loaded from {cache_dir}, or compiled into it on "
-          "a first start on this model and machine (about 2-3 s a layer on 2 CPU cores; "
-          "later starts load it in seconds; --no-compile skips it)", file=sys.stderr)  # fmt: skip
+          "a first start on this model and machine (about 15-30 s on 2 CPU cores where its "
+          "layers are alike, one compiled for all; else 2-3 s a layer; later starts load it in "
+          "seconds; --no-compile skips it)", file=sys.stderr)  # fmt: skip
     done, t0 = threading.Event(), time.monotonic()
 
     def tick():
