@@ -296,7 +296,8 @@ class CompiledRunner:
         if plan is not None:
             self.layered = True
             return plan.step(self.model, packaged.load(self.package),
-                             partial(self.eager._attention, COMPILED_ATTN_NAME))  # fmt: skip
+                             partial(self.eager._attention, COMPILED_ATTN_NAME),
+                             where.root)  # fmt: skip
         return packaged.load(self.package)
 
     @contextlib.contextmanager

@@ -24,9 +24,11 @@ and the package holds no weights (any weights of the same architecture run it).
 Where the layers differ, the model hands its layers an attention mask, or the CPU GEMM does not
 build here, :func:`unsupported` says why and the whole model's graph is compiled instead. On
 SmolLM2 (AMD EPYC, 2 cores, 2026-12-06) a first build took 16 s instead of 80-90 s and a load 3
-instead of 5 s; each of the 30 layer calls costs ~40 µs more than the whole graph's code (a lone
-decode 21 -> 25 ms, 16 decodes 60 -> 62 ms). The swap of the model's modules lasts one step, on
-the thread that runs it: a model serves one step at a time (an engine's).
+instead of 5 s, and a step took what the whole graph's did (medians of 40 alternating steps: a
+lone decode 22.4 / 22.3 ms, 4 decodes 25.7 / 26.7, 16 decodes 58.4 / 59.9) once the packed
+weights lay in a file-backed mapping (:mod:`vmcache.engine.mapped`; from torch's allocations
+the lone decode took 25.5 ms). The swap of the model's modules lasts one step, on the thread
+that runs it: a model serves one step at a time (an engine's).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import copy
 import torch
 from torch import nn
 
+from vmcache.engine.mapped import file_backed
 from vmcache.kernels import cpu_gemm
 
 EXAMPLE_TOKENS = 4  # the export's token count (each kwarg tensor with it in dim 1 gets dim N)
@@ -260,16 +263,24 @@ class LayeredStep:
     """The step (module docstring) on a loaded one-layer package: ``__call__(ids, pos, keep,
     store, layout, write, read, lens)`` → logits ``[B, vocab]`` fp32."""
 
-    def __init__(self, model, package, groups, how, plain, step_kwarg, attention) -> None:
+    def __init__(self, model, package, groups, how, plain, step_kwarg, attention,
+                 directory) -> None:  # fmt: skip
         self.model, self.run = model, package.loader.boxed_run
         self.how, self.plain, self.step_kwarg, self.attention = how, plain, step_kwarg, attention
         self._memo = None  # (the step's dict, its inputs every layer shares): one step's
         self.groups = groups  # the linear layers each GEMM runs (names in a layer)
-        self.weights = [weights_of(layer, groups) for layer in model.model.layers]
-        self.calls = nn.ModuleList(_LayerCall(self, i) for i in range(len(self.weights)))
+        weights = [weights_of(layer, groups) for layer in model.model.layers]
         head = model.lm_head
-        self.head = _Head(cpu_gemm.pack(head.weight.detach()), head.out_features,
+        # the weights streamed every step (the packed GEMMs' panels) in one file-backed mapping
+        flat = [w for ws in weights for w in ws] + [cpu_gemm.pack(head.weight.detach())]
+        big = [i for i, w in enumerate(flat) if w.dim() == 3]
+        for i, w in zip(big, file_backed([flat[i] for i in big], directory)):
+            flat[i] = w
+        it = iter(flat)
+        self.weights = [[next(it) for _ in ws] for ws in weights]
+        self.head = _Head(next(it), head.out_features,
                           None if head.bias is None else head.bias.detach())  # fmt: skip
+        self.calls = nn.ModuleList(_LayerCall(self, i) for i in range(len(self.weights)))
 
     def layer(self, i: int, hidden, kwargs: dict) -> torch.Tensor:
         step = kwargs[self.step_kwarg]
@@ -355,6 +366,8 @@ class Plan:
             torch._inductor.aoti_compile_and_package(ep, package_path=path,
                                                      inductor_configs=settings)  # fmt: skip
 
-    def step(self, model, package, attention) -> LayeredStep:
+    def step(self, model, package, attention, directory) -> LayeredStep:
+        """The step on the loaded ``package``; its packed weights mapped from a file written
+        (and unlinked) in the private ``directory``."""
         return LayeredStep(model, package, self.groups, self.how, self.plain, self.step_kwarg,
-                           attention)  # fmt: skip
+                           attention, directory)  # fmt: skip
