@@ -226,10 +226,13 @@ def test_drafts_run_the_eager_step_and_keep_the_tokens(model, steps):
     assert outputs(engine, reqs) == want
 
 
+@pytest.mark.parametrize("q_lens", [(17, 1, 33, 1, 5), (3, 1, 8, 1, 2)])
 @pytest.mark.parametrize("kind", ["vm", "paged"])
-def test_step_attention_equals_the_batched_kernel_and_the_reference(kind):
+def test_step_attention_equals_the_batched_kernel_and_the_reference(kind, q_lens):
     """The operator on its own (eager): writes where the batch writes, attends as the eager
-    step does, over awkward lengths and a mix of prefills and decodes."""
+    step does, over awkward lengths and a mix of prefills and decodes (long prefills gathered
+    beside the decodes through the CPU kernel; short ones through the kernel too, a query a
+    token)."""
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32,
                   num_q_heads=6)  # fmt: skip
     if kind == "vm":
@@ -238,7 +241,7 @@ def test_step_attention_equals_the_batched_kernel_and_the_reference(kind):
     else:
         kv = PagedKVCache(spec, num_blocks=64, block_size=16, max_seq_len=96, max_seqs=6)
     g = torch.Generator().manual_seed(1)
-    seqs, q_lens, written = [], [17, 1, 33, 1, 5], []
+    seqs, written = [], []
     for history in [0, 15, 31, 64, 2]:
         s = kv.new_sequence()
         kv.grow(s, history)
@@ -262,9 +265,12 @@ def test_step_attention_equals_the_batched_kernel_and_the_reference(kind):
     with torch.inference_mode():
         got = step_attention(q, k.reshape(n, -1), v.reshape(n, -1), store, layout,
                              b.write_index(layer), read, lens, 0.25)  # fmt: skip
-        # decodes beside prefills: the decodes through the CPU kernel, in place (where it builds)
-        mixed = isinstance(step_op._LAST_PLAN[0][4], step_op._Mixed)
-        assert mixed == cpu_decode.serves(q, torch.float32)
+        # decodes beside prefills: the decodes through the CPU kernel, in place (where it builds);
+        # short prefills too, each token a query
+        plan, kernel = step_op._LAST_PLAN[0][4], cpu_decode.serves(q, torch.float32)
+        short = max(q_lens) <= step_op.SHORT_PREFILL
+        assert isinstance(plan, step_op._Mixed) == (kernel and not short)
+        assert isinstance(plan, cpu_decode.DecodeRows) == (kernel and short)
         b.write(layer, k, v)  # the same K/V again, through the eager path
         want = kernels.attend(kv, layer, q, seqs, q_lens, scale=0.25, batch=b)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -23,7 +23,9 @@ step on the host (:meth:`~vmcache.sequences.batch.StepBatch.write_index`, ``read
 
     a step of decodes only, float32 on the CPU: no gather, no index_copy_; kernels.cpu_decode
     stores the new rows and reads each sequence's rows in place, where ``read`` says (both
-    caches; VMKVCache's are consecutive)
+    caches; VMKVCache's are consecutive); prefills of at most SHORT_PREFILL tokens beside them
+    go the same way, a query each; longer prefills are gathered for SDPA (the decodes beside
+    them still through the kernel)
 
 Full-attention layers and unquantized K/V only (the compiled step checks this once).
 """
@@ -60,6 +62,8 @@ def _step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: to
         if kernel and all(n == 1 for n in q_lens):
             # decodes only: the CPU kernel stores the new rows and reads the rows where they lie
             groups = DecodeRows(read, lens[1], rows, q.shape[1], q.shape[2], write)
+        elif kernel and max(q_lens) <= SHORT_PREFILL:
+            groups = _short(q_lens, kv_lens, read, write, rows, q.shape[1], q.shape[2])
         elif kernel and 1 in q_lens:
             groups = _Mixed.plan(q_lens, kv_lens, read, write, rows, q.shape[1], q.shape[2])
         else:
@@ -87,6 +91,22 @@ def _gathered(q, k, v, store, layout, write, read, groups, scale) -> torch.Tenso
     values = v_rows.index_select(0, flat).view(b, span, heads_kv, q.shape[2])
     out = attend_groups(q.to(k_rows.dtype), keys, values, groups, scale)
     return out.to(q.dtype)
+
+
+# Prefills of at most this many tokens (a prompt's tail behind its cached prefix, a chat turn)
+# go through the CPU decode kernel as one query each (below), not gathered for SDPA
+SHORT_PREFILL = 8
+
+
+def _short(q_lens, kv_lens, read, write, rows, heads, dim) -> DecodeRows:
+    """A step whose prefills are short, as decodes: token j of a sequence's n new ones is one
+    query over the first kv_len − n + j + 1 rows of that sequence's ``read`` (causal), so every
+    token goes through the CPU kernel, its rows read where they lie, nothing gathered. 64
+    streaming clients sending prompts whose prefix was cached (SmolLM2, ~7 new tokens each)
+    spent ~10 % of the server's engine time gathering histories for those prefills."""
+    seq = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    lens = [k - n + j + 1 for n, k in zip(q_lens, kv_lens) for j in range(n)]
+    return DecodeRows(read.index_select(0, seq), torch.tensor(lens), rows, heads, dim, write)
 
 
 class _Mixed:
