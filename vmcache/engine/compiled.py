@@ -278,8 +278,8 @@ class CompiledRunner:
             try:
                 with self._settings():
                     plan = layered.Plan(self.model, STEP_KWARG, example)
-            except ValueError:
-                plan = None  # (what the model hands its layers: the whole graph below)
+            except Exception:  # noqa: BLE001 - whatever the model's forward raises there
+                plan = None  # (what the model hands its layers, or its trace: the whole graph)
         if plan is not None:
             settings = {**layered.SETTINGS, "plan": plan.key()}
             key = packaged.package_key(self.model, self.store.dtype, settings, weights=False)
