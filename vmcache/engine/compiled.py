@@ -239,7 +239,6 @@ class CompiledRunner:
         self.layout = torch.stack(per_layer)  # int64 [L, 4]
         self.compiles = 0  # graphs built for this runner (CPU: a package; ≤ 1)
         self.package: Path | None = None  # CPU: the package the step runs (compile_cache)
-        self.layered = False  # CPU: the step built from one layer (vmcache.engine.layered)
         t = time.perf_counter()
         try:
             if self.device.type == "cpu":
@@ -255,6 +254,11 @@ class CompiledRunner:
                              f"({type(e).__name__}: {str(e).splitlines()[0][:300]}); "
                              "use compile=False") from e  # fmt: skip
         self.startup_s = time.perf_counter() - t
+
+    @property
+    def layered(self) -> bool:
+        """Whether the step was built from one layer (:mod:`vmcache.engine.layered`)."""
+        return isinstance(getattr(self, "_graph", None), layered.LayeredStep)
 
     def _forward(self, ids, pos, keep, store, layout, write, read, lens):
         """The step's inputs (:func:`~vmcache.engine.packaged.step_dims`) → logits of each
@@ -281,7 +285,7 @@ class CompiledRunner:
             except Exception:  # noqa: BLE001 - whatever the model's forward raises there
                 plan = None  # (what the model hands its layers, or its trace: the whole graph)
         if plan is not None:
-            settings = {**layered.SETTINGS, "plan": plan.key()}
+            settings = {**layered.SETTINGS, "layered": plan.key()}  # (the key's only)
             key = packaged.package_key(self.model, self.store.dtype, settings, weights=False)
             build = partial(plan.build, self.model, layered.SETTINGS)
         else:
@@ -294,7 +298,6 @@ class CompiledRunner:
                 self.package = where.save(key, build)
             self.compiles = 1
         if plan is not None:
-            self.layered = True
             return plan.step(self.model, packaged.load(self.package),
                              partial(self.eager._attention, COMPILED_ATTN_NAME),
                              where.root)  # fmt: skip

@@ -39,12 +39,14 @@ import torch
 from torch import nn
 
 from vmcache.engine.mapped import file_backed
+from vmcache.engine.packaged import compile_package
+from vmcache.engine.packed_linears import stack
 from vmcache.kernels import cpu_gemm
 
 EXAMPLE_TOKENS = 4  # the export's token count (each kwarg tensor with it in dim 1 gets dim N)
 # inductor's settings for the layer: no freezing (its weights are inputs) and kernels that read
 # the thread count when they run
-SETTINGS = {"cpp.dynamic_threads": True, "layered": True}
+SETTINGS = {"cpp.dynamic_threads": True}
 _PLAIN = (type(None), bool, int, float, str)
 
 
@@ -174,10 +176,8 @@ def weights_of(layer, groups: list[list[str]]) -> list[torch.Tensor]:
     out, grouped = [], set()
     for names in groups:
         mods = [layer.get_submodule(n) for n in names]
-        out.append(cpu_gemm.pack(torch.cat([m.weight.detach() for m in mods])))
-        if any(m.bias is not None for m in mods):
-            out.append(torch.cat([torch.zeros(m.out_features) if m.bias is None
-                                  else m.bias.detach().float() for m in mods]))  # fmt: skip
+        packed, bias = stack([m.weight for m in mods], [m.bias for m in mods])
+        out += [packed] if bias is None else [packed, bias]
         grouped |= {f"{n}.{p}" for n in names for p in ("weight", "bias")}
     out += [p.detach() for n, p in layer.named_parameters() if n not in grouped]
     return out
@@ -263,10 +263,9 @@ class LayeredStep:
     """The step (module docstring) on a loaded one-layer package: ``__call__(ids, pos, keep,
     store, layout, write, read, lens)`` → logits ``[B, vocab]`` fp32."""
 
-    def __init__(self, model, package, groups, how, plain, step_kwarg, attention,
-                 directory) -> None:  # fmt: skip
+    def __init__(self, model, package, groups, how, step_kwarg, attention, directory) -> None:
         self.model, self.run = model, package.loader.boxed_run
-        self.how, self.plain, self.step_kwarg, self.attention = how, plain, step_kwarg, attention
+        self.how, self.step_kwarg, self.attention = how, step_kwarg, attention
         self._memo = None  # (the step's dict, its inputs every layer shares): one step's
         self.groups = groups  # the linear layers each GEMM runs (names in a layer)
         weights = [weights_of(layer, groups) for layer in model.model.layers]
@@ -333,7 +332,7 @@ class _Head(nn.Module):
 class Plan:
     """What building and running the step from one layer needs, found on the model: the kwargs
     its forward hands a layer (``how`` to rebuild them from tensors, their ``plain`` values),
-    the linear groups, and the export's example inputs."""
+    the linear groups, and the export's example inputs before the weights."""
 
     def __init__(self, model, step_kwarg: str, example: tuple) -> None:
         ids, pos, _, store, layout, write, read, lens = example
@@ -346,8 +345,8 @@ class Plan:
         tensors, self.how = _flat(kwargs)
         self.plain = {k: kwargs[k] for k, n in self.how if n is None}
         self.step_kwarg = step_kwarg
-        self.example = (args[0], *tensors, store, layout[0:1], write, read, lens,
-                        *weights_of(layer, self.groups))  # fmt: skip
+        # the export's example inputs up to the weights (packed by build: a load needs none)
+        self.inputs = (args[0], *tensors, store, layout[0:1], write, read, lens)
         self.n_kw = len(tensors)
 
     def key(self) -> dict:
@@ -357,17 +356,15 @@ class Plan:
 
     def build(self, model, settings: dict, path: str) -> None:
         """Export the first layer's copy and compile it into an AOTInductor package."""
-        one = OneLayer(model.model.layers[0], self.groups, self.how, self.plain, self.step_kwarg)
-        settings = {k: v for k, v in settings.items() if k != "layered"}
-        ep = torch.export.export(one, self.example, dynamic_shapes=dims_of(self.example, self.n_kw),
+        layer = model.model.layers[0]
+        one = OneLayer(layer, self.groups, self.how, self.plain, self.step_kwarg)
+        example = (*self.inputs, *weights_of(layer, self.groups))
+        ep = torch.export.export(one, example, dynamic_shapes=dims_of(example, self.n_kw),
                                  strict=False)  # fmt: skip
-        config = torch._inductor.config
-        with config.patch("aot_inductor.metadata", dict(config.aot_inductor.metadata)):
-            torch._inductor.aoti_compile_and_package(ep, package_path=path,
-                                                     inductor_configs=settings)  # fmt: skip
+        compile_package(ep, settings, path)
 
     def step(self, model, package, attention, directory) -> LayeredStep:
         """The step on the loaded ``package``; its packed weights mapped from a file written
         (and unlinked) in the private ``directory``."""
-        return LayeredStep(model, package, self.groups, self.how, self.plain, self.step_kwarg,
-                           attention, directory)  # fmt: skip
+        return LayeredStep(model, package, self.groups, self.how, self.step_kwarg, attention,
+                           directory)  # fmt: skip

@@ -174,13 +174,18 @@ def build(module: torch.nn.Module, example: tuple, settings: dict, path: str) ->
     """Export ``module`` (the step: ``example``'s inputs → logits) and compile it into an
     AOTInductor package at ``path`` with inductor's ``settings``."""
     ep = torch.export.export(module, example, dynamic_shapes=step_dims(), strict=False)
-    ep = pack_linears(ep, example, step_dims())
+    compile_package(pack_linears(ep, example, step_dims()), settings, path)
+
+
+def compile_package(ep: torch.export.ExportedProgram, settings: dict, path: str) -> None:
+    """``ep`` compiled by AOTInductor with inductor's ``settings`` into a package at ``path``."""
     config = torch._inductor.config
     # (the build writes the machine's AOTI_* metadata into inductor's global configuration
-    # and leaves it there: patched, the process's own comes back after)
+    # and leaves it there: patched, the process's own comes back after; and it adds its own
+    # settings to the dict it is given: a copy, so the caller's keys the next package alike)
     with config.patch(LEAKED, dict(config.aot_inductor.metadata)):
         torch._inductor.aoti_compile_and_package(ep, package_path=path,
-                                                 inductor_configs=settings)  # fmt: skip
+                                                 inductor_configs=dict(settings))  # fmt: skip
 
 
 def load(path: Path):

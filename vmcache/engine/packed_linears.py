@@ -59,6 +59,17 @@ def _linears(gm: GraphModule) -> dict[Node, list[Node]]:
     return groups
 
 
+def stack(weights: list[torch.Tensor], biases: list[torch.Tensor | None]):
+    """Linear layers on one input as one GEMM: their weights stacked and packed
+    (:func:`~vmcache.kernels.cpu_gemm.pack`), and their biases stacked (zeros for a layer
+    without one; None where none has one) → (packed, bias)."""
+    packed = cpu_gemm.pack(torch.cat([w.detach() for w in weights]))
+    if all(b is None for b in biases):
+        return packed, None
+    return packed, torch.cat([torch.zeros(w.shape[0]) if b is None else b.detach().float()
+                              for w, b in zip(weights, biases)])  # fmt: skip
+
+
 def _replace(gm: GraphModule, nodes: list[Node], index: int) -> None:
     """One ``packed_linear`` call for ``nodes`` (all on one input), their outputs slices."""
     x = nodes[0].args[0]  # (now: where an earlier group's layer fed it, that layer's slice)
@@ -67,12 +78,11 @@ def _replace(gm: GraphModule, nodes: list[Node], index: int) -> None:
     sizes = [w.shape[0] for w in weights]
     name = f"{PREFIX}{index}"
     with torch.no_grad():
-        gm.register_buffer(name, cpu_gemm.pack(torch.cat(weights)))
+        panels, stacked = stack(weights, biases)
+        gm.register_buffer(name, panels)
         bias = None
-        if any(b is not None for b in biases):
-            parts = [torch.zeros(s) if b is None else b.detach().float()
-                     for s, b in zip(sizes, biases)]  # fmt: skip
-            gm.register_buffer(f"{name}_bias", torch.cat(parts))
+        if stacked is not None:
+            gm.register_buffer(f"{name}_bias", stacked)
             bias = f"{name}_bias"
     graph = gm.graph
     with graph.inserting_before(nodes[0]):
