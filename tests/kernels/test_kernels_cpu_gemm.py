@@ -1,7 +1,8 @@
 """The CPU linear kernel (vmcache.kernels.cpu_gemm) against float64 ``x · Wᵀ + b`` over awkward
-sizes (one row, rows across its 8-row blocks and 64-row tasks, columns not a multiple of a
-panel, K past a 128 chunk or under one), its tall blocks (6 rows by half a panel) wherever the
-machine's vectors are, through its operator, and its refusals."""
+sizes (one row, rows across its 8- and 6-row blocks, its whole-K calls from 32 rows and its
+64-row tasks, columns not a multiple of a panel, K past a 128 chunk or under one), its tall
+blocks (6 rows by half a panel) wherever the machine's vectors are, bit for bit equal to the
+default path, through its operator, and its refusals."""
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ def _reference(x, w, b):
 
 
 # every block tall (6 rows by 16 columns, from 1 row on): without AVX-512 the kernel takes
-# them from 32 rows a task on; with it never, so they are built here to be checked everywhere
+# them from 6 rows a task on; with it never, so they are built here to be checked everywhere
 _TALL = cpu_gemm._KERNEL.variant("-DTALL=1")
 
 
@@ -44,6 +45,9 @@ def test_matches_float64_reference(rows, n, k):
         torch.testing.assert_close(got.double(), _reference(x, w, bias), rtol=1e-5, atol=tol)
         tall = _tall_linear(x, packed, n, bias)
         torch.testing.assert_close(tall.double(), _reference(x, w, bias), rtol=1e-5, atol=tol)
+        # each sum runs over k in order whichever block and chunk holds it: where a call
+        # turns tall or takes K whole changes no bit (so no token of a model)
+        assert torch.equal(tall, got)
 
 
 def test_leading_dims_threads_and_the_operator():

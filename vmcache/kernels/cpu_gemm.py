@@ -15,14 +15,16 @@ registers:
 
     task (p, m-block of MC rows) → out[rows, p·NB : p·NB + NB]; the tasks run in parallel,
     a panel's m-blocks one after another (the panel stays in L2 while they go by):
-        for k-chunks of KC (a decode's ≤ MC rows; more rows: all of K at once):
+        for k-chunks of KC (a task's rows under WHOLE_K; from it on, all of K at once):
             for 8 rows at a time:  acc[8][NB] += x[m, k] · packed[p, k, :]   (FMAs, registers)
                                    (the panel's chunk stays in L1 across the rows)
-            or, from 32 rows a task on where the CPU has no AVX-512, for 6 rows at a time and
+            or, from 6 rows a task on where the CPU has no AVX-512, for 6 rows at a time and
             each half of the panel: acc[6][16] (8 × 32 sums are 32 AVX2 registers of the 16
-            there are: they spilled). SmolLM2's 30 layers on an AMD EPYC's 2 cores (AVX2,
-            2026-12-06): 64 rows 144 -> 122 ms, 300 rows 665 -> 418 ms (vLLM's oneDNN GEMM
-            114 and 433 ms); up to 31 rows unchanged (15 ms at 1 row, 40 ms at 16)
+            there are: they spilled), the next chunk prefetched into L2 meanwhile.
+            SmolLM2's 30 layers on an AMD EPYC's 2 cores (AVX2), 2026-12-06, tall blocks from
+            32 rows: 64 rows 144 -> 122 ms, 300 rows 665 -> 418 ms (vLLM's oneDNN GEMM 114 and
+            433 ms); 2026-12-07, from 6 rows with the L2 prefetch (layers and lm_head): 16 rows
+            47 -> 35 ms, 64 rows 134 -> 112 ms, 1 to 4 rows unchanged (19 ms at 1 row)
 
 A small C function compiled once a process (:mod:`vmcache.kernels.cbuild`); where no compiler
 works, :func:`available` says why and the compiled step keeps inductor's GEMMs.
@@ -45,15 +47,28 @@ SOURCE = r"""
 #define NB 32
 #define KC 128  /* a decode's k-chunk (the panel's chunk in L1 while its rows go by) */
 #define MC 64
-#define AHEAD (32 * NB)  /* prefetch distance along the panel, in floats (4 KiB) */
 /* From TALL rows on, blocks of 6 rows by half a panel (16 columns): 12 sums, 2 columns of
    the panel and a row's value in 16 AVX2 registers, where 8 rows by 32 columns spill them.
-   With AVX-512's 32 registers 8 by 32 fit: never (-DTALL=n sets it: the tests take 1). */
-#ifndef TALL
+   With AVX-512's 32 registers 8 by 32 fit: never (-DTALL=n sets it: the tests take 1).
+   From WHOLE_K rows a task on, a panel's k runs in one chunk (the sums stay in registers).
+   The prefetch runs AHEAD floats along the weights into the cache level LOCALITY names
+   (3: L1, 2: L2): without AVX-512, a whole k-chunk ahead into L2, so the next chunk streams
+   in while this one's row blocks go by (SmolLM2's 30 layers and lm_head on an AMD EPYC's 2
+   cores, 2026-12-07, each weight read from memory once a call: 16 rows 47 -> 35 ms, 24 rows
+   68 -> 48, 64 rows 134 -> 112; 1 to 4 rows unchanged); with it as measured before. */
 #ifdef __AVX512F__
+#define AHEAD (32 * NB)
+#define LOCALITY 3
+#define WHOLE_K (MC + 1)
+#ifndef TALL
 #define TALL 0
+#endif
 #else
-#define TALL 32
+#define AHEAD (KC * NB)
+#define LOCALITY 2
+#define WHOLE_K 32
+#ifndef TALL
+#define TALL 6
 #endif
 #endif
 
@@ -71,8 +86,8 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
             for (int j = 0; j < jw; ++j) acc[m][j] = out[m * N + n0 + j];
     for (int64_t k = k0; k < k1; ++k) {
         const float *wk = w + k * NB;
-        __builtin_prefetch(wk + AHEAD);
-        if (jw > 16) __builtin_prefetch(wk + AHEAD + 16);
+        __builtin_prefetch(wk + AHEAD, 0, LOCALITY);
+        if (jw > 16) __builtin_prefetch(wk + AHEAD + 16, 0, LOCALITY);
         for (int m = 0; m < mb; ++m) {
             const float xv = x[m * K + k];
             #pragma omp simd
@@ -127,7 +142,7 @@ static __attribute__((noinline)) void tall_rows_of(const float *x, const float *
 void vmcache_linear(const float *x, const float *packed, const float *bias, float *out,
                     int64_t M, int64_t K, int64_t N, int threads) {
     const int64_t P = (N + NB - 1) / NB, MBLK = (M + MC - 1) / MC;
-    const int64_t kc = M > MC ? K : KC;  /* many rows: the panel stays in L2, sums in registers */
+    const int64_t kc = M >= WHOLE_K ? K : KC;  /* many rows: the panel in L2, sums in registers */
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < P * MBLK; ++t) {
         const int64_t p = t / MBLK, lo = (t % MBLK) * MC, hi = lo + MC < M ? lo + MC : M;
