@@ -226,7 +226,7 @@ def test_drafts_run_the_eager_step_and_keep_the_tokens(model, steps):
     assert outputs(engine, reqs) == want
 
 
-@pytest.mark.parametrize("q_lens", [(17, 1, 33, 1, 5), (3, 1, 8, 1, 2)])
+@pytest.mark.parametrize("q_lens", [(17, 1, 33, 1, 5), (3, 1, 8, 1, 2), (16, 1, 9, 1, 12)])
 @pytest.mark.parametrize("kind", ["vm", "paged"])
 def test_step_attention_equals_the_batched_kernel_and_the_reference(kind, q_lens):
     """The operator on its own (eager): writes where the batch writes, attends as the eager

@@ -93,9 +93,13 @@ def _gathered(q, k, v, store, layout, write, read, groups, scale) -> torch.Tenso
     return out.to(q.dtype)
 
 
-# Prefills of at most this many tokens (a prompt's tail behind its cached prefix, a chat turn)
-# go through the CPU decode kernel as one query each (below), not gathered for SDPA
-SHORT_PREFILL = 8
+# Prefills of at most this many tokens go through the CPU decode kernel as one query each
+# (below), not gathered for SDPA: a prompt's tail behind its cached prefix (the prefix index
+# hits in 16-token units, so the tail it leaves is 1 to 16 tokens), a short chat turn. 64
+# streaming clients on SmolLM2 (tails of 1-16 tokens behind ~500 cached, 2026-12-07): the
+# step that prefills all 64 took 1.76 s at 8 (the longer tails gathered), 1.31 s at 16 and
+# 1.30 s at 32 (its GEMMs 0.74 s)
+SHORT_PREFILL = 16
 
 
 def _short(q_lens, kv_lens, read, write, rows, heads, dim) -> DecodeRows:
