@@ -14,6 +14,7 @@ from engine_cases import make
 from vmcache.engine import Engine
 from vmcache.engine.compiled import CompiledRunner
 from vmcache.engine.packaged import PackageDir, package_key
+from vmcache.kernels import aoti_shims
 
 SETTINGS = {"freezing": True, "max_autotune": True}
 
@@ -44,6 +45,17 @@ def test_the_key_follows_what_shapes_the_code_and_nothing_else(model):
     finally:
         torch.set_num_threads(threads)
     assert key(model) == base  # reading the model changed nothing
+
+
+def test_the_key_says_whether_the_package_calls_the_c_shims(model, monkeypatch):
+    """A package built to call the operators' C shims loads only where they are loaded: one
+    built where they are not is another package."""
+    if not aoti_shims.available()[0]:
+        pytest.skip(f"no C shims here: {aoti_shims.available()[1]}")
+    base = key(model)
+    monkeypatch.setattr(aoti_shims, "available", lambda: (False, "not here"))
+    assert aoti_shims.inductor_settings() == {}
+    assert key(model) != base
 
 
 def _write(data: bytes):

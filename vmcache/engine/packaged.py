@@ -36,10 +36,10 @@ import torch
 
 import vmcache
 from vmcache.engine.packed_linears import pack_linears
-from vmcache.kernels import cpu_gemm
+from vmcache.kernels import aoti_shims, cpu_gemm
 from vmcache.models.embedded import sha256_of
 
-KEY_VERSION = 4  # bump when what goes into a package changes
+KEY_VERSION = 5  # bump when what goes into a package changes
 # inductor's setting that a package build writes and leaves behind (build() restores it; the
 # key leaves it out, so a process that built one keys the next as a fresh process does)
 LEAKED = "aot_inductor.metadata"
@@ -93,6 +93,7 @@ def package_key(model: torch.nn.Module, store_dtype: torch.dtype, settings: dict
             "isa": str(pick_vec_isa()), "threads": torch.get_num_threads(),
             "model": type(model).__qualname__, "config": model.config.to_json_string(),
             "store": str(store_dtype), "linear": _linear_layout(),
+            "shims": aoti_shims.available()[0],
             "example": [EXAMPLE_TOKENS, EXAMPLE_SEQS],
             "settings": {k: repr(v) for k, v in sorted(settings.items())},
             "inductor": hashlib.sha256(inductor.encode()).hexdigest()}  # fmt: skip
@@ -178,16 +179,21 @@ def build(module: torch.nn.Module, example: tuple, settings: dict, path: str) ->
 
 
 def compile_package(ep: torch.export.ExportedProgram, settings: dict, path: str) -> None:
-    """``ep`` compiled by AOTInductor with inductor's ``settings`` into a package at ``path``."""
+    """``ep`` compiled by AOTInductor with inductor's ``settings`` into a package at ``path``;
+    its operators called through their C shims where they are available here
+    (:mod:`vmcache.kernels.aoti_shims`; the package's key says whether they were)."""
     config = torch._inductor.config
     # (the build writes the machine's AOTI_* metadata into inductor's global configuration
     # and leaves it there: patched, the process's own comes back after; and it adds its own
     # settings to the dict it is given: a copy, so the caller's keys the next package alike)
     with config.patch(LEAKED, dict(config.aot_inductor.metadata)):
-        torch._inductor.aoti_compile_and_package(ep, package_path=path,
-                                                 inductor_configs=dict(settings))  # fmt: skip
+        torch._inductor.aoti_compile_and_package(
+            ep, package_path=path, inductor_configs={**settings, **aoti_shims.inductor_settings()}
+        )
 
 
 def load(path: Path):
-    """The package at ``path`` as a callable: the step's inputs → logits."""
+    """The package at ``path`` as a callable: the step's inputs → logits (the operators' C
+    shims loaded first where they are available: a package keyed with them calls them)."""
+    aoti_shims.available()
     return torch._inductor.aoti_load_package(str(path))

@@ -19,13 +19,17 @@ WIDE_VECTORS = ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64"
 
 
 class CFunction:
-    """``source`` compiled with ``BASE_FLAGS + flags`` and its function ``name`` taking
-    ``argtypes`` (returning nothing), built at the first use of :attr:`fn`, :attr:`reason` or
-    :meth:`available` and kept for the process: :attr:`fn` (a ``ctypes`` function), or None
-    with :attr:`reason`. A kernel module holds one at import; nothing is compiled until used."""
+    """``source`` compiled with ``BASE_FLAGS + flags`` (linked with ``libs``, e.g. ``-l...``)
+    and its function ``name`` taking ``argtypes`` (returning nothing), built at the first use
+    of :attr:`fn`, :attr:`reason` or :meth:`available` and kept for the process: :attr:`fn` (a
+    ``ctypes`` function), or None with :attr:`reason`. A kernel module holds one at import;
+    nothing is compiled until used. ``global_symbols``: the library's symbols open to the
+    libraries loaded after it (``RTLD_GLOBAL``: a compiled package that calls them)."""
 
-    def __init__(self, source: str, flags: tuple[str, ...], name: str, argtypes: list) -> None:
+    def __init__(self, source: str, flags: tuple[str, ...], name: str, argtypes: list,
+                 libs: tuple[str, ...] = (), global_symbols: bool = False) -> None:  # fmt: skip
         self._spec = (source, flags, name, argtypes)
+        self._link = (libs, global_symbols)
         self._built: tuple | None = None  # (fn or None, reason): set once, at the first use
 
     @property
@@ -40,7 +44,7 @@ class CFunction:
         """The same function built with ``flags`` added (a ``-D`` that picks another of its
         code paths), its own library, built at its own first use."""
         source, base, name, argtypes = self._spec
-        return CFunction(source, (*base, *flags), name, argtypes)
+        return CFunction(source, (*base, *flags), name, argtypes, *self._link)
 
     def available(self) -> tuple[bool, str]:
         """(whether the function runs here, why not)."""
@@ -59,10 +63,12 @@ class CFunction:
         tag = hashlib.sha256(source.encode()).hexdigest()[:12]
         src, lib = Path(self._dir.name) / f"k{tag}.c", Path(self._dir.name) / f"k{tag}.so"
         src.write_text(source)
+        libs, global_symbols = self._link
+        mode = ctypes.RTLD_GLOBAL if global_symbols else ctypes.DEFAULT_MODE
         try:
-            subprocess.run([cc, *BASE_FLAGS, *flags, str(src), "-o", str(lib),
+            subprocess.run([cc, *BASE_FLAGS, *flags, str(src), "-o", str(lib), *libs,
                             "-lm"], check=True, capture_output=True, timeout=120)  # fmt: skip
-            fn = getattr(ctypes.CDLL(str(lib)), name)
+            fn = getattr(ctypes.CDLL(str(lib), mode=mode), name)
         except (OSError, subprocess.SubprocessError) as exc:
             err = getattr(exc, "stderr", b"") or b""
             return None, f"{cc} failed: {exc} {err.decode(errors='replace')[-400:]}".strip()

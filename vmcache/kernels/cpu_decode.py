@@ -206,17 +206,19 @@ static inline __attribute__((always_inline)) void part(
     }
 }
 
-/* The step's new K/V rows stored (n_new of them, row write[i]; none where n_new is 0), then
-   every sequence's rows split into C parts run in parallel, then merged per sequence. */
+/* The step's new K/V rows stored (n_new of them, row write[i], k_new's and v_new's rows
+   k_ld and v_ld floats apart; none where n_new is 0), then every sequence's rows split into
+   C parts run in parallel, then merged per sequence. */
 void vmcache_decode(const float *q, float *store, int64_t k_at, int64_t v_at,
                     const int64_t *read, const int64_t *lens, float *out, float *scratch,
                     float *partial, int64_t B, int64_t S, int64_t HQ, int64_t HKV, int64_t D,
                     int64_t C, float scale, int threads, const float *k_new,
-                    const float *v_new, const int64_t *write, int64_t n_new) {
+                    const float *v_new, const int64_t *write, int64_t n_new, int64_t k_ld,
+                    int64_t v_ld) {
     const int64_t G = HQ / HKV, R = HKV * D;
     for (int64_t i = 0; i < n_new; ++i) {
-        memcpy(store + k_at + write[i] * R, k_new + i * R, R * sizeof(float));
-        memcpy(store + v_at + write[i] * R, v_new + i * R, R * sizeof(float));
+        memcpy(store + k_at + write[i] * R, k_new + i * k_ld, R * sizeof(float));
+        memcpy(store + v_at + write[i] * R, v_new + i * v_ld, R * sizeof(float));
     }
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < B * C; ++task) {
@@ -271,12 +273,21 @@ MIN_PART_ROWS = 256  # a sequence is split into parts of at least this many rows
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p  # (vmcache_decode's arguments; built on first use)
 KERNEL = CFunction(SOURCE, FLAGS, "vmcache_decode",
                    [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
-                    _i64, _i64, ctypes.c_float, ctypes.c_int, _ptr, _ptr, _ptr, _i64])  # fmt: skip
+                    _i64, _i64, ctypes.c_float, ctypes.c_int, _ptr, _ptr, _ptr, _i64, _i64,
+                    _i64])  # fmt: skip
 
 
 def available() -> tuple[bool, str]:
     """(whether the compiled kernel runs here, why not)."""
     return KERNEL.available()
+
+
+def address() -> int | None:
+    """The compiled kernel's C address (None where it is not available): for the package's C
+    entry point (:mod:`vmcache.kernels.aoti_shims`), which calls it as :class:`DecodeRows`
+    does."""
+    fn = KERNEL.fn
+    return None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
 
 
 def serves(q: torch.Tensor, kv_dtype: torch.dtype) -> bool:
@@ -346,10 +357,11 @@ class DecodeRows:
                     k is None or v is None or k.dtype is not f32 or v.dtype is not f32
                     or k.shape != (n, width) or v.shape != (n, width))):  # fmt: skip
             self._refuse(q, store, layout, k, v)  # (one test a layer; the reason only here)
-        new = (None, None, None, 0)
-        if k is not None:
-            k, v = k.contiguous(), v.contiguous()
-            new = (k.data_ptr(), v.data_ptr(), self.write.data_ptr(), n)
+        new = (None, None, None, 0, width, width)
+        if k is not None:  # (rows apart by any stride: a slice of a fused GEMM's output is one)
+            k = k if k.stride(1) == 1 else k.contiguous()
+            v = v if v.stride(1) == 1 else v.contiguous()
+            new = (k.data_ptr(), v.data_ptr(), self.write.data_ptr(), n, k.stride(0), v.stride(0))
         q = q.contiguous()
         out = torch.empty_like(q)
         self.fn(q.data_ptr(), store.data_ptr(), k_at, v_at, self.read.data_ptr(),

@@ -167,6 +167,13 @@ def available() -> tuple[bool, str]:
     return _KERNEL.available()
 
 
+def address() -> int | None:
+    """The compiled kernel's C address (None where it is not available): for the package's C
+    entry point (:mod:`vmcache.kernels.aoti_shims`), which calls it as the operator does."""
+    fn = _KERNEL.fn
+    return None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """weight float32 ``[N, K]`` (a linear layer's) → packed float32 ``[P, K, NB]`` (module
     docstring), a new contiguous tensor."""
