@@ -9,7 +9,9 @@ SYSTEMS
   vllm in-process     the same with its engine core in the driving process
                       (VLLM_ENABLE_V1_MULTIPROCESSING=0): on 2 cores the default's second
                       process competes with the model for them (the profile found it faster)
-  engine VM           Engine over VMKVCache, the model's eager forward
+  engine VM           Engine over VMKVCache, the model's eager forward; every engine with
+                      prefix caching on, as vmcache-server runs it and as vLLM runs by
+                      default (its config line: enable_prefix_caching=True)
   engine VM compiled  Engine(..., compile=True) over VMKVCache (vmcache.engine.compiled)
   engine paged compiled                       over PagedKVCache
   generate_batch      transformers' continuous batching (bench_speed.batch_run) and its
@@ -152,7 +154,10 @@ def build(model, kind: str, compiled: bool, loads: dict, steps: str) -> tuple[En
     spec = KVSpec.from_hf_config(model.config)
     longest = max(len(p) + n for w in loads.values() for p, n in zip(w["prompts"], w["new"]))
     seqs = max(len(w["prompts"]) for w in loads.values())
-    kw = dict(max_seqs=seqs, max_seq_len=longest + 16, pool_bytes=512 << 20)
+    # prefix caching on, as vmcache-server's default and vLLM's (both keep a prefix across
+    # runs; a request waits a step for a prefix another is prefilling, where vLLM's reads
+    # blocks the same step writes)
+    kw = dict(max_seqs=seqs, max_seq_len=longest + 16, pool_bytes=512 << 20, prefix_caching=True)
     kv = VMKVCache(spec, **kw) if kind == "vm" else PagedKVCache(spec, **kw)
     t = time.perf_counter()
     engine = Engine(model, kv, max_batch_tokens=2048, compile=compiled,
