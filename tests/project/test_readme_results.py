@@ -41,3 +41,22 @@ def test_no_figure_outside_the_blocks_cites_a_stale_results_file():
     results = os.path.join(ROOT, "benchmarks", "results")
     for name in re.findall(r"benchmarks/results/([\w.-]+\.(?:png|json))", text):
         assert os.path.exists(os.path.join(results, name)), name
+
+
+def test_the_vllm_verdict_can_say_misses():
+    """bench-vllm's verdict checks the issue's goal (at most 0.8x vLLM's time, tokens equal,
+    no recompiles after warm-up): the committed run meets it; the same run with our engine
+    slower, or with one recompile, misses it."""
+    import copy
+    import sys
+
+    speed = sys.modules["readme_speed"]
+    name, doc = speed.newest("vllm-20??-*.json")
+    assert speed.vllm(name, doc).count("MEETS the goal") == 2
+    slow, recompiled = copy.deepcopy(doc), copy.deepcopy(doc)
+    for r in slow["rows"]:
+        s = r["engine_vm_compiled"]["seconds"]
+        s["median"] = speed._vllm_best(r) * (speed.GOAL_VS_VLLM + 0.01)
+    recompiled["rows"][0]["engine_vm_compiled"]["recompiles"] = 1
+    assert speed.vllm(name, slow).count("MISSES the goal") == 2
+    assert "MISSES the goal" in speed.vllm(name, recompiled)
