@@ -60,3 +60,33 @@ def test_the_vllm_verdict_can_say_misses():
     recompiled["rows"][0]["engine_vm_compiled"]["recompiles"] = 1
     assert speed.vllm(name, slow).count("MISSES the goal") == 2
     assert "MISSES the goal" in speed.vllm(name, recompiled)
+
+
+def test_the_server_verdicts_can_say_misses():
+    """bench-server's verdicts check issue 68's goals: the committed run meets them; the same
+    run with 1.2x vLLM's tokens/s at 64 clients, a slower p99 TTFT at 1 client, one answer
+    unequal, or a 16 s restart misses them."""
+    import copy
+    import sys
+
+    server = sys.modules["readme_server"]
+    name, doc = server.newest("server-20??-*.json")
+    assert server.load(name, doc).count("**MEETS** the goal") == 2
+
+    def edited(change) -> str:
+        d = copy.deepcopy(doc)
+        change(d, {(r["server"], r["clients"]): r for r in d["rows"]})
+        return server.load(name, d)
+
+    def vm(clients, key, value):
+        return lambda d, by: by[("vm", clients)].__setitem__(key, value)
+
+    def unequal(d, by):
+        by[(by[("vm", 16)]["vs_vllm"], 16)]["equal_to_vm"] -= 1
+
+    def slow_restart(d, by):
+        d["startup_s"]["vm"]["cached"] = 16.0
+
+    for change in (vm(64, "tok_per_s_vs_vllm", 1.2), vm(1, "ttft_p99_vs_vllm", 1.01), unequal,
+                   slow_restart):  # fmt: skip
+        assert edited(change).count("**MISSES** the goal") == 1
