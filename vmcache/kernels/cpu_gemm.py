@@ -24,7 +24,12 @@ registers:
             SmolLM2's 30 layers on an AMD EPYC's 2 cores (AVX2), 2026-12-06, tall blocks from
             32 rows: 64 rows 144 -> 122 ms, 300 rows 665 -> 418 ms (vLLM's oneDNN GEMM 114 and
             433 ms); 2026-12-07, from 6 rows with the L2 prefetch (layers and lm_head): 16 rows
-            47 -> 35 ms, 64 rows 134 -> 112 ms, 1 to 4 rows unchanged (19 ms at 1 row)
+            47 -> 35 ms, 64 rows 134 -> 112 ms, 1 to 4 rows unchanged (19 ms at 1 row).
+            With AVX-512 the prefetch ran 1 KiB ahead into L1 (as measured on an Intel Xeon,
+            2026-12-05) until an AMD EPYC with AVX-512 (2 cores, 2026-12-07) ran the layers'
+            GEMMs alone 1.2-1.4x faster with the L2 prefetch from 5 rows on: 8 rows 16.2 ->
+            12.8 ms, 16 rows 25.1-27.6 -> 18.0-20.1, 32 rows 51.3 -> 40.3, 64 rows 77.6 ->
+            70.8, 1 to 4 rows level; not measured again on an Intel Xeon
 
 A small C function compiled once a process (:mod:`vmcache.kernels.cbuild`); where no compiler
 works, :func:`available` says why and the compiled step keeps inductor's GEMMs.
@@ -52,19 +57,16 @@ SOURCE = r"""
    With AVX-512's 32 registers 8 by 32 fit: never (-DTALL=n sets it: the tests take 1).
    From WHOLE_K rows a task on, a panel's k runs in one chunk (the sums stay in registers).
    The prefetch runs AHEAD floats along the weights into the cache level LOCALITY names
-   (3: L1, 2: L2): without AVX-512, a whole k-chunk ahead into L2, so the next chunk streams
-   in while this one's row blocks go by (measured: the module's docstring); with it as
-   measured before. */
+   (2: L2): a whole k-chunk ahead, so the next chunk streams in while this one's row blocks
+   go by, with AVX-512 or without (measured: the module's docstring). */
+#define AHEAD (KC * NB)
+#define LOCALITY 2
 #ifdef __AVX512F__
-#define AHEAD (32 * NB)
-#define LOCALITY 3
 #define WHOLE_K (MC + 1)
 #ifndef TALL
 #define TALL 0
 #endif
 #else
-#define AHEAD (KC * NB)
-#define LOCALITY 2
 #define WHOLE_K 32
 #ifndef TALL
 #define TALL 6
