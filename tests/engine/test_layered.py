@@ -122,3 +122,17 @@ def test_biased_projections_stack_their_biases(tmp_path):
     engine = Engine(model, kv(), compile=True, compile_cache=tmp_path)
     assert engine.runner.layered
     assert outputs(engine, reqs) == outputs(Engine(model, kv()), reqs)
+
+
+def test_a_profile_sees_the_lm_head_as_a_linear_layer(built):
+    """The lm_head's GEMM, run outside the package, goes through the dispatcher: torch's
+    profiler records it as ``vmcache::packed_linear`` (a direct call of the C kernel recorded
+    nothing, and bench-vllm-profile counted its time as the model's own)."""
+    model, where = built
+    engine = Engine(model, make("vm", 40), compile=True, compile_cache=where)
+    panels = -(-model.config.vocab_size // cpu_gemm.NB)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        engine.run(requests([(5, 3)], seed=2))
+    heads = [e for e in prof.events() if e.name == "vmcache::packed_linear"
+             and e.input_shapes and e.input_shapes[1][:1] == [panels]]  # fmt: skip
+    assert len(heads) == 3  # one a step: the prompt's, then two decodes

@@ -325,8 +325,8 @@ class _Head(nn.Module):
         super().__init__()
         self.packed, self.n, self.bias = packed, n, bias
 
-    def forward(self, x):
-        return cpu_gemm.packed_linear(x, self.packed, self.n, self.bias)
+    def forward(self, x):  # (through the dispatcher: a profile counts it a linear layer)
+        return torch.ops.vmcache.packed_linear(x, self.packed, self.n, self.bias)
 
 
 class Plan:
