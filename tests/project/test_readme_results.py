@@ -1,9 +1,11 @@
 """Every result table in the README and docs/results.md is rendered from committed JSON: the
 check passes on the files as committed, and catches a figure edited by hand."""
 
+import copy
 import importlib.util
 import os
 import re
+import sys
 
 from repo import ROOT
 
@@ -47,9 +49,6 @@ def test_the_vllm_verdict_can_say_misses():
     """bench-vllm's verdict checks the issue's goal (at most 0.8x vLLM's time, tokens equal,
     no recompiles after warm-up): the committed run meets it; the same run with our engine
     slower, or with one recompile, misses it."""
-    import copy
-    import sys
-
     speed = sys.modules["readme_speed"]
     name, doc = speed.newest("vllm-20??-*.json")
     assert speed.vllm(name, doc).count("MEETS the goal") == 2
@@ -66,9 +65,6 @@ def test_the_server_verdicts_can_say_misses():
     """bench-server's verdicts check issue 68's goals: the committed run meets them; the same
     run with 1.2x vLLM's tokens/s at 64 clients, a slower p99 TTFT at 1 client, one answer
     unequal, or a 16 s restart misses them."""
-    import copy
-    import sys
-
     server = sys.modules["readme_server"]
     name, doc = server.newest("server-20??-*.json")
     assert server.load(name, doc).count("**MEETS** the goal") == 2

@@ -25,9 +25,9 @@ registers:
             32 rows: 64 rows 144 -> 122 ms, 300 rows 665 -> 418 ms (vLLM's oneDNN GEMM 114 and
             433 ms); 2026-12-07, from 6 rows with the L2 prefetch (layers and lm_head): 16 rows
             47 -> 35 ms, 64 rows 134 -> 112 ms, 1 to 4 rows unchanged (19 ms at 1 row).
-            With AVX-512 the prefetch ran 1 KiB ahead into L1 (as measured on an Intel Xeon,
+            With AVX-512 the prefetch ran 4 KiB ahead into L1 (as measured on an Intel Xeon,
             2026-12-05) until an AMD EPYC with AVX-512 (2 cores, 2026-12-07) ran the layers'
-            GEMMs alone 1.2-1.4x faster with the L2 prefetch from 5 rows on: 8 rows 16.2 ->
+            GEMMs alone 1.1-1.4x faster with the L2 prefetch from 5 rows on: 8 rows 16.2 ->
             12.8 ms, 16 rows 25.1-27.6 -> 18.0-20.1, 32 rows 51.3 -> 40.3, 64 rows 77.6 ->
             70.8, 1 to 4 rows level; not measured again on an Intel Xeon
 
