@@ -15,7 +15,7 @@ from transformers import LlamaForCausalLM
 from vmcache import KVSpec, VMKVCache, kernels
 from vmcache.engine import Engine, NgramDrafter, Request, SamplingParams
 from vmcache.engine.compiled import CompiledRunner, unsupported
-from vmcache.kernels import cpu_decode, cpu_gemm, step_op
+from vmcache.kernels import cpu_decode, cpu_decode_plan, cpu_gemm, step_op
 from vmcache.kernels.reference import dense_attention
 from vmcache.kernels.step_op import step_attention
 from vmcache.paged_fallback import PagedKVCache
@@ -270,7 +270,7 @@ def test_step_attention_equals_the_batched_kernel_and_the_reference(kind, q_lens
         plan, kernel = step_op._LAST_PLAN[0][4], cpu_decode.serves(q, torch.float32)
         short = max(q_lens) <= step_op.SHORT_PREFILL
         assert isinstance(plan, step_op._Mixed) == (kernel and not short)
-        assert isinstance(plan, cpu_decode.DecodeRows) == (kernel and short)
+        assert isinstance(plan, cpu_decode_plan.DecodeRows) == (kernel and short)
         b.write(layer, k, v)  # the same K/V again, through the eager path
         want = kernels.attend(kv, layer, q, seqs, q_lens, scale=0.25, batch=b)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vmcache.kernels.cpu_decode import KERNEL, DecodeRows, available, decode_rows
+from vmcache.kernels.cpu_decode import KERNEL, available
+from vmcache.kernels.cpu_decode_plan import DecodeRows, decode_rows
 
 pytestmark = pytest.mark.skipif(not available()[0], reason=f"no kernel: {available()[1]}")
 

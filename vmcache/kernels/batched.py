@@ -15,7 +15,7 @@ padded to the longest of their group and a boolean mask keeps each query to its 
         padded query rows (i >= q_len_b) keep key 0 only; their output is dropped
 
 A step of float32 decodes on the CPU (no window, no soft-capping) skips all of this:
-:class:`~vmcache.kernels.cpu_decode.DecodeRows` (checked once a step) reads every history
+:class:`~vmcache.kernels.cpu_decode_plan.DecodeRows` (checked once a step) reads every history
 where it lies.
 
 The masks and row indices are built once per step and window (kept in ``batch.memo``),
@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from vmcache.kernels.common import _softcapped, layer_window
-from vmcache.kernels.cpu_decode import DecodeRows, serves
+from vmcache.kernels.cpu_decode import serves
+from vmcache.kernels.cpu_decode_plan import DecodeRows
 
 
 @dataclass(frozen=True)

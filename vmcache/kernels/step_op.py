@@ -38,7 +38,8 @@ import weakref
 import torch
 
 from vmcache.kernels.batched import attend_groups, plan_groups
-from vmcache.kernels.cpu_decode import DecodeRows, serves
+from vmcache.kernels.cpu_decode import serves
+from vmcache.kernels.cpu_decode_plan import DecodeRows
 
 # the last step's plan (SDPA groups, or the CPU decode kernel's checked plan), made by its
 # first layer and read by the others: a memo of a pure function, kept for the step's ``lens``
