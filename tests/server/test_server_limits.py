@@ -111,5 +111,5 @@ def test_what_the_server_refuses_at_start(real, tmp_path):
         build(real, "--model", "a=x", "--kv-ledger", str(theirs), "--kv-budget-mib", "8")
     if os.geteuid() == 0:  # only root can give a file away
         os.chown(theirs, 65534, 65534)
-        with pytest.raises(ValueError, match="owned by uid 65534"):
+        with pytest.raises(LedgerError, match="owned by uid 65534"):
             build(real, "--model", "a=x", "--kv-ledger", str(theirs))

@@ -18,41 +18,54 @@ first reaps holders that died or whose lease ran out.
     one whose neighbours want no more than their share (a light load) may use what they leave.
 
 Why SQLite, not a JSON file under ``flock``: an update is a transaction (a crash or a short
-write mid-update leaves the previous ledger, never a truncated one), a lock wait has a timeout
-(``lock_timeout_s``: a process stopped while holding the lock blocks the others only that
-long, then they get :class:`LedgerError`), damage is detected (SQLite's header and page checks)
-and the standard library has it: no server, one file, nothing to install.
+write mid-update leaves the previous ledger, never a truncated one), a lock wait has a timeout,
+damage is detected (SQLite's header and page checks) and the standard library has it: no
+server, one file, nothing to install.
 
-Dead and hung holders: a holder is reaped when its process is gone (``kill(pid, 0)``, or the
-pid now belongs to a process started at another time), or, with ``lease_s``, when it showed no
-sign of life for that long (every call of its budget is one; call :meth:`SharedBudget.beat`
-from an idle process). A reaped holder that turns out alive (a hung process that resumes)
-joins again with what it holds, on its next call. A ledger file deleted or replaced while in
-use is rebuilt the same way: each holder's next call re-registers what it holds in the file
-now at the path (a newcomer that came in between may see room that is not there until then).
-A damaged ledger is refused with :class:`LedgerError` naming the file.
+Each holder's own account is the truth; the file is a shared copy of the accounts, so it can
+always be rebuilt from them:
+  - every write sets this holder's row to what it holds (``held``, not a difference): a
+    release whose write failed is written by the next call, never lost or counted twice;
+  - a holder whose row is gone (reaped, or the file deleted, replaced or rebuilt) joins
+    again with what it holds on its next call; where that no longer fits the total, its row
+    is capped at what fits and marked to shed (its owner gives back or preempts down to it),
+    and its own limits come back once it fits;
+  - a ledger found damaged, or locked by another process for longer than ``lock_timeout_s``
+    (a holder stopped inside a transaction), is moved out of the way by the first holder
+    that finds it (a damaged file is kept beside it as ``PATH.damaged-...``), and every live
+    holder re-registers in a new file at the path: nothing waits on a stopped process
+    longer than that bound;
+  - with ``lease_s``, a holder that shows no sign of life for that long is reaped (a stopped
+    or hung process); ``keepalive=True`` beats from a thread of its own, so an idle or busy
+    process keeps its lease and a stopped one loses it. A reaped holder that resumes joins
+    again as above.
+The calls a cache makes while it serves (:meth:`SharedBudget.acquire`, ``release``,
+``available``, ``want``) never raise for a ledger fault: a fault they cannot recover from
+(the path replaced by a symbolic link, say) is a refusal (``acquire`` False, ``available`` 0)
+and is kept in :attr:`SharedBudget.fault`; a new holder is refused with :class:`LedgerError`
+naming the file and the one command that recovers it (``vmcache-kv --ledger PATH repair``).
 
 Trust model: the processes that open one ledger trust each other and whoever can write the
 file (any of them can deny the others pages by lying about what it holds). The ledger is
-created 0600: give every process the same user, or a group-writable directory on purpose.
+created 0600, and every opener refuses a symbolic link, a file of another user or one that
+every user may write (:func:`~vmcache.memory.ledger_rows.check_ledger_file`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import sqlite3
+import threading
 import time
 import uuid
 
 from vmcache.memory.budget import _pages
+from vmcache.memory.ledger_file import LedgerFile
 from vmcache.memory.ledger_rows import (  # noqa: F401  (LedgerError, _start_time: re-exported)
-    _TABLES,
     SCHEMA,
     LedgerError,
     _seconds,
     _start_time,
-    check_access,
-    reap,
 )
 
 WANT_S = 1.0  # how long a refusal marks a holder as wanting pages
@@ -61,151 +74,201 @@ WANT_S = 1.0  # how long a refusal marks a holder as wanting pages
 # ScaledBudget of this unit)
 UNIT_BYTES = 4096
 TTL_S = 0.002  # available() answers from a cached read this long (acquire always locks)
+# what a serving process takes (vmcache-server, vmcache.vllm): a lease kept by a thread of
+# its own (a stopped process loses its pages after this long), and the longest a call waits
+# for another process's transaction before it rebuilds the ledger without it
+SERVING_LEASE_S = 5.0
+SERVING_LOCK_TIMEOUT_S = 2.0
 
 
 class SharedBudget:
     """This holder's share of the ledger at ``path``: at least ``min_pages`` guaranteed (they
     count against the total whether used or not), at most ``max_pages``. ``total_pages``
     creates the ledger when it does not exist (the first process); later ones may omit it.
-    ``lock_timeout_s``: how long a call waits for another process's transaction before
-    :class:`LedgerError`. ``lease_s``: reap this holder when it shows no sign of life for
-    that long (None: only when its process dies). ``name``: a label the ledger shows
-    (:mod:`vmcache.memory.ledger_admin` reads and limits holders by it). ``unit_bytes``: the
-    bytes one ledger page stands for, recorded by the first process (a later one naming
-    another is refused), so that readers can show bytes."""
+    ``lock_timeout_s``: how long a call waits for another process's transaction before it
+    moves the stuck ledger aside and goes on in a new one. ``lease_s``: reap this holder
+    when it shows no sign of life for that long (None: only when its process dies);
+    ``keepalive``: beat from a thread of its own (needs ``lease_s``). ``name``: a label the
+    ledger shows (:mod:`vmcache.memory.ledger_admin` reads and limits holders by it).
+    ``unit_bytes``: the bytes one ledger page stands for, recorded by the first process (a
+    later one naming another is refused), so that readers can show bytes."""
 
-    def __init__(self, path: str | os.PathLike, total_pages: int | None = None, *,
-                 min_pages: int = 0, max_pages: int | None = None,
-                 lock_timeout_s: float = 10.0, lease_s: float | None = None,
-                 name: str = "", unit_bytes: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        total_pages: int | None = None,
+        *,
+        min_pages: int = 0,
+        max_pages: int | None = None,
+        lock_timeout_s: float = 10.0,
+        lease_s: float | None = None,
+        keepalive: bool = False,
+        name: str = "",
+        unit_bytes: int | None = None,
+    ) -> None:
         if not isinstance(name, str) or len(name) > 256:
             raise ValueError(f"name must be a string of at most 256 characters, got {name!r}")
         self.path, self.name = os.fspath(path), name
         self.min = _pages("min_pages", min_pages)
         self.lock_timeout_s = _seconds("lock_timeout_s", lock_timeout_s)
         self.lease_s = None if lease_s is None else _seconds("lease_s", lease_s)
+        if keepalive and self.lease_s is None:
+            raise ValueError("keepalive beats within a lease: give lease_s")
         if total_pages is not None:
             total_pages = _pages("total_pages", total_pages)
         if max_pages is not None:
             max_pages = _pages("max_pages", max_pages)
         self.id = uuid.uuid4().hex  # this instance's row (two budgets in one process: two)
         self.pid = os.getpid()
-        self.held = 0  # mirror of this holder's row (only this instance changes it)
+        self.held = 0  # this holder's account: the truth its row mirrors
         self.asleep = False  # mirror of the row's sleep flag (only this instance changes it)
         self.shed = False  # the row's shed flag as last read (set from outside with a limit)
         self.contended = False  # whether another holder wanted pages at the last read
         self.others_held = 0
         self.rejoined = 0  # times this holder found its row gone (reaped, file rebuilt)
-        self._db: sqlite3.Connection | None = None
-        self._inode: tuple[int, int] | None = None
+        self._capped: tuple[int, int, int] | None = None  # (cap, min, max) set on rejoin
         self._cached: tuple[float, int] | None = None  # (time, available()) of the last read
         self._wanted_at = float("-inf")  # when want() last wrote
         self._beat_at = float("-inf")
         self._beat_every = 1.0 if self.lease_s is None else self.lease_s / 4
-        self._connect(create=total_pages is not None)
+        self._stop, self._beater = threading.Event(), None
+        self._file = LedgerFile(self.path, self.lock_timeout_s, create=total_pages is not None)
         try:
             with self._tx(join=False) as db:
-                total = self._meta(db, "total_pages")
-                if total is None:
-                    if total_pages is None:
-                        raise ValueError(f"no ledger at {self.path}: give total_pages")
-                    db.execute("INSERT INTO meta VALUES ('total_pages', ?), ('schema', ?)",
-                               (total_pages, SCHEMA))  # fmt: skip
-                    total = total_pages
-                elif total_pages is not None and total_pages != total:
-                    raise ValueError(f"the ledger's total is {total} pages, not {total_pages}")
-                unit = self._meta(db, "unit_bytes")
-                if unit_bytes is not None:
-                    if unit is None:
-                        db.execute("INSERT INTO meta VALUES ('unit_bytes', ?)",
-                                   (_pages("unit_bytes", unit_bytes),))  # fmt: skip
-                    elif unit != unit_bytes:
-                        raise ValueError(f"the ledger's pages are {unit} bytes, not {unit_bytes}")
-                self.total, self.unit_bytes = total, unit_bytes or unit
-                self.max = total if max_pages is None else max_pages
-                if self.min > self.max:
-                    raise ValueError(f"min_pages {self.min} exceeds max_pages {self.max}")
-                promised = db.execute("SELECT COALESCE(SUM(min), 0) FROM holders").fetchone()[0]
-                if promised + self.min > total:
-                    raise ValueError(f"min_pages {self.min}: only {total - promised} of the "
-                                     f"{total} pages are not promised to others")  # fmt: skip
-                self._insert(db)
+                self._register(db, total_pages, max_pages, unit_bytes)
         except BaseException:
-            self._disconnect()
+            self._file.close()
             raise
+        if keepalive:
+            self._beater = threading.Thread(
+                target=self._keepalive, name=f"vmcache-ledger-{name or self.id[:8]}", daemon=True
+            )
+            self._beater.start()
+
+    def _register(self, db, total_pages, max_pages, unit_bytes) -> None:
+        total = self._meta(db, "total_pages")
+        if total is None:
+            if total_pages is None:
+                raise ValueError(f"no ledger at {self.path}: give total_pages")
+            db.execute(
+                "INSERT INTO meta VALUES ('total_pages', ?), ('schema', ?)", (total_pages, SCHEMA)
+            )
+            total = total_pages
+        elif total_pages is not None and total_pages != total:
+            raise ValueError(f"the ledger's total is {total} pages, not {total_pages}")
+        unit = self._meta(db, "unit_bytes")
+        if unit_bytes is not None:
+            if unit is None:
+                unit = _pages("unit_bytes", unit_bytes)
+                db.execute("INSERT INTO meta VALUES ('unit_bytes', ?)", (unit,))
+            elif unit != unit_bytes:
+                raise ValueError(f"the ledger's pages are {unit} bytes, not {unit_bytes}")
+        self.total, self.unit_bytes = total, unit
+        self.max = total if max_pages is None else max_pages
+        if self.min > self.max:
+            raise ValueError(f"min_pages {self.min} exceeds max_pages {self.max}")
+        promised = db.execute("SELECT COALESCE(SUM(min), 0) FROM holders").fetchone()[0]
+        if promised + self.min > total:
+            raise ValueError(
+                f"min_pages {self.min}: only {total - promised} of the {total} pages are not "
+                "promised to others"
+            )
+        self._insert(db, self.min, self.max, shed=False)
 
     # --- the file --------------------------------------------------------------------------
-    def _connect(self, create: bool) -> None:
-        if create and not os.path.lexists(self.path):
-            try:  # private from the start (SQLite would create it with the umask's mode)
-                os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-            except FileExistsError:
-                pass
-        elif not os.path.exists(self.path):
-            raise ValueError(f"no ledger at {self.path}: give total_pages")
-        check_access(self.path)
-        try:
-            st = os.stat(self.path)
-            db = sqlite3.connect(self.path, timeout=self.lock_timeout_s, isolation_level=None,
-                                 check_same_thread=False)  # fmt: skip
-            try:
-                db.execute("PRAGMA synchronous=NORMAL")
-                db.executescript(f"BEGIN IMMEDIATE; {_TABLES} COMMIT;")
-                version = self._meta(db, "schema")
-                if version not in (None, SCHEMA):
-                    raise sqlite3.DatabaseError(f"schema {version}, this vmcache reads {SCHEMA}")
-            except BaseException:
-                db.close()
-                raise
-        except sqlite3.Error as exc:
-            raise self._error(exc) from exc
-        self._db, self._inode = db, (st.st_dev, st.st_ino)
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
 
-    def _disconnect(self) -> None:
-        if self._db is not None:
-            self._db.close()
-            self._db = None
+    @property
+    def rebuilt(self) -> int:
+        """Times this holder moved a damaged or stuck ledger file aside."""
+        return self._file.rebuilt
 
-    def _error(self, exc: BaseException) -> LedgerError:
-        if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
-            return LedgerError(f"ledger {self.path}: its lock was not obtained within "
-                               f"{self.lock_timeout_s} s (another process holds it)")  # fmt: skip
-        return LedgerError(f"ledger {self.path} is damaged or not a vmcache ledger: {exc}")
-
-    def _replaced(self) -> bool:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return True
-        return (st.st_dev, st.st_ino) != self._inode
-
+    @contextlib.contextmanager
     def _tx(self, join: bool = True, beat: bool = False):
         """A write transaction on the ledger (reaped first); with ``join``, this holder's row
-        is there (re-registered with what it holds if it was reaped or the file rebuilt) and
-        its sign of life is refreshed when older than a quarter of its lease (``beat``:
-        now), so a call that changes nothing writes nothing."""
-        return _Transaction(self, join, beat)
+        is there and says what it holds (re-registered if it was reaped or the file rebuilt,
+        written if a write failed before), and its sign of life is refreshed when older than
+        a quarter of its lease (``beat``: now), so a call that changes nothing writes
+        nothing. Yields the connection."""
+        with self._file.transaction(recover=join, keep=self.id) as db:
+            if join:
+                now = time.monotonic()
+                row = db.execute("SELECT held FROM holders WHERE id = ?", (self.id,)).fetchone()
+                if row is None:
+                    self._rejoin(db)
+                elif row[0] != self.held:  # a release whose write failed: the account wins
+                    db.execute("UPDATE holders SET held = ? WHERE id = ?", (self.held, self.id))
+                if beat or now - self._beat_at >= self._beat_every:  # a write only this often
+                    db.execute("UPDATE holders SET beat = ? WHERE id = ?", (now, self.id))
+                    self._beat_at = now
+            yield db
 
     @staticmethod
     def _meta(db, key: str) -> int | None:
         row = db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return None if row is None else row[0]
 
-    def _insert(self, db) -> None:
+    def _insert(self, db, lo: int, hi: int, shed: bool) -> None:
         now = time.monotonic()
-        db.execute("INSERT INTO holders VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, 0)",
-                   (self.id, self.pid, _start_time(self.pid), self.held, self.min, self.max,
-                    now, self.lease_s, self.name, int(self.asleep)))  # fmt: skip
+        db.execute(
+            "INSERT INTO holders VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?)",
+            (self.id, self.pid, _start_time(self.pid), self.held, lo, hi, now, self.lease_s)
+            + (self.name, int(self.asleep), int(shed)),
+        )
+        self.min, self.max, self.shed = lo, hi, shed
         self._beat_at = now
 
-    def _reap(self, db, now: float) -> None:
-        reap(db, now, keep=self.id)
+    def _rejoin(self, db) -> None:
+        """Register again with what this holder holds, within the total: where the others
+        leave less, its row's limit is what fits and it sheds to it (its own limits come
+        back once it fits, :meth:`_room`)."""
+        if self._meta(db, "total_pages") is None:
+            db.execute(
+                "INSERT INTO meta VALUES ('total_pages', ?), ('schema', ?)", (self.total, SCHEMA)
+            )
+            if self.unit_bytes is not None:
+                db.execute("INSERT INTO meta VALUES ('unit_bytes', ?)", (self.unit_bytes,))
+        held, promised, floors = db.execute(
+            "SELECT COALESCE(SUM(held), 0), COALESCE(SUM(MAX(0, min - held)), 0), "
+            "COALESCE(SUM(min), 0) FROM holders"
+        ).fetchone()
+        fits = max(0, self.total - held - promised)
+        lo, hi = self.min, self.max
+        if self._capped is not None:  # capped before and not yet back: what it wants
+            lo, hi = self._capped[1], self._capped[2]
+        cap = min(hi, fits)
+        lo_now = min(lo, cap, max(0, self.total - floors))
+        shed = self.held > cap
+        self._capped = (cap, lo, hi) if (shed or lo_now < lo) else None
+        self._insert(db, lo_now, cap if shed else hi, shed)
+        self.rejoined += 1
+
+    def _note(self, exc: BaseException) -> None:
+        """A ledger fault a serving call does not raise (it refuses, or writes later)."""
+        if self.closed:
+            raise exc
+        self._file.note(exc)
+
+    @property
+    def faults(self) -> int:
+        """Ledger faults met: recovered (a new file), or refused by a call that does not
+        raise (``acquire``, ``release``, ``available``, ``want``, the keepalive's beats)."""
+        return self._file.faults
+
+    @property
+    def fault(self) -> str | None:
+        """The last of them (None: none)."""
+        return self._file.fault
 
     # --- the budget ------------------------------------------------------------------------
     def _room(self, db, now: float) -> int:
         total = self._meta(db, "total_pages")
         rows = db.execute("SELECT id, held, min, max, want_until, shed FROM holders").fetchall()
         mine = next(r for r in rows if r[0] == self.id)
+        if self._capped is not None:
+            mine = self._lift_cap(db, rows, mine, total)
         self.min, self.max, self.shed = mine[2], mine[3], bool(mine[5])  # may be set outside
         held = sum(r[1] for r in rows)
         self.others_held = held - mine[1]  # what the other holders hold, as last read
@@ -219,18 +282,49 @@ class SharedBudget:
                 room = min(room, max(mine[2], share) - mine[1])
         return max(0, room)
 
+    def _lift_cap(self, db, rows, mine, total: int) -> tuple:
+        """A row capped on rejoin gets this holder's own limits back once it fits (and its
+        floor once the others' floors leave room); a limit set from outside meanwhile wins."""
+        cap, lo, hi = self._capped
+        if mine[3] != cap:  # set from outside since: that is the limit now
+            self._capped = None
+            return mine
+        if mine[1] > cap:
+            return mine
+        floors = sum(r[2] for r in rows if r[0] != self.id)
+        lo_now = min(lo, max(0, total - floors))
+        db.execute(
+            "UPDATE holders SET min = ?, max = ?, shed = 0 WHERE id = ?", (lo_now, hi, self.id)
+        )
+        if lo_now == lo:
+            self._capped = None
+        else:
+            self._capped = (hi, lo, hi)
+        return (mine[0], mine[1], lo_now, hi, mine[4], 0)
+
     def acquire(self, n: int) -> bool:
+        """Take ``n`` pages, all or nothing; False when the budget cannot give them now, or
+        the ledger cannot be used (:attr:`fault` says why)."""
         n = _pages("pages", n)
+        if n == 0:
+            return True
         self._cached = None
         now = time.monotonic()
-        with self._tx() as db:
-            if n > self._room(db, now):
-                db.execute("UPDATE holders SET want_until = ? WHERE id = ?",
-                           (now + WANT_S, self.id))  # fmt: skip
-                self._wanted_at = now
-                return False
-            db.execute("UPDATE holders SET held = held + ?, want_until = 0 WHERE id = ?",
-                       (n, self.id))  # fmt: skip
+        try:
+            with self._tx() as db:
+                if n > self._room(db, now):
+                    db.execute(
+                        "UPDATE holders SET want_until = ? WHERE id = ?", (now + WANT_S, self.id)
+                    )
+                    self._wanted_at = now
+                    return False
+                db.execute(
+                    "UPDATE holders SET held = ?, want_until = 0 WHERE id = ?",
+                    (self.held + n, self.id),
+                )
+        except LedgerError as e:
+            self._note(e)
+            return False
         self.held += n
         return True
 
@@ -243,67 +337,124 @@ class SharedBudget:
             return
         self._wanted_at = now
         self._cached = None
-        with self._tx() as db:
-            db.execute("UPDATE holders SET want_until = ? WHERE id = ?", (now + WANT_S, self.id))
+        try:
+            with self._tx() as db:
+                db.execute(
+                    "UPDATE holders SET want_until = ? WHERE id = ?", (now + WANT_S, self.id)
+                )
+        except LedgerError as e:
+            self._note(e)
 
     def release(self, n: int) -> None:
+        """Give back ``n`` pages: this holder's account drops now; its row follows in the
+        same call or, where the ledger cannot be written now, in the next call that can."""
         n = _pages("pages", n)
         if n > self.held:
             raise ValueError(f"release of {n} pages, {self.held} held")
+        if self.closed:
+            raise LedgerError(f"ledger {self.path}: this SharedBudget is closed")
         self._cached = None
-        with self._tx() as db:
-            db.execute("UPDATE holders SET held = held - ? WHERE id = ?", (n, self.id))
         self.held -= n
+        try:
+            with self._tx():
+                pass  # the transaction writes the row from the account
+        except LedgerError as e:
+            self._note(e)
 
     def excess(self) -> int:
         """Pages held beyond the limit as last read (every :meth:`available` and
         :meth:`acquire` reads it: a limit lowered from outside shows within TTL_S)."""
         return max(0, self.held - self.max)
 
-    def set_limits(self, min_pages: int | None = None, max_pages: int | None = None) -> None:
-        """This holder's guaranteed minimum and its most, now (None: unchanged). A minimum
-        above the maximum, or more than the others leave unpromised, is a ``ValueError``
-        and changes nothing; a maximum below what is held is an :meth:`excess` the pool
-        gives back as its pages free."""
+    def set_limits(
+        self, min_pages: int | None = None, max_pages: int | None = None, *, asleep=None
+    ) -> None:
+        """This holder's guaranteed minimum and its most, now (None: unchanged), and its sleep
+        flag (``asleep``), in one transaction. A minimum above the maximum, or more than the
+        others leave unpromised, is a ``ValueError`` and changes nothing; a maximum below what
+        is held is an :meth:`excess` the pool gives back as its pages free."""
         lo = self.min if min_pages is None else _pages("min_pages", min_pages)
         self._cached = None
         with self._tx() as db:
             hi = db.execute("SELECT max FROM holders WHERE id = ?", (self.id,)).fetchone()[0]
             hi = hi if max_pages is None else _pages("max_pages", max_pages)
-            if lo > hi:
-                raise ValueError(f"min_pages {lo} exceeds max_pages {hi}")
-            others = db.execute("SELECT COALESCE(SUM(min), 0) FROM holders WHERE id != ?",
-                                (self.id,)).fetchone()[0]  # fmt: skip
-            if others + lo > self.total:
-                raise ValueError(f"min_pages {lo}: only {self.total - others} of the "
-                                 f"{self.total} pages are not promised to others")  # fmt: skip
-            db.execute("UPDATE holders SET min = ?, max = ?, shed = 0 WHERE id = ?",
-                       (lo, hi, self.id))  # fmt: skip
-        self.min, self.max, self.shed = lo, hi, False
+            self._check_floor(db, lo, hi)
+            sleep = self.asleep if asleep is None else bool(asleep)
+            db.execute(
+                "UPDATE holders SET min = ?, max = ?, shed = 0, asleep = ? WHERE id = ?",
+                (lo, hi, int(sleep), self.id),
+            )
+        self.min, self.max, self.shed, self.asleep, self._capped = lo, hi, False, sleep, None
+
+    def promise_floor(self, pages: int, *, asleep: bool | None = None) -> int:
+        """Set the guaranteed minimum to ``pages`` or as much of it as fits now: within this
+        holder's limit as the ledger has it now (it may have been lowered from outside) and
+        what the others leave unpromised; and the sleep flag (``asleep``, None: unchanged),
+        in one transaction. Returns the minimum set."""
+        pages = _pages("min_pages", pages)
+        sleep = self.asleep if asleep is None else bool(asleep)
+        self._cached = None
+        with self._tx() as db:
+            hi = db.execute("SELECT max FROM holders WHERE id = ?", (self.id,)).fetchone()[0]
+            others = db.execute(
+                "SELECT COALESCE(SUM(min), 0) FROM holders WHERE id != ?", (self.id,)
+            ).fetchone()[0]
+            lo = max(0, min(pages, hi, self.total - others))
+            db.execute(
+                "UPDATE holders SET min = ?, asleep = ? WHERE id = ?", (lo, int(sleep), self.id)
+            )
+        self.min, self.max, self.asleep = lo, hi, sleep
+        return lo
+
+    def _check_floor(self, db, lo: int, hi: int) -> None:
+        if lo > hi:
+            raise ValueError(f"min_pages {lo} exceeds max_pages {hi}")
+        others = db.execute(
+            "SELECT COALESCE(SUM(min), 0) FROM holders WHERE id != ?", (self.id,)
+        ).fetchone()[0]
+        if others + lo > self.total:
+            raise ValueError(
+                f"min_pages {lo}: only {self.total - others} of the {self.total} pages are not "
+                "promised to others"
+            )
 
     def set_asleep(self, asleep: bool) -> None:
         """Record whether this holder sleeps (shown to readers of the ledger)."""
-        self.asleep = bool(asleep)
         with self._tx() as db:
             db.execute("UPDATE holders SET asleep = ? WHERE id = ?", (int(asleep), self.id))
+        self.asleep = bool(asleep)
 
     def available(self) -> int:
         """Pages :meth:`acquire` would give now (another process may take them first: a
         ``can_grow`` that says yes is then answered by ``CacheFull``, which a scheduler
-        handles by preempting, as for any full pool). Read at most every TTL_S seconds."""
+        handles by preempting, as for any full pool); 0 while the ledger cannot be used.
+        Read at most every TTL_S seconds."""
         now = time.monotonic()
         if self._cached is not None and now - self._cached[0] < TTL_S:
             return self._cached[1]
-        with self._tx() as db:
-            room = self._room(db, now)
+        try:
+            with self._tx() as db:
+                room = self._room(db, now)
+        except LedgerError as e:
+            self._note(e)
+            room = 0
         self._cached = (now, room)
         return room
 
     def beat(self) -> None:
         """A sign of life (with ``lease_s``): an idle process calls this more often than its
-        lease, or others may reap its pages."""
+        lease, or others may reap its pages (``keepalive`` does it from a thread)."""
         with self._tx(beat=True):
             pass
+
+    def _keepalive(self) -> None:
+        while not self._stop.wait(self._beat_every):
+            try:
+                self.beat()
+            except LedgerError as e:
+                if self.closed:
+                    return
+                self._note(e)
 
     def snapshot(self) -> dict:
         """The ledger now (dead holders reaped): the total and, per holder id, its pid and
@@ -311,76 +462,23 @@ class SharedBudget:
         with self._tx() as db:
             rows = db.execute("SELECT id, pid, held, min, max FROM holders").fetchall()
             total = self._meta(db, "total_pages")
-        return {"total_pages": total,
-                "holders": {h: {"pid": pid, "held": held, "min": lo, "max": hi}
-                            for h, pid, held, lo, hi in rows}}  # fmt: skip
+        return {
+            "total_pages": total,
+            "holders": {
+                h: {"pid": pid, "held": held, "min": lo, "max": hi} for h, pid, held, lo, hi in rows
+            },
+        }
 
     def close(self) -> None:
         """Leave the ledger (what is held goes back); the cache must have released it."""
-        if self._db is None:
+        if self._beater is not None:
+            self._stop.set()
+            self._beater.join(self.lock_timeout_s * 2 + 1)
+        if self.closed:
             return
         try:
-            if not self._replaced():
+            if not self._file.replaced():
                 with self._tx(join=False) as db:
                     db.execute("DELETE FROM holders WHERE id = ?", (self.id,))
         finally:
-            self._disconnect()
-
-
-class _Transaction:
-    """``BEGIN IMMEDIATE`` .. ``COMMIT`` (``ROLLBACK`` on an error) on the budget's ledger,
-    after reconnecting to a replaced file; SQLite errors become :class:`LedgerError`."""
-
-    def __init__(self, budget: SharedBudget, join: bool, beat: bool = False) -> None:
-        self.b, self.join, self.beat = budget, join, beat
-
-    def __enter__(self):
-        b = self.b
-        if b._db is None:
-            raise LedgerError(f"ledger {b.path}: this SharedBudget is closed")
-        if self.join and b._replaced():  # deleted or swapped: rebuild from what we hold
-            b._disconnect()
-            b._connect(create=True)
-        try:
-            b._db.execute("BEGIN IMMEDIATE")
-            now = time.monotonic()
-            b._reap(b._db, now)
-            if self.join:
-                if b._meta(b._db, "total_pages") is None:
-                    b._db.execute("INSERT INTO meta VALUES ('total_pages', ?), ('schema', ?)",
-                                  (b.total, SCHEMA))  # fmt: skip
-                if self.beat or now - b._beat_at >= b._beat_every:  # a write only this often
-                    found = b._db.execute("UPDATE holders SET beat = ? WHERE id = ?",
-                                          (now, b.id)).rowcount  # fmt: skip
-                    b._beat_at = now
-                else:
-                    found = b._db.execute("SELECT 1 FROM holders WHERE id = ?",
-                                          (b.id,)).fetchone() is not None  # fmt: skip
-                if not found:
-                    b._insert(b._db)
-                    b.rejoined += 1
-        except sqlite3.Error as exc:
-            self._rollback()
-            raise b._error(exc) from exc
-        except BaseException:
-            self._rollback()
-            raise
-        return b._db
-
-    def __exit__(self, kind, exc, tb) -> None:
-        if kind is not None:
-            self._rollback()
-            if isinstance(exc, sqlite3.Error):
-                raise self.b._error(exc) from exc
-            return
-        try:
-            self.b._db.execute("COMMIT")
-        except sqlite3.Error as err:
-            self._rollback()
-            raise self.b._error(err) from err
-
-    def _rollback(self) -> None:
-        try:
-            self.b._db.execute("ROLLBACK")
-        except sqlite3.Error:
-            pass
+            self._file.close()

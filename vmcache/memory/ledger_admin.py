@@ -15,12 +15,11 @@ sequences end, or, with ``shed``, its owner preempts sequences until it fits.
 from __future__ import annotations
 
 import os
-import sqlite3
-import time
 from dataclasses import dataclass
 
 from vmcache.memory.budget import _pages
-from vmcache.memory.ledger_rows import SCHEMA, LedgerError, check_access, reap
+from vmcache.memory.ledger_file import LedgerFile
+from vmcache.memory.ledger_rows import LedgerError, move_aside
 
 
 @dataclass(frozen=True)
@@ -50,23 +49,14 @@ class LedgerView:
         return [h for h in self.holders if h.name == name]
 
 
-def _open(path, timeout_s: float) -> sqlite3.Connection:
+def _open(path, timeout_s: float) -> LedgerFile:
     path = os.fspath(path)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         raise LedgerError(f"no ledger at {path}")
-    check_access(path)
     try:
-        db = sqlite3.connect(path, timeout=timeout_s, isolation_level=None)
-        db.execute("BEGIN IMMEDIATE")
-        row = db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
-    except sqlite3.Error as exc:
-        raise LedgerError(f"ledger {path} is damaged, locked or not a vmcache ledger: "
-                          f"{exc}") from exc  # fmt: skip
-    if row is None or row[0] != SCHEMA:
-        db.close()
-        raise LedgerError(f"ledger {path}: schema {None if row is None else row[0]}, this "
-                          f"vmcache reads {SCHEMA}")  # fmt: skip
-    return db
+        return LedgerFile(path, timeout_s, create=False)
+    except ValueError as e:
+        raise LedgerError(str(e)) from None
 
 
 def _view(db, path) -> LedgerView:
@@ -79,17 +69,14 @@ def _view(db, path) -> LedgerView:
 
 
 def _run(path, timeout_s: float, fn):
-    db = _open(path, timeout_s)
+    f = _open(path, timeout_s)
     try:
-        reap(db, time.monotonic())
-        out = fn(db)
-        db.execute("COMMIT")
-        return out
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
+        with f.transaction(recover=False) as db:  # dead holders reaped first
+            if db.execute("SELECT value FROM meta WHERE key = 'total_pages'").fetchone() is None:
+                raise LedgerError(f"ledger {path} records no total: not a vmcache ledger")
+            return fn(db)
     finally:
-        db.close()
+        f.close()
 
 
 def read(path, timeout_s: float = 10.0) -> LedgerView:
@@ -122,3 +109,23 @@ def set_limit(path, name: str, max_pages: int, *, shed: bool = False,
         return _view(db, path)
 
     return _run(path, timeout_s, change)
+
+
+def repair(path, timeout_s: float = 10.0) -> str | None:
+    """Move the ledger at ``path`` aside (kept as ``PATH.damaged-...``) when it cannot be
+    used: damaged, not a vmcache ledger, or locked by another process for ``timeout_s``.
+    The live holders re-register what they hold in a new file at the path on their next
+    call (a serving process within a quarter of its lease); a new holder creates it. Returns
+    the name it was moved to, or None when the ledger is readable (nothing to repair)."""
+    path = os.fspath(path)
+    try:
+        read(path, timeout_s)
+        return None
+    except LedgerError as e:
+        if "no ledger at" in str(e) or "symbolic link" in str(e) or "owned by" in str(e):
+            raise  # not a damaged file of this user's: nothing this command should move
+    st = os.lstat(path)
+    aside = move_aside(path, (st.st_dev, st.st_ino), "damaged")
+    if aside is None:
+        raise LedgerError(f"ledger {path} was replaced meanwhile: run repair again if needed")
+    return aside

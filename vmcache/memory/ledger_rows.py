@@ -5,6 +5,8 @@ the schema, the error type, and which holders are dead (reaped by every transact
 from __future__ import annotations
 
 import os
+import stat
+import time
 
 SCHEMA = 2  # 2: holders carry a name, a sleep flag and a shed flag (limits set from outside)
 _TABLES = """
@@ -42,11 +44,53 @@ def _alive(pid: int, start: str | None) -> bool:
     return start is None or _start_time(pid) in (None, start)
 
 
-def check_access(path: str) -> None:
-    """:class:`LedgerError` unless this process may read and write the ledger file."""
-    if not os.access(path, os.R_OK | os.W_OK):
+def repair_hint(path: str) -> str:
+    return f"recover it with: vmcache-kv --ledger {path} repair"
+
+
+def check_ledger_file(path: str) -> os.stat_result:
+    """:class:`LedgerError` unless ``path`` is a ledger this process may trust: a regular
+    file (not a symbolic link, which would let whoever can write the directory point the
+    budget elsewhere), owned by this user, writable by no one else, and readable and
+    writable here. Every opener of a ledger calls this (holders, ``vmcache-kv``, the
+    server's flag check, vLLM's scheduler). Returns the file's ``lstat``."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise LedgerError(f"no ledger at {path}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise LedgerError(f"ledger {path} is a symbolic link: refusing to follow it")
+    if not stat.S_ISREG(st.st_mode):
+        raise LedgerError(f"ledger {path} is not a regular file")
+    if st.st_uid != os.geteuid():
+        raise LedgerError(f"ledger {path} is owned by uid {st.st_uid}, not this user "
+                          f"({os.geteuid()}): refusing to share a budget with it")  # fmt: skip
+    if st.st_mode & stat.S_IWOTH:
+        raise LedgerError(f"ledger {path} is writable by every user (mode "
+                          f"{stat.S_IMODE(st.st_mode):o}): refusing it")  # fmt: skip
+    if not os.access(path, os.R_OK | os.W_OK, follow_symlinks=False):
         raise LedgerError(f"ledger {path} cannot be read and written by this process "
                           f"(uid {os.geteuid()})")  # fmt: skip
+    return st
+
+
+def move_aside(path: str, inode: tuple[int, int], why: str) -> str | None:
+    """Rename the ledger file at ``path`` to ``path.<why>-<time>-<pid>`` if it is still the
+    file ``inode`` (device, inode) names (another process may have replaced it already);
+    returns the new name, or None when it was not there. The holders that use it re-register
+    what they hold in a new file at ``path`` on their next call."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if (st.st_dev, st.st_ino) != inode:
+        return None
+    aside = f"{path}.{why}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return None
+    return aside
 
 
 def reap(db, now: float, keep: str | None = None) -> int:

@@ -245,6 +245,22 @@ def compiling_notice(on: bool, cache_dir, every_s: float = 15.0):
         done.set()
 
 
+def check_sleep_level(args, engine=None) -> None:
+    """``--sleep-level 2`` drops the weights, which only an eager step can do (the compiled
+    step keeps packed copies of them): refused at start, with the way out, rather than a
+    model that never sleeps. Before an engine is built where ``--compile`` asks for the
+    compiled step; after, where ``auto`` chose it."""
+    from vmcache.engine.runner import ModelRunner
+
+    if args.sleep_level != 2:
+        return
+    if args.compile == "on" or (engine is not None and not isinstance(engine.runner, ModelRunner)):
+        step = "compiled" if engine is None else engine.compile_choice
+        raise ValueError(f"--sleep-level 2 drops the weights, but the step is {step}: the "
+                         "compiled step keeps packed copies of them; pass --no-compile with "
+                         "it, or sleep at level 1")  # fmt: skip
+
+
 def build_server(args, model=None, tokenizer=None):
     """``(Server, EngineLoop)`` for ``args``: every model loaded (``model`` and
     ``tokenizer``, when given, serve under every name: the first name ``model`` itself, the
@@ -263,6 +279,7 @@ def build_server(args, model=None, tokenizer=None):
     from vmcache.server.served import Served
 
     dtype = MODEL_DTYPES[args.dtype]
+    check_sleep_level(args)
     ledger = Ledger(args.kv_ledger) if args.shared else None
     total = int((args.kv_budget_mib or args.pool_mib) * 2**20) // UNIT_BYTES
     metrics, served = Metrics(), []
@@ -276,6 +293,7 @@ def build_server(args, model=None, tokenizer=None):
             scaled = None if budget is None else ScaledBudget(budget, unit_bytes=UNIT_BYTES)
             try:
                 engine = build_engine(args, m, scaled)
+                check_sleep_level(args, engine)
                 floor = (set_floor(budget, scaled.k, engine.kv, args.floors.get(entry.name),
                                    args.max_seq_len) if budget is not None else 0)  # fmt: skip
             except BaseException:

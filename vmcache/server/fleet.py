@@ -26,7 +26,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from vmcache.memory.ledger import UNIT_BYTES, SharedBudget  # (UNIT_BYTES: one ledger page)
+from vmcache.memory.ledger import (  # (UNIT_BYTES: one ledger page)
+    SERVING_LEASE_S,
+    SERVING_LOCK_TIMEOUT_S,
+    UNIT_BYTES,
+    SharedBudget,
+)
+from vmcache.memory.ledger_rows import check_ledger_file
 
 CHUNK_PAGES = 16  # cache pages taken from the budget at a time (and kept free after a step)
 
@@ -76,18 +82,14 @@ def sizes_mib(values: list[str], names: list[str], flag: str) -> dict[str, float
 
 
 def check_ledger_path(path: str) -> None:
-    """A ledger another user owns, or whose directory is missing, is refused before use
-    (the processes that share a ledger trust each other: they must be one user's)."""
+    """A ledger whose directory is missing, or one this process cannot trust (a symbolic
+    link, another user's, writable by every user: the processes that share a ledger trust
+    each other, so they must be one user's), is refused before use."""
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise ValueError(f"--kv-ledger {path}: no directory {directory}")
     if os.path.lexists(path):
-        st = os.lstat(path)
-        if st.st_uid != os.geteuid():
-            raise ValueError(f"--kv-ledger {path} is owned by uid {st.st_uid}, not this user "
-                             f"({os.geteuid()}): refusing to share a budget with it")  # fmt: skip
-        if not os.path.isfile(path):
-            raise ValueError(f"--kv-ledger {path} is not a regular file")
+        check_ledger_file(path)
 
 
 class Ledger:
@@ -108,8 +110,18 @@ class Ledger:
 
 
 def budget_for(ledger: Ledger, name: str, total_units: int):
-    """Model ``name``'s holder of the ledger (floor 0 until its cache exists)."""
-    return SharedBudget(ledger.path, total_units, name=name, unit_bytes=UNIT_BYTES)
+    """Model ``name``'s holder of the ledger (floor 0 until its cache exists), on a lease its
+    own thread keeps: a server stopped (SIGSTOP) or hung loses its pages within the lease,
+    and no call waits on another process's transaction longer than the lock bound."""
+    return SharedBudget(
+        ledger.path,
+        total_units,
+        name=name,
+        unit_bytes=UNIT_BYTES,
+        lease_s=SERVING_LEASE_S,
+        keepalive=True,
+        lock_timeout_s=SERVING_LOCK_TIMEOUT_S,
+    )
 
 
 def set_floor(budget, units_per_page: int, kv, floor_mib: float | None,

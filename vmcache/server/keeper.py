@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from vmcache.engine.runner import ModelRunner
+from vmcache.memory.ledger_rows import LedgerError
 
 SLEEP_LEVELS = (1, 2)
 
@@ -91,6 +92,8 @@ class Keeper:
         self._others_held = 0  # the other holders' pages at the last check
         self.shed_sequences = 0  # sequences preempted to meet a lowered limit
         self.sleeps = self.wakes = 0
+        self.ledger_faults = 0  # ledger writes of sleep / wake / floor that failed (retried)
+        self.ledger_fault: str | None = None
 
     @property
     def asleep(self) -> bool:
@@ -109,6 +112,8 @@ class Keeper:
             self._maybe_sleep(engine, busy, now)
             return
         room = b.available()  # reads the row: limit, shed flag, whether others want pages
+        if b.min < min(self.floor_pages, b.max) or b.asleep:  # not all promised at wake
+            self._promise_floor(asleep=False)
         if b.shed and b.excess():
             while b.excess() and engine.preempt_one():
                 self.shed_sequences += 1
@@ -137,7 +142,9 @@ class Keeper:
 
     def sleep(self, engine, level: int = 1) -> int:
         """Sleep at ``level`` (nothing may run: ``RuntimeError`` otherwise); returns the bytes
-        given back (KV, and weights at level 2). Asleep already: 0."""
+        given back (KV, and weights at level 2). Asleep already: 0. All or nothing: the
+        ledger records it first (a :class:`LedgerError` there changes nothing), and a cache
+        that cannot sleep has its floor promised again."""
         if level not in SLEEP_LEVELS:
             raise ValueError(f"level must be one of {SLEEP_LEVELS}, got {level!r}")
         if self.asleep:
@@ -147,34 +154,54 @@ class Keeper:
         if level == 2 and (self.reload is None or not isinstance(engine.runner, ModelRunner)):
             raise ValueError("sleep level 2 drops the weights: it needs an eager engine and a "
                              "source to load them from again")  # fmt: skip
-        freed = engine.kv.elastic.sleep(keep="none")
+        b = self.budget
+        if b is not None:  # first: a ledger that cannot record it leaves all as it was
+            floor = b.min
+            b.set_limits(min_pages=0, asleep=True)
+        try:
+            freed = engine.kv.elastic.sleep(keep="none")
+        except BaseException:
+            if b is not None:
+                b.promise_floor(floor, asleep=False)
+            raise
         if level == 2:
             freed += drop_weights(engine.runner.model)
         if engine.kv.config.device.type == "cpu":
             return_freed_heap()
-        if self.budget is not None:
-            self.budget.set_limits(min_pages=0)
-            self.budget.set_asleep(True)
         self.level = level
         self.sleeps += 1
         return freed
 
     def wake(self, engine) -> None:
-        """Back from sleep: weights loaded again (level 2), pages on demand, floor promised."""
+        """Back from sleep: weights loaded again (level 2), pages on demand, the floor
+        promised again within the limit the ledger has now. A reload or a cache that
+        cannot wake leaves the model asleep as it was (the next request tries again); the
+        floor, where the ledger cannot take it now, is promised by a later tick."""
         if not self.asleep:
             return
         if self.level == 2:
             restore_weights(engine.runner.model, self.reload())
-        engine.kv.elastic.wake()
-        if self.budget is not None:
-            try:
-                self.budget.set_limits(min_pages=min(self.floor_pages, self.budget.max))
-            except ValueError:  # another holder's floor took the promise meanwhile: none kept
-                pass
-            self.budget.set_asleep(False)
+        try:
+            engine.kv.elastic.wake()
+        except BaseException:
+            if self.level == 2:
+                drop_weights(engine.runner.model)
+            raise
         self.level = 0
         self.last_busy_s = time.monotonic()
         self.wakes += 1
+        if self.budget is not None:
+            self._promise_floor(asleep=False)
+
+    def _promise_floor(self, asleep: bool | None = None) -> None:
+        """The floor on the ledger: as much of it as the limit and the others' floors leave
+        (a later tick raises it when they leave more)."""
+        b = self.budget
+        try:
+            b.promise_floor(self.floor_pages, asleep=asleep)
+        except LedgerError as e:
+            self.ledger_faults += 1
+            self.ledger_fault = str(e)
 
     def admit(self, engine) -> None:
         """A request is about to be added: wake first."""

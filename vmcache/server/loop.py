@@ -158,10 +158,18 @@ class EngineLoop:
         self._inbox.put(("abort", req_id))
 
     def query(self, fn: Callable, timeout_s: float = 5.0):
-        """``fn(engine)`` run on the loop thread between steps; its result (TimeoutError
-        when the loop does not answer within ``timeout_s``)."""
+        """``fn(engine)`` run on the loop thread between steps; its result. ``TimeoutError``
+        when the loop has not begun it within ``timeout_s``: it is cancelled then, never run
+        later; once begun, its outcome is awaited another ``timeout_s``."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("call", fn, fut))
+        try:
+            return fut.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            if fut.cancel():  # not begun: it never runs (a timed-out sleep does not sleep)
+                raise TimeoutError(f"the engine thread did not take it within {timeout_s} s; "
+                                   "it was cancelled") from None  # fmt: skip
+        # begun on the loop thread: its outcome is the answer, whatever it is
         return fut.result(timeout_s)
 
     # --- the loop thread -----------------------------------------------------------------
@@ -235,6 +243,8 @@ class EngineLoop:
                 self._end(live, "abort")
         elif kind == "call":
             fn, fut = cmd[1], cmd[2]
+            if not fut.set_running_or_notify_cancel():
+                return  # its caller timed out and cancelled it
             try:
                 fut.set_result(fn(self.engine))
             except Exception as e:

@@ -13,6 +13,7 @@ import functools
 import time
 from dataclasses import dataclass, field
 
+from vmcache.memory.ledger_rows import LedgerError
 from vmcache.server.keeper import Keeper
 from vmcache.server.loop import EngineLoop
 from vmcache.server.protocol import APIError, Limits
@@ -27,6 +28,7 @@ class Served:
     keeper: Keeper
     source: str = ""  # where its weights come from (a name, a directory, a file)
     created: int = field(default_factory=lambda: int(time.time()))
+    sleep_timeout_s: float = SLEEP_TIMEOUT_S  # how long a sleep or wake waits for the thread
 
     @functools.cached_property
     def limits(self) -> Limits:  # the cache's configuration is frozen: read once
@@ -51,15 +53,28 @@ class Served:
         def run(engine):
             try:
                 return self.keeper.sleep(engine, level)
+            except LedgerError as e:  # undone: the model is as it was
+                raise APIError(503, f"model {self.name!r}: the sleep was undone: {e}",
+                               type="server_error") from None  # fmt: skip
             except RuntimeError as e:
                 raise APIError(409, f"model {self.name!r}: {e}", code="model_busy") from None
             except ValueError as e:
                 raise APIError(400, f"model {self.name!r}: {e}", param="level") from None
 
-        return self.loop.query(run, timeout_s=SLEEP_TIMEOUT_S)
+        return self._query(run, "sleep")
 
     def wake(self) -> None:
-        self.loop.query(self.keeper.wake, timeout_s=SLEEP_TIMEOUT_S)
+        self._query(self.keeper.wake, "wake")
+
+    def _query(self, fn, what: str, timeout_s: float | None = None):
+        """``fn`` on the engine thread; a timeout is a 503 that says nothing changed (the
+        call is cancelled: a sleep that timed out never sleeps the model later)."""
+        try:
+            return self.loop.query(fn, timeout_s=timeout_s or self.sleep_timeout_s)
+        except TimeoutError as e:
+            raise APIError(503, f"model {self.name!r}: the {what} was not begun ({e}); "
+                           "nothing changed, try again", type="server_error",
+                           code="timeout") from None  # fmt: skip
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop its engine loop; then (once the loop is gone) its cache's memory and its

@@ -13,6 +13,10 @@ built.
                       past it the least recently used give their memory back. None: a tenth of
                       the KV space
     chunk_blocks      blocks taken from the budget at a time, and kept free between steps
+    lock_timeout_s    the longest a ledger call waits for another process's transaction
+                      before it goes on in a rebuilt ledger
+    lease_s           with a ledger: kept by a thread of its own; a stopped or hung engine
+                      loses its blocks' budget after this long
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ class VllmKVConfig:
     name: str = "vllm"
     prefix_cache_mib: float | None = None
     chunk_blocks: int = 4
-    lock_timeout_s: float = 10.0
+    lock_timeout_s: float = 2.0  # the ledger's lock bound (SERVING_LOCK_TIMEOUT_S)
+    lease_s: float = 5.0  # the ledger lease its own thread keeps (SERVING_LEASE_S)
 
     def __post_init__(self) -> None:
         if self.ledger is not None and (not isinstance(self.ledger, str) or not self.ledger):
@@ -52,6 +57,9 @@ class VllmKVConfig:
         t = self.lock_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 600:
             raise ValueError(f"vmcache.lock_timeout_s must be in (0, 600] seconds, got {t!r}")
+        t = self.lease_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.1 <= t <= 3600:
+            raise ValueError(f"vmcache.lease_s must be in [0.1, 3600] seconds, got {t!r}")
 
     @classmethod
     def from_additional(cls, additional_config: object) -> VllmKVConfig:

@@ -71,8 +71,15 @@ class VmcacheScheduler(Scheduler):
         if cfg.ledger is None:
             inner = LocalBudget(total if total is not None else -(-space // UNIT_BYTES))
         else:
-            inner = SharedBudget(cfg.ledger, total, name=cfg.name, unit_bytes=UNIT_BYTES,
-                                 lock_timeout_s=cfg.lock_timeout_s)  # fmt: skip
+            inner = SharedBudget(
+                cfg.ledger,
+                total,
+                name=cfg.name,
+                unit_bytes=UNIT_BYTES,
+                lock_timeout_s=cfg.lock_timeout_s,
+                lease_s=cfg.lease_s,
+                keepalive=True,
+            )
         budget = ScaledBudget(inner, unit_bytes=UNIT_BYTES)
         budget.bind_page_bytes(self.group_bytes)  # budget.k: the units of one group
         if cfg.ledger is not None:
