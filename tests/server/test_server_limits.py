@@ -113,3 +113,38 @@ def test_what_the_server_refuses_at_start(real, tmp_path):
         os.chown(theirs, 65534, 65534)
         with pytest.raises(LedgerError, match="owned by uid 65534"):
             build(real, "--model", "a=x", "--kv-ledger", str(theirs))
+
+
+def test_a_ledger_damaged_while_models_serve_is_rebuilt_and_vmcache_kv_repairs_an_idle_one(
+    real, tmp_path
+):
+    """8 KiB of garbage over the ledger while two models serve: it used to stop both engines
+    for good (every request a 503) and ``vmcache-kv show`` offered no way back. Now the
+    models rebuild it from their own accounts and answer the same; an idle damaged ledger
+    is named with the command that recovers it, and that command does."""
+    with start_multi(real, ("a", "b"), "--kv-budget-mib", "8") as r:
+        path = r.server.ledger.path
+        ids = [prompt(i, 100) for i in range(4)]
+        before = burst(r, [("ab"[i % 2], p, 8) for i, p in enumerate(ids)])
+        with open(path, "r+b") as f:
+            f.write(os.urandom(8192))
+        after = burst(r, [("ab"[i % 2], p, 8) for i, p in enumerate(ids)])
+        assert [c.choices[0].text for c in after] == [c.choices[0].text for c in before]
+        for s in r.server.models.values():
+            s.keeper.budget.beat()  # (its keepalive thread does this within a second)
+        view = read(path)
+        assert {h.name: h.held_pages for h in view.holders} == {
+            n: s.keeper.budget.held for n, s in r.server.models.items()
+        }
+        assert sum(s.keeper.budget.rebuilt for s in r.server.models.values()) == 1
+    idle = tmp_path / "idle.db"
+    from vmcache.memory.ledger import SharedBudget
+
+    SharedBudget(idle, 100, unit_bytes=4096).close()
+    idle.write_bytes(os.urandom(4096))
+    shown = kv("--ledger", str(idle), "show")
+    assert shown.returncode == 1 and f"vmcache-kv --ledger {idle} repair" in shown.stderr
+    fixed = kv("--ledger", str(idle), "repair")
+    assert fixed.returncode == 0 and "moved aside" in fixed.stdout and not idle.exists()
+    again = kv("--ledger", str(idle), "repair")
+    assert again.returncode == 1 and "no ledger" in again.stderr

@@ -2,13 +2,18 @@
 
     vmcache-kv --ledger PATH show [--json]
     vmcache-kv --ledger PATH set-limit NAME MIB [--preempt]
+    vmcache-kv --ledger PATH repair
 
 ``show`` lists every holder of the ledger (a model of a ``vmcache-server``; dead ones are
 reaped first): the KV memory it holds (pages created: resident for a VMKVCache), its floor,
 its limit and whether it sleeps. ``set-limit`` sets the most a model may hold: lowered, it gives
 pages back as its sequences end (``--preempt``: it preempts sequences until it fits, at its
 next check, within a tenth of a second); raised, it may grow again. A limit below the
-model's floor is refused. The server prints its ledger's path at start (``--kv-ledger``).
+model's floor is refused. ``repair`` moves a ledger that cannot be read (damaged, or locked by
+a stopped process) aside, kept as ``PATH.damaged-...``: the servers that use it register what
+they hold in a new file within a second or two (a running server does this itself when it
+meets the damage; ``repair`` is for a ledger no server is using). The server prints its
+ledger's path at start (``--kv-ledger``).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import argparse
 import json
 import sys
 
-from vmcache.memory.ledger_admin import LedgerView, read, set_limit
+from vmcache.memory.ledger_admin import LedgerView, read, repair, set_limit
 from vmcache.memory.ledger_rows import LedgerError
 
 MIB = 2**20
@@ -69,6 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     lim.add_argument("--preempt", action="store_true",
                      help="preempt its sequences until it fits (else pages return as they "
                           "end)")  # fmt: skip
+    sub.add_parser("repair", help="move a damaged or stuck ledger aside; its holders rebuild it")
     return p.parse_args(argv)
 
 
@@ -78,6 +84,12 @@ def main(argv=None) -> int:
         if args.command == "show":
             view = read(args.ledger)
             print(json.dumps(as_dict(view)) if args.json else table(view))
+            return 0
+        if args.command == "repair":
+            aside = repair(args.ledger)
+            print(f"ledger {args.ledger} is readable: nothing to repair" if aside is None else
+                  f"ledger {args.ledger} moved aside to {aside}: its live holders register "
+                  "what they hold in a new file at the path on their next call")  # fmt: skip
             return 0
         view = read(args.ledger)
         if not view.unit_bytes:

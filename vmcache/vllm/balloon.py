@@ -94,12 +94,13 @@ class Balloon:
         if excess <= 0:
             return 0
         blocks, n = self.pool.blocks, self.g
+        readable = self._readable()
         candidates = []
         for g in range(1, self.groups):
             if g in self.held:
                 continue
             members = blocks[g * n:(g + 1) * n]  # fmt: skip
-            if all(b.ref_cnt == 0 for b in members):
+            if all(b.ref_cnt == 0 and b.block_id not in readable for b in members):
                 hashed = [b.block_id for b in members if b.block_hash is not None]
                 last = max((self.dirty.get(b, 0) for b in hashed), default=0)
                 candidates.append((len(hashed), last, g))
@@ -135,30 +136,44 @@ class Balloon:
         self.pool.evict_blocks(set(free[: len(free) - self.keep_cached]))
         return self.keep_cached
 
+    def _readable(self):
+        """Blocks released with vLLM's ``unpin_blocks``: free in the pool but read until the
+        pool hands them out again (it keeps a reuse watcher for each, the pool's
+        ``_reuse_watchers``: an internal, named in the guide and checked by version)."""
+        return getattr(self.pool, "_reuse_watchers", {})
+
     def sweep(self) -> int:
-        """Punch the pages of free blocks without a prefix hash (dead contents), where single
-        blocks can be given back (one block a group)."""
+        """Punch the pages of free blocks without a prefix hash (dead contents) and not
+        released to stay readable, where single blocks can be given back (one block a
+        group)."""
         if self._punch is None:
             return 0
         blocks = self.pool.blocks
-        dead = [b for b in self.dirty if blocks[b].ref_cnt == 0 and blocks[b].block_hash is None]
+        readable = self._readable()
+        dead = [b for b in self.dirty
+                if blocks[b].ref_cnt == 0 and blocks[b].block_hash is None
+                and b not in readable]  # fmt: skip
         if dead:
             self._punch(dead)
             for b in dead:
                 del self.dirty[b]
         return len(dead)
 
-    def lend_all(self) -> list[int]:
-        """Return every balloon group's blocks to the pool without budget (for a call that
-        needs the pool whole, e.g. resetting the prefix cache); :meth:`take_back` ends it."""
-        out = sorted(self.held)
-        self.pool.free_blocks(self.blocks_of(out))
-        return out
-
-    def take_back(self, groups: list[int]) -> None:
-        members = self.blocks_of(groups)
-        self.pool.evict_blocks({b.block_id for b in members if b.block_hash is not None})
-        self.pool.touch(members)
+    def reset_prefix_cache(self, reset: Callable[[], bool]) -> bool:
+        """Run ``reset`` (vLLM's pool's or scheduler's ``reset_prefix_cache``, which refuses
+        unless every block but the null one is free) with the balloon's groups lent to the
+        pool for the call and taken back after it, whatever it does; then trim. The budget
+        is untouched: the lent groups are never handed out (nothing is scheduled meanwhile,
+        on the engine core's one thread). Returns what ``reset`` returned."""
+        lent = sorted(self.held)
+        self.pool.free_blocks(self.blocks_of(lent))
+        try:
+            return reset()
+        finally:
+            members = self.blocks_of(lent)
+            self.pool.evict_blocks({b.block_id for b in members if b.block_hash is not None})
+            self.pool.touch(members)
+            self.trim()
 
     def close(self) -> None:
         if self.backed:

@@ -120,12 +120,10 @@ class VmcacheScheduler(Scheduler):
         return out
 
     def reset_prefix_cache(self, *args, **kwargs) -> bool:
-        lent = len(self.balloon.lend_all())
-        try:
-            return super().reset_prefix_cache(*args, **kwargs)
-        finally:
-            self.balloon.take_back(lent)
-            self.balloon.trim()
+        # it passed the count of lent groups where the list was wanted: the TypeError was
+        # swallowed by vLLM's utility call and the balloon's blocks stayed in the pool
+        return self.balloon.reset_prefix_cache(lambda: super(VmcacheScheduler, self)
+                                               .reset_prefix_cache(*args, **kwargs))  # fmt: skip
 
     def get_kv_cache_usage(self) -> float:
         """The fraction of vLLM's KV space requests hold (the balloon's blocks are not used)."""
