@@ -103,6 +103,7 @@ def test_a_process_stopped_inside_a_transaction_holds_the_others_only_for_the_bo
     p = _child(path, """
         assert b.acquire(3)
         b._file.db.execute("BEGIN IMMEDIATE")
+        b._file.db.execute("UPDATE holders SET held = 99")  # its rollback journal is hot now
         print("ready", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
         b._file.db.execute("ROLLBACK")
@@ -115,6 +116,8 @@ def test_a_process_stopped_inside_a_transaction_holds_the_others_only_for_the_bo
         assert "lock" in mine.fault and str(path) in mine.fault
         assert held(mine) == {mine.id: 3}  # the stopped holder is not there until it resumes
         assert not [f for f in os.listdir(path.parent) if ".stuck-" in f]  # nothing left
+        assert mine.acquire(1) and mine.release(1) is None  # the new file is whole
+        assert held(mine) == {mine.id: 3}  # (the old journal played into it would not be)
         p.send_signal(signal.SIGCONT)
         room, rejoined = p.stdout.readline().split()
         assert rejoined == "1" and held(mine) == {mine.id: 3, **{k: 3 for k in held(mine)
@@ -262,7 +265,7 @@ def test_a_release_the_ledger_refuses_is_written_by_the_next_call_that_can(path,
 @pytest.mark.parametrize("bad", ["symlink", "world_writable", "other_user", "directory"])
 def test_every_opener_refuses_a_ledger_it_cannot_trust(path, tmp_path, bad):
     from vmcache.memory import ledger_admin
-    from vmcache.server.fleet import check_ledger_path
+    from vmcache.memory.ledger_rows import check_ledger_path
 
     SharedBudget(path, 10).close()
     target = path

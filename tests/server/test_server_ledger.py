@@ -134,3 +134,46 @@ def test_two_servers_share_one_budget_and_a_killed_ones_pages_return(checkpoint,
     finally:
         for p in (x, y):
             p.stop()
+
+
+def test_a_server_stopped_mid_burst_loses_its_pages_and_finishes_its_burst_when_resumed(
+    checkpoint, tmp_path
+):
+    """SIGSTOP in the middle of a burst: the stopped server's pages used to stay held (30 s
+    and more: servers took no lease). Now they go back within its lease (5 s), the other
+    server bursts into the whole budget, and when the stopped one resumes it registers again
+    within the total, sheds, and answers every request of its burst; the ledger ends equal
+    to what each holds."""
+    ledger = str(tmp_path / "kv.db")
+    x = Proc("x", checkpoint, ledger).wait_healthy()
+    y = Proc("y", checkpoint, ledger).wait_healthy()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            burst = pool.submit(x.burst, 10)
+            deadline = time.monotonic() + 30
+            while read(ledger).named("x")[0].held_pages * 4096 < 3 << 20:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            os.kill(x.p.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            while read(ledger).named("x"):
+                assert time.monotonic() - t0 < 15, "the stopped server kept its pages"
+                time.sleep(0.1)
+            peak, out = peak_while(ledger, "y", lambda: y.burst(10))
+            assert all(o.usage.completion_tokens == 100 for o in out)
+            assert peak > 6.5  # the whole budget is y's meanwhile
+            os.kill(x.p.pid, signal.SIGCONT)
+            done = burst.result(timeout=300)
+        assert all(o.usage.completion_tokens == 100 for o in done)  # every request answered
+        deadline = time.monotonic() + 10
+        while True:  # each row back to its holder's account, within the total
+            view = read(ledger)
+            if len(view.holders) == 2 and view.held_pages <= view.total_pages:
+                break
+            assert time.monotonic() < deadline, view
+            time.sleep(0.1)
+    finally:
+        for p in (x, y):
+            if p.p.poll() is None:
+                os.kill(p.p.pid, signal.SIGCONT)
+            p.stop()

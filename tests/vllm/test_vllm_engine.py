@@ -25,11 +25,16 @@ from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from vmcache.memory.budget import LocalBudget  # noqa: E402
 from vmcache.vllm import SCHEDULER_CLS, WORKER_CLS  # noqa: E402
 from vmcache.vllm.balloon import Balloon  # noqa: E402
+from vmcache.vllm.region import rendezvous_path  # noqa: E402
 
 MIB = 2**20
 SPACE = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * 1024 * MIB
 PROMPTS = [f"Story {i}: " + "once upon a time, " * (i * 7) for i in range(12)]
 NEW = [40 + 25 * i for i in range(12)]  # up to 315 tokens: requests cross blocks of 128
+
+
+def rendezvous_dir() -> str:
+    return os.path.dirname(rendezvous_path("x", 0))
 
 
 def worker_of(before: set[int]) -> psutil.Process:
@@ -107,13 +112,38 @@ def test_same_tokens_and_kv_memory_follows_the_load(baseline, prefix_caching):
 
 def test_a_budget_below_the_load_preempts_with_the_same_tokens(baseline):
     tokens0, _ = baseline
-    llm, worker = start({"budget_mib": 40, "prefix_cache_mib": 0})  # 7 blocks of 5.6 MiB
+    # 10 blocks of 5.6 MiB: one 1024-token sequence (8 blocks) and vLLM's null block fit
+    llm, worker = start({"budget_mib": 57, "prefix_cache_mib": 0}, disable_log_stats=False)
     sampler = Sampler(worker)
     sampler.start()
     assert generate(llm) == tokens0
     sampler.done.set()
     sampler.join()
-    assert sampler.peak <= 40, sampler.peak
+    assert sampler.peak <= 57, sampler.peak
+    assert preemptions(llm) > 0  # it did preempt (the test used to take that on trust)
+
+
+def preemptions(llm: LLM) -> int:
+    """vLLM's own count (``vllm:num_preemptions``; needs its stats on)."""
+    return int(sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"))
+
+
+def test_a_prefix_cache_reset_mid_run_keeps_the_budget_and_the_tokens(baseline):
+    """vLLM's reset_prefix_cache used to leave the balloon's blocks free in vLLM's pool (the
+    balloon got their count where it wanted the list; vLLM's utility call swallowed the
+    TypeError): the next burst ran past the budget. Now the burst keeps to it, with the same
+    tokens, and memory comes back down after it."""
+    tokens0, _ = baseline
+    llm, worker = start({"budget_mib": 57, "prefix_cache_mib": 12})
+    assert generate(llm) == tokens0
+    assert llm.reset_prefix_cache()
+    sampler = Sampler(worker)
+    sampler.start()
+    assert generate(llm) == tokens0
+    sampler.done.set()
+    sampler.join()
+    assert sampler.peak <= 57, sampler.peak
+    assert settle(worker, 12 + 6) <= 12 + 6  # cached blocks at most the bound, and a chunk
 
 
 @pytest.mark.parametrize("group", [1, 4])
@@ -174,14 +204,23 @@ def test_the_balloon_on_vllms_block_pool_against_a_shadow(group):
                 or budget.excess() > 0  # fmt: skip
 
 
-@pytest.mark.parametrize("cfg, match", [
-    ({"ledger": "/nonexistent/dir/kv.ledger"}, "ledger"),
-    ({"budget_mib": 1}, "below one block of every layer"),
-    ({"budget": 1}, "unknown vmcache settings"),
+@pytest.mark.parametrize("cfg, kw, match", [
+    ({"ledger": "/nonexistent/dir/kv.ledger"}, {}, "no directory"),
+    ({"budget_mib": 1}, {}, "vmcache.budget_mib 1 MiB is below one max_model_len sequence"),
+    ({"budget_mib": 50}, {}, "vmcache.budget_mib 50 MiB is below one max_model_len sequence"),
+    ({"budget": 1}, {}, "unknown vmcache settings"),
+    ({}, {"pipeline_parallel_size": 2}, "pipeline_parallel_size 2"),
 ])  # fmt: skip
-def test_bad_settings_stop_the_engine_with_a_clear_error(cfg, match, capfd):
+def test_unsupported_settings_stop_vllm_before_it_loads_the_model(cfg, kw, match, capfd):
+    """Each refused with its reason before the worker loads the weights or publishes its
+    memory (the budget below one sequence used to be accepted, and a request could wait for
+    good; pipeline parallelism was refused only after the model had loaded). The rest of
+    what is refused: tests/vllm/test_support.py."""
+    before = set(os.listdir(rendezvous_dir()))
     with pytest.raises(Exception):  # noqa: B017 - vLLM wraps the engine core's error
-        start(cfg)
+        start(cfg, **kw)
     cap = capfd.readouterr()  # the engine core's and the worker's logs, whichever stream
     text = cap.out + cap.err
     assert any(match in line for line in text.splitlines()), text[-3000:]
+    assert "Loading weights took" not in text and "Model loading took" not in text
+    assert set(os.listdir(rendezvous_dir())) <= before  # nothing published, nothing left

@@ -76,7 +76,9 @@ class Engine:
         its ``generation_config`` here) unless a request says ``ignore_eos``; why each
         finished is in :attr:`finish_reasons`."""
         self.kv, self.map_ahead, self.keep_free_pages = cache, map_ahead, keep_free_pages
-        self.max_wait_s = 60.0  # on a shared budget: how long nothing may run before CacheFull
+        # on a shared budget: how long nothing may run before CacheFull (None: no bound, as a
+        # server whose requests carry deadlines of their own runs it)
+        self.max_wait_s: float | None = 60.0
         self._stalled_since: float | None = None
         self.runner, self.compile_choice = make_runner(model, cache, compile, compile_cache)
         self.vocab = model.config.get_text_config().vocab_size
@@ -230,7 +232,10 @@ class Engine:
         """Nothing could run: on a budget shared with other processes wait for them to free
         memory (up to ``max_wait_s``), else ``CacheFull``."""
         self._stalled_since = t0 if self._stalled_since is None else self._stalled_since
-        if not self.kv.elastic.shared_budget or t0 - self._stalled_since > self.max_wait_s:
+        waited = t0 - self._stalled_since
+        if not self.kv.elastic.shared_budget or (
+            self.max_wait_s is not None and waited > self.max_wait_s
+        ):
             raise CacheFull("nothing can run: the pool cannot hold the next waiting request",
                             wanted=1, free=0)  # fmt: skip
         self.stats.budget_waits += 1

@@ -123,8 +123,10 @@ class LedgerFile:
         aside = move_aside(self.path, self.inode, why)
         if aside is not None:
             self.rebuilt += 1
-            if why == "stuck":
-                os.unlink(aside)  # nothing in it to keep: every live holder re-registers
+            if why == "stuck":  # nothing in it to keep: every live holder re-registers
+                for name in (aside, aside + "-journal"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name)
         self.note(self.error(exc))
         self._drop()
         self.connect(create=True)

@@ -4,6 +4,7 @@ the schema, the error type, and which holders are dead (reaped by every transact
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import time
@@ -74,6 +75,16 @@ def check_ledger_file(path: str) -> os.stat_result:
     return st
 
 
+def check_ledger_path(path: str) -> None:
+    """A ledger path refused before use: its directory missing (``ValueError``), or a file
+    there this process cannot trust (:func:`check_ledger_file`)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ValueError(f"ledger {path}: no directory {directory}")
+    if os.path.lexists(path):
+        check_ledger_file(path)
+
+
 def move_aside(path: str, inode: tuple[int, int], why: str) -> str | None:
     """Rename the ledger file at ``path`` to ``path.<why>-<time>-<pid>`` if it is still the
     file ``inode`` (device, inode) names (another process may have replaced it already);
@@ -90,6 +101,10 @@ def move_aside(path: str, inode: tuple[int, int], why: str) -> str | None:
         os.rename(path, aside)
     except FileNotFoundError:
         return None
+    # its rollback journal goes with it: left at the path, SQLite would take it for a hot
+    # journal of the new file there and play the old file's pages back into it
+    with contextlib.suppress(FileNotFoundError):
+        os.rename(path + "-journal", aside + "-journal")
     return aside
 
 

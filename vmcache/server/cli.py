@@ -207,10 +207,15 @@ def build_engine(args, model, budget=None):
     compile = {"on": True, "off": False, "auto": "auto"}[args.compile]
     cache_dir = None if compile is False else args.compile_cache or default_compile_cache()
     with compiling_notice(compile is not False, cache_dir):
-        return Engine(model, kv, preemption=args.preemption,
-                      max_batch_tokens=args.max_batch_tokens, speculative=drafter,
-                      compile=compile, compile_cache=cache_dir,
-                      keep_free_pages=keep)  # fmt: skip
+        engine = Engine(model, kv, preemption=args.preemption,
+                        max_batch_tokens=args.max_batch_tokens, speculative=drafter,
+                        compile=compile, compile_cache=cache_dir,
+                        keep_free_pages=keep)  # fmt: skip
+    # on a shared budget, nothing that fits its limits fails for want of pages another holder
+    # can give: the engine waits for them, each request bounded by its own deadline
+    # (--request-timeout-s), instead of failing every request in flight after a minute
+    engine.max_wait_s = None
+    return engine
 
 
 def default_compile_cache() -> Path:

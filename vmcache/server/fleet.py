@@ -32,7 +32,7 @@ from vmcache.memory.ledger import (  # (UNIT_BYTES: one ledger page)
     UNIT_BYTES,
     SharedBudget,
 )
-from vmcache.memory.ledger_rows import check_ledger_file
+from vmcache.memory.ledger_rows import check_ledger_path
 
 CHUNK_PAGES = 16  # cache pages taken from the budget at a time (and kept free after a step)
 
@@ -79,17 +79,6 @@ def sizes_mib(values: list[str], names: list[str], flag: str) -> dict[str, float
         if out[name] < 0:
             raise ValueError(f"{flag} {v!r}: must be >= 0")
     return out
-
-
-def check_ledger_path(path: str) -> None:
-    """A ledger whose directory is missing, or one this process cannot trust (a symbolic
-    link, another user's, writable by every user: the processes that share a ledger trust
-    each other, so they must be one user's), is refused before use."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise ValueError(f"--kv-ledger {path}: no directory {directory}")
-    if os.path.lexists(path):
-        check_ledger_file(path)
 
 
 class Ledger:

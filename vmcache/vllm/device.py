@@ -17,6 +17,7 @@ on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -39,7 +40,7 @@ class DeviceKVRegion:
         self.mapped: dict[int, list] = {}  # group -> its page handles, segment by segment
         self.wants_fd = -1
         self._wants: mmap.mmap | None = None
-        self.lock = threading.Lock()  # sync() against the model's step
+        self.lock = threading.RLock()  # sync() against the model's step (step() holds it)
 
     def tensor(self, nbytes: int, dtype: torch.dtype = torch.int8) -> torch.Tensor:
         if nbytes > self.nbytes:
@@ -63,6 +64,16 @@ class DeviceKVRegion:
 
     def _ranges(self, g: int) -> list[tuple[int, int]]:
         return self.layout.ranges([g])
+
+    @contextlib.contextmanager
+    def step(self):
+        """Around a model step (vLLM's ``execute_model`` and ``sample_tokens``): the wanted
+        groups mapped first, and no group unmapped until the step returns (a sync from
+        another thread, the idle one, waits for it), as vLLM's own frees wait for the step
+        that may read them."""
+        with self.lock:
+            self.sync()
+            yield
 
     def sync(self) -> tuple[int, int]:
         """Map the wanted groups not mapped, unmap the mapped ones not wanted (after the

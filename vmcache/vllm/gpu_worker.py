@@ -8,8 +8,11 @@ Written against vLLM 0.32.0's GPU ``Worker`` and checked on the CPU against the 
     determine_available_memory  vLLM's figure, rounded down to whole groups of blocks (so that
                                 every layer starts on a page)
     the KV allocation           a :class:`DeviceKVRegion` over :class:`CudaBackend`
-    execute_model               the mapped groups made to match the wanted ones first
+    execute_model, sample_tokens  the mapped groups made to match the wanted ones first, and
+                                nothing unmapped until they return (``DeviceKVRegion.step``)
     between steps               the same every ``IDLE_S``, so that an idle engine's pages go back
+    async scheduling            refused (:mod:`vmcache.vllm.support`): a step scheduled before
+                                the last one's blocks were taken back could read them
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ import vllm
 from vllm.v1.worker.gpu_worker import Worker
 
 from vmcache.vllm import check_version
-from vmcache.vllm.config import VllmKVConfig
 from vmcache.vllm.device import DeviceKVRegion
 from vmcache.vllm.placement import KVPlacement
 from vmcache.vllm.region import UnsupportedLayout
+from vmcache.vllm.support import check_kv_groups, check_supported
 
 check_version(vllm.__version__)
 IDLE_S = 0.2
@@ -47,9 +50,9 @@ def group_blocks(block_bytes_a_layer: int, page: int = CUDA_PAGE) -> int:
 
 class VmcacheGPUWorker(Worker):
     def __init__(self, vllm_config, *args, **kwargs) -> None:
-        # checked here, before vLLM loads the model: a bad setting stops it at once (the
-        # scheduler reads the settings it uses)
-        VllmKVConfig.from_additional(vllm_config.additional_config)
+        # checked here, before vLLM loads the model or anything is held: what is not
+        # supported stops it at once
+        check_supported(vllm_config)
         super().__init__(vllm_config, *args, **kwargs)
         self.kv = KVPlacement(_device_region)
         self._stop = threading.Event()
@@ -67,6 +70,7 @@ class VmcacheGPUWorker(Worker):
         return available // (per_block * g) * per_block * g if per_block else available
 
     def initialize_from_config(self, kv_cache_config) -> None:
+        check_kv_groups(self.vllm_config, kv_cache_config)  # before the KV memory is made
         super().initialize_from_config(kv_cache_config)
         self.kv.bind(self, kv_cache_config)
         threading.Thread(target=self._idle_sync, name="vmcache-kv-sync", daemon=True).start()
@@ -77,9 +81,17 @@ class VmcacheGPUWorker(Worker):
 
     def execute_model(self, *args, **kwargs):
         region = self.kv.region
-        if region is not None:
-            region.sync()
-        return super().execute_model(*args, **kwargs)
+        if region is None:
+            return super().execute_model(*args, **kwargs)
+        with region.step():  # the idle thread unmaps nothing while the step runs
+            return super().execute_model(*args, **kwargs)
+
+    def sample_tokens(self, *args, **kwargs):
+        region = self.kv.region
+        if region is None:
+            return super().sample_tokens(*args, **kwargs)
+        with region.step():
+            return super().sample_tokens(*args, **kwargs)
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -25,6 +25,7 @@ from vmcache.vllm import check_version
 from vmcache.vllm.balloon import Balloon
 from vmcache.vllm.config import MIB, VllmKVConfig
 from vmcache.vllm.region import open_worker_memory, rendezvous_path
+from vmcache.vllm.support import check_kv_groups, check_supported, one_sequence_bytes
 
 check_version(vllm.__version__)
 log = logging.getLogger("vllm.vmcache")  # shown by vLLM's log handlers
@@ -32,13 +33,8 @@ log = logging.getLogger("vllm.vmcache")  # shown by vLLM's log handlers
 
 class VmcacheScheduler(Scheduler):
     def __init__(self, vllm_config, kv_cache_config, *args, **kwargs) -> None:
-        cfg = VllmKVConfig.from_additional(vllm_config.additional_config)
-        if len(kv_cache_config.kv_cache_groups) != 1:
-            raise ValueError(f"vmcache.vllm handles one KV cache group; this model has "
-                             f"{len(kv_cache_config.kv_cache_groups)}")  # fmt: skip
-        if vllm_config.parallel_config.world_size != 1:
-            raise ValueError("vmcache.vllm is tested with one worker (no tensor or pipeline "
-                             "parallelism)")  # fmt: skip
+        cfg = check_supported(vllm_config)  # (the workers refused these before anything)
+        check_kv_groups(vllm_config, kv_cache_config)
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         self.memory = open_worker_memory(rendezvous_path(vllm_config.instance_id, 0))
         layout = self.memory.layout
@@ -83,7 +79,7 @@ class VmcacheScheduler(Scheduler):
         budget = ScaledBudget(inner, unit_bytes=UNIT_BYTES)
         budget.bind_page_bytes(self.group_bytes)  # budget.k: the units of one group
         if cfg.ledger is not None:
-            one_seq = -(-max_model_len // self.block_size) * self.block_bytes
+            one_seq = one_sequence_bytes(max_model_len, self.block_size, self.block_bytes)
             floor_bytes = cfg.floor_mib * MIB if cfg.floor_mib is not None else one_seq
             floor = -(-int(floor_bytes) // self.group_bytes) * budget.k
             try:

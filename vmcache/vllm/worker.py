@@ -9,8 +9,8 @@ import vllm
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vmcache.vllm import check_version
-from vmcache.vllm.config import VllmKVConfig
 from vmcache.vllm.placement import KVPlacement, host_region
+from vmcache.vllm.support import check_kv_groups, check_supported
 
 check_version(vllm.__version__)
 
@@ -19,9 +19,9 @@ class VmcacheCPUWorker(CPUWorker):
     """vLLM's ``CPUWorker``; only where its KV tensor lives differs (a memfd)."""
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
-        # checked here, before vLLM loads the model: a bad setting stops it at once (the
-        # scheduler reads the settings it uses)
-        VllmKVConfig.from_additional(vllm_config.additional_config)
+        # checked here, before vLLM loads the model or anything is held: what is not
+        # supported stops it at once
+        check_supported(vllm_config)
         super().__init__(vllm_config, *args, **kwargs)
         self.kv = KVPlacement(host_region)
 
@@ -31,5 +31,6 @@ class VmcacheCPUWorker(CPUWorker):
         return self.kv.alloc
 
     def initialize_from_config(self, kv_cache_config) -> None:
+        check_kv_groups(self.vllm_config, kv_cache_config)  # before the memfd is made
         super().initialize_from_config(kv_cache_config)
         self.kv.bind(self, kv_cache_config)
