@@ -22,7 +22,7 @@ CPU_TORCH = if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip instal
 COMPILE = $(1)/bin/python -m compileall -q -j0 \
 	$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') >/dev/null || true
 
-.PHONY: fetch-model test-setup bench bench-compute bench-vllm bench-vllm-profile bench-gemm bench-long bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed bench-server bench-multi bench-vllm-kv test-vllm lm-eval serve readme test test-newest test-oldest test-long coverage compile-sm90 lint \
+.PHONY: fetch-model test-setup bench bench-chaos bench-compute bench-vllm bench-vllm-profile bench-gemm bench-long bench-30k bench-window bench-handoff bench-elastic bench-tiers bench-spec bench-quant bench-prefix-shapes bench-speed bench-server bench-multi bench-vllm-kv test-vllm lm-eval serve readme test test-newest test-oldest test-long coverage compile-sm90 lint \
 	gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -217,6 +217,14 @@ test-vllm: $(STAMP) fetch-model $(VLLM_TEST_STAMP)
 	VLLM_CPU_KVCACHE_SPACE=1 VMCACHE_VLLM_MODEL=$$($(PY) -c \
 		'from vmcache.models import checkpoint_dir; print(checkpoint_dir())') \
 		$(VLLM_VENV)/bin/pytest --durations=10 tests/vllm
+
+# one KV budget under faults (issue 77): two vmcache-servers (vm, paged) and vLLM's OpenAI
+# server with vmcache on one ledger, under load for 10 minutes while faults are injected
+# (SIGSTOP, SIGKILL of a holder, the ledger truncated, deleted, a symlink, sleep and wake,
+# limits, prefix-cache resets): every request answered, the ledger equal to each holder's own
+# account after each fault (docs/results.md's chaos table)
+bench-chaos: $(STAMP) fetch-model $(VLLM_TEST_STAMP)
+	cd benchmarks && ../$(PY) chaos_ledger.py --vllm-python ../$(VLLM_VENV)/bin/python
 
 # vLLM's CPU build with and without vmcache underneath: resident memory under a burst and
 # decode tokens/s, side by side in one run (docs/results.md's vLLM-KV table and plot)

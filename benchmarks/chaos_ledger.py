@@ -74,6 +74,9 @@ class Load:
         self.outcomes: list[dict] = []
         self.answers: dict[tuple[str, int], str] = {}
         self.lock, self.stop = threading.Lock(), threading.Event()
+        self.go = threading.Event()  # cleared: clients send nothing new (a quiet check)
+        self.go.set()
+        self.in_flight = 0
         self.threads = [threading.Thread(target=self._run, args=(name, c), daemon=True)
                         for name in servers for c in range(clients)]  # fmt: skip
 
@@ -84,8 +87,12 @@ class Load:
     def _run(self, name: str, c: int) -> None:
         srv, n = self.servers[name], 0
         while not self.stop.is_set():
+            if not self.go.wait(1.0):
+                continue
             i = (c * 1000 + n) % 97  # prompts repeat: the same tokens are expected each time
             n += 1
+            with self.lock:
+                self.in_flight += 1
             t0 = time.monotonic()
             try:
                 out = srv.client.completions.create(
@@ -95,12 +102,22 @@ class Load:
             except Exception as e:  # noqa: BLE001 - every failure is an outcome to report
                 text, tokens, err = None, 0, f"{type(e).__name__}: {e}"[:300]
             with self.lock:
+                self.in_flight -= 1
                 same = None
                 if err is None:
                     same = self.answers.setdefault((name, i), text) == text
                 self.outcomes.append({"server": name, "prompt": i, "t0": t0,
                                       "s": time.monotonic() - t0, "tokens": tokens,
                                       "error": err, "same": same})  # fmt: skip
+
+
+def quiet(load: Load, timeout_s: float = 300.0) -> None:
+    """Hold new requests and wait for those in flight to end (the servers go idle)."""
+    load.go.clear()
+    deadline = time.monotonic() + timeout_s
+    while load.in_flight and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.5)  # the servers' metrics are at most a second old
 
 
 def churner(ledger: str) -> subprocess.Popen:
@@ -135,28 +152,30 @@ def accounts(servers: dict[str, Proc], ledger: str) -> dict:
         m = srv.metrics()
         units = -(-srv.page_bytes // (view.unit_bytes or 4096))
         rows = view.named(name)
-        out["servers"][name] = {
-            "own_pages": int(m["vmcache:kv_pages_total"]) * units,
+        out["servers"][name] = {  # resident: the pool's created pages (its account)
+            "own_pages": int(m["vmcache:kv_resident_bytes"]) // srv.page_bytes * units,
             "row_pages": rows[0].held_pages if len(rows) == 1 else None,
             "in_use": int(m["vmcache:kv_pages_used"] - m["vmcache:kv_pages_prefix_idle"]),
         }
     return out
 
 
-def agree(a: dict) -> bool:
+def agree(a: dict, idle: bool) -> bool:
+    """The rows equal the accounts within the total; with ``idle``, no page in use either."""
     return a["rows_held"] <= a["total_pages"] and all(
-        s["own_pages"] == s["row_pages"] for s in a["servers"].values()
+        s["own_pages"] == s["row_pages"] and (not idle or s["in_use"] == 0)
+        for s in a["servers"].values()
     )
 
 
-def settle(servers, ledger) -> tuple[bool, float, dict]:
+def settle(servers, ledger, idle: bool = False) -> tuple[bool, float, dict]:
     """Wait until the ledger and the accounts agree; (agreed, seconds, last reading)."""
     t0 = time.monotonic()
     last: dict = {}
     while time.monotonic() - t0 < SETTLE_S:
         try:
             last = accounts(servers, ledger)
-            if agree(last):
+            if agree(last, idle):
                 return True, time.monotonic() - t0, last
         except (LedgerError, OSError, KeyError, ValueError) as e:
             last = {"error": str(e)[:200]}
@@ -196,6 +215,7 @@ def main(argv=None) -> int:
             cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                    model, "--served-model-name", "vllm", "--dtype", "float32", "--port",
                    str(port), "--max-model-len", "512", "--no-async-scheduling",
+                   "--enforce-eager",
                    "--worker-cls", "vmcache.vllm.worker.VmcacheCPUWorker",
                    "--scheduler-cls", "vmcache.vllm.scheduler.VmcacheScheduler",
                    "--additional-config", json.dumps(vm)]  # fmt: skip
@@ -245,16 +265,19 @@ def main(argv=None) -> int:
                 detail += f", wake {post(url + '/wake_up')}"
             elif fault == "limits":
                 try:
-                    set_limit(ledger, target, 2048, shed=True)
+                    floor = read(ledger).named(target)[0].min_pages
+                    set_limit(ledger, target, floor, shed=True)
                     time.sleep(4.0)
                     set_limit(ledger, target, BUDGET_MIB * 256)
-                    detail = "8 MiB with --preempt, then the whole budget"
+                    detail = f"{floor * 4096 / 2**20:.1f} MiB (its floor) with --preempt, then all"
                 except (ValueError, LedgerError) as e:
                     detail = f"refused: {e}"[:200]
             elif fault == "reset_prefix":
                 detail = f"reset {post(servers['vllm'].url + '/reset_prefix_cache')}"
             time.sleep(2.0)  # load runs on through what the fault left
-            agreed, took, last = settle(servers, ledger)
+            quiet(load)
+            agreed, took, last = settle(servers, ledger, idle=True)
+            load.go.set()
             with load.lock:
                 errors = [o for o in load.outcomes if o["error"] and o["t0"] >= t0]
             rows.append({"fault": fault, "target": target if fault != "reset_prefix" else "vllm",
@@ -264,12 +287,13 @@ def main(argv=None) -> int:
                          "reading": last})  # fmt: skip
             print(f"chaos: {rows[-1]['fault']:<15} on {rows[-1]['target']:<6} "
                   f"agrees {agreed} in {took:.1f} s, errors {len(errors)} {detail}", flush=True)
+        quiet(load)
         load.stop.set()
         for t in load.threads:
             t.join(300)
         os.killpg(churn.pid, signal.SIGKILL)
         churn.wait(10)
-        agreed, took, final = settle(servers, ledger)
+        agreed, took, final = settle(servers, ledger, idle=True)
         idle_back = all(s["in_use"] == 0 for s in final.get("servers", {}).values())
     finally:
         for srv in servers.values():

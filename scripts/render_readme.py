@@ -208,6 +208,25 @@ def fresh_clone(name, doc) -> str:
     )
 
 
+def chaos(name, doc) -> str:
+    """benchmarks/chaos_ledger.py's run: the verdict and every fault's checks, as computed by
+    the run itself (this only formats them)."""
+    s = doc["summary"]
+    rows = [[r["fault"], r["target"], r["detail"] or "", r["ledger_agrees"], r["settle_s"],
+             r["errors"]] for r in doc["rows"]]  # fmt: skip
+    head = (
+        f"{s['minutes']:g} minutes, servers {', '.join(s['servers'])} on one ledger, "
+        f"{s['faults']} faults: {s['requests']:,} requests, {s['failed']} failed, "
+        f"{s['tokens_differ']} with other tokens than the prompt's first answer; the ledger "
+        f"equal to every vmcache server's own pages, idle, after every fault "
+        f"{f(s['ledger_agrees_after_every_fault'])}, at the end {f(s['final_agrees'])}, every "
+        f"page back {f(s['pages_back_when_idle'])}: **{s['verdict']}**.\n\n"
+    )
+    table = md(["fault", "on", "what", "ledger = accounts", "settled in (s)", "failed requests"],
+               rows)  # fmt: skip
+    return head + table + "\n" + source(name, doc)
+
+
 def _ab():
     return newest("ab-20??-??-??-*.json")
 
@@ -230,6 +249,7 @@ BLOCKS = {
     "multi": lambda: multi(*newest("multi-20??-??-??-*.json")),
     "multi-headline": lambda: multi_headline(*newest("multi-20??-??-??-*.json")),
     "vllm-kv": lambda: vllm_kv(*newest("vllm_kv-20??-??-??-*.json")),
+    "chaos": lambda: chaos(*newest("chaos-20??-??-??-*.json")),
     "tiers": lambda: tiers(*newest("tiers-*.json")),
     "spec": lambda: spec(*newest("spec-*.json")),
     "quant": lambda: quant(*newest("quant-*.json")),

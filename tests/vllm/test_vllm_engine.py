@@ -209,13 +209,13 @@ def test_the_balloon_on_vllms_block_pool_against_a_shadow(group):
     ({"budget_mib": 1}, {}, "vmcache.budget_mib 1 MiB is below one max_model_len sequence"),
     ({"budget_mib": 50}, {}, "vmcache.budget_mib 50 MiB is below one max_model_len sequence"),
     ({"budget": 1}, {}, "unknown vmcache settings"),
-    ({}, {"pipeline_parallel_size": 2}, "pipeline_parallel_size 2"),
 ])  # fmt: skip
 def test_unsupported_settings_stop_vllm_before_it_loads_the_model(cfg, kw, match, capfd):
     """Each refused with its reason before the worker loads the weights or publishes its
     memory (the budget below one sequence used to be accepted, and a request could wait for
-    good; pipeline parallelism was refused only after the model had loaded). The rest of
-    what is refused: tests/vllm/test_support.py."""
+    good). The rest of what is refused, on vLLM's own engine configurations (its CPU
+    executor refuses tensor and pipeline parallelism on one NUMA node before a worker is
+    built): tests/vllm/test_support.py."""
     before = set(os.listdir(rendezvous_dir()))
     with pytest.raises(Exception):  # noqa: B017 - vLLM wraps the engine core's error
         start(cfg, **kw)
