@@ -35,7 +35,6 @@ import tempfile
 import threading
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from common import save, table
@@ -141,19 +140,17 @@ def post(url: str, timeout_s: float = 60.0) -> int:
         return e.code
 
 
-def accounts(servers: dict[str, Proc], ledger: str) -> dict:
+def accounts(servers: dict[str, Proc], page_bytes: dict[str, int], ledger: str) -> dict:
     """Each vmcache server's own account (its pool's created pages, in ledger units) against
     its ledger row, and the rows' sum against the total."""
     view = read(ledger)
     out = {"total_pages": view.total_pages, "rows_held": view.held_pages, "servers": {}}
-    for name, srv in servers.items():
-        if srv.vllm:
-            continue
-        m = srv.metrics()
-        units = -(-srv.page_bytes // (view.unit_bytes or 4096))
+    for name, pb in page_bytes.items():  # the vmcache servers (vLLM's account is its own)
+        m = servers[name].metrics()
+        units = -(-pb // (view.unit_bytes or 4096))
         rows = view.named(name)
         out["servers"][name] = {  # resident: the pool's created pages (its account)
-            "own_pages": int(m["vmcache:kv_resident_bytes"]) // srv.page_bytes * units,
+            "own_pages": int(m["vmcache:kv_resident_bytes"]) // pb * units,
             "row_pages": rows[0].held_pages if len(rows) == 1 else None,
             "in_use": int(m["vmcache:kv_pages_used"] - m["vmcache:kv_pages_prefix_idle"]),
         }
@@ -168,13 +165,13 @@ def agree(a: dict, idle: bool) -> bool:
     )
 
 
-def settle(servers, ledger, idle: bool = False) -> tuple[bool, float, dict]:
+def settle(servers, page_bytes, ledger, idle: bool = False) -> tuple[bool, float, dict]:
     """Wait until the ledger and the accounts agree; (agreed, seconds, last reading)."""
     t0 = time.monotonic()
     last: dict = {}
     while time.monotonic() - t0 < SETTLE_S:
         try:
-            last = accounts(servers, ledger)
+            last = accounts(servers, page_bytes, ledger)
             if agree(last, idle):
                 return True, time.monotonic() - t0, last
         except (LedgerError, OSError, KeyError, ValueError) as e:
@@ -196,19 +193,16 @@ def main(argv=None) -> int:
     ledger = os.path.join(tmp, "kv.db")
     model = str(checkpoint_dir())
     servers: dict[str, Proc] = {}
+    page_bytes: dict[str, int] = {}  # the vmcache servers' page sizes
     try:
-        for name, cache in (("vm", "vm"), ("paged", "paged")):
-            port = free_port()
-            cmd = [sys.executable, "-m", "vmcache.server", "--model", f"{name}={model}",
-                   "--port", str(port), "--kv-ledger", ledger, "--cache", cache, *FLAGS]  # fmt: skip
-            srv = Proc(name, cmd, name)
-            srv.vllm = False
-            srv.page_bytes = 0
-            servers[name] = srv
-        for srv in servers.values():
-            with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as r:
+        for cache in ("vm", "paged"):
+            cmd = [sys.executable, "-m", "vmcache.server", "--model", f"{cache}={model}",
+                   "--port", str(free_port()), "--kv-ledger", ledger, "--cache", cache,
+                   *FLAGS]  # fmt: skip
+            servers[cache] = Proc(cache, cmd, cache)
+            with urllib.request.urlopen(servers[cache].url + "/metrics", timeout=10) as r:
                 text = r.read().decode()
-            srv.page_bytes = int(text.split('page_bytes="')[1].split('"')[0])
+            page_bytes[cache] = int(text.split('page_bytes="')[1].split('"')[0])
         if args.vllm_python:
             port = free_port()
             vm = {"vmcache": {"ledger": ledger, "name": "vllm", "prefix_cache_mib": 12}}
@@ -220,10 +214,8 @@ def main(argv=None) -> int:
                    "--scheduler-cls", "vmcache.vllm.scheduler.VmcacheScheduler",
                    "--additional-config", json.dumps(vm)]  # fmt: skip
             env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}  # its /reset_*
-            srv = Proc("vllm", cmd, "vllm", env=env)
-            srv.vllm, srv.page_bytes = True, 0
-            servers["vllm"] = srv
-        ok, _, first = settle(servers, ledger)
+            servers["vllm"] = Proc("vllm", cmd, "vllm", env=env)
+        ok, _, first = settle(servers, page_bytes, ledger)
         print(f"chaos: {len(servers)} servers on {ledger}: {first}", flush=True)
         load = Load(servers, args.clients)
         load.start()
@@ -234,8 +226,7 @@ def main(argv=None) -> int:
         while time.monotonic() < t_end:
             fault = faults[k % len(faults)]
             k += 1
-            vmcache_names = [n for n, s in servers.items() if not s.vllm]
-            target = rng.choice(vmcache_names)
+            target = rng.choice(sorted(page_bytes))
             t0 = time.monotonic()
             detail = ""
             if fault == "sigstop":
@@ -276,7 +267,7 @@ def main(argv=None) -> int:
                 detail = f"reset {post(servers['vllm'].url + '/reset_prefix_cache')}"
             time.sleep(2.0)  # load runs on through what the fault left
             quiet(load)
-            agreed, took, last = settle(servers, ledger, idle=True)
+            agreed, took, last = settle(servers, page_bytes, ledger, idle=True)
             load.go.set()
             with load.lock:
                 errors = [o for o in load.outcomes if o["error"] and o["t0"] >= t0]
@@ -293,7 +284,7 @@ def main(argv=None) -> int:
             t.join(300)
         os.killpg(churn.pid, signal.SIGKILL)
         churn.wait(10)
-        agreed, took, final = settle(servers, ledger, idle=True)
+        agreed, took, final = settle(servers, page_bytes, ledger, idle=True)
         idle_back = all(s["in_use"] == 0 for s in final.get("servers", {}).values())
     finally:
         for srv in servers.values():
