@@ -98,7 +98,7 @@ def test_a_process_stopped_inside_a_transaction_holds_the_others_only_for_the_bo
     """It used to hold every other holder's calls for good (each got LedgerError after the
     timeout, again and again): now the first to wait past the bound removes the stuck file
     and every holder goes on in a new one; the stopped one rejoins when it resumes."""
-    mine = SharedBudget(path, 10, lock_timeout_s=0.5)
+    mine = SharedBudget(path, 10, lock_timeout_s=0.5, rejoin_grace_s=0.5)
     assert mine.acquire(1)
     p = _child(path, """
         assert b.acquire(3)
@@ -111,8 +111,10 @@ def test_a_process_stopped_inside_a_transaction_holds_the_others_only_for_the_bo
         """, "lock_timeout_s=0.5")  # fmt: skip
     try:
         t0 = time.monotonic()
-        assert mine.acquire(2)  # waited the bound, then went on in a new file
-        assert time.monotonic() - t0 < 5 and mine.rebuilt == 1 and mine.held == 3
+        assert not mine.acquire(2)  # waited the bound, then went on in a new file, where
+        assert time.monotonic() - t0 < 5 and mine.rebuilt == 1 and mine.held == 1
+        time.sleep(0.6)  # nobody grows until the live holders had time to register
+        assert mine.acquire(2) and mine.held == 3
         assert "lock" in mine.fault and str(path) in mine.fault
         assert held(mine) == {mine.id: 3}  # the stopped holder is not there until it resumes
         assert not [f for f in os.listdir(path.parent) if ".stuck-" in f]  # nothing left
@@ -219,7 +221,8 @@ def test_a_damaged_ledger_is_rebuilt_from_the_live_holders_accounts(path, damage
     """Damage used to fail every call of every holder for good: now the first holder that
     finds it moves the file aside (kept) and every live holder registers what it holds in a
     new file; a newcomer is refused naming the command that recovers it."""
-    a, b = SharedBudget(path, 10, name="a"), SharedBudget(path, name="b")
+    a = SharedBudget(path, 10, name="a", rejoin_grace_s=0.5)
+    b = SharedBudget(path, name="b", rejoin_grace_s=0.5)
     assert a.acquire(2) and b.acquire(3)
     raw = path.read_bytes()
     new = {"garbage": os.urandom(len(raw)), "truncated": raw[:100],
@@ -230,22 +233,25 @@ def test_a_damaged_ledger_is_rebuilt_from_the_live_holders_accounts(path, damage
         f.truncate(len(new))
     with pytest.raises(LedgerError, match=f"{path}.*vmcache-kv --ledger {path} repair"):
         SharedBudget(path)
-    assert a.acquire(1) and a.rebuilt == 1 and "damaged" in a.fault
-    assert b.available() == 4 and b.rebuilt == 0 and b.rejoined == 1  # followed a's file
+    assert not a.acquire(1) and a.rebuilt == 1 and "damaged" in a.fault  # a new file: and
+    assert b.available() == 0 and b.rebuilt == 0 and b.rejoined == 1  # b registers in it
+    assert held(a) == {a.id: 2, b.id: 3}  # before anybody grows (it used to be a, to 10)
+    time.sleep(0.6)
+    assert a.acquire(1) and b.available() == 4
     assert held(a) == {a.id: 3, b.id: 3} and a.snapshot()["total_pages"] == 10
-    kept = [f for f in os.listdir(path.parent) if ".damaged-" in f]
+    kept = [f for f in os.listdir(path.parent) if ".damaged-" in f and "-journal" not in f]
     assert len(kept) == 1 and (path.parent / kept[0]).read_bytes() == new
     a.close()
     b.close()
 
 
 def test_a_release_the_ledger_refuses_is_written_by_the_next_call_that_can(path, tmp_path):
-    from vmcache.memory import ledger_admin
-
     """The path replaced by a symbolic link (to a ledger that claims more pages): every
     holder refuses to follow it, refuses pages instead of raising, and keeps its account;
     once the path is a file again, its row says what it holds: nothing counted high."""
-    a = SharedBudget(path, 10)
+    from vmcache.memory import ledger_admin
+
+    a = SharedBudget(path, 10, rejoin_grace_s=0)
     assert a.acquire(6)
     bait = tmp_path / "bait.db"
     SharedBudget(bait, 1000).close()
@@ -290,7 +296,7 @@ def test_every_opener_refuses_a_ledger_it_cannot_trust(path, tmp_path, bad):
 def test_repair_moves_a_damaged_ledger_aside_and_leaves_a_good_one(path):
     from vmcache.memory.ledger_admin import read, repair
 
-    a = SharedBudget(path, 10)
+    a = SharedBudget(path, 10, rejoin_grace_s=0)
     assert a.acquire(2)
     assert repair(path) is None and read(path).held_pages == 2  # readable: untouched
     path.write_bytes(b"not a ledger at all" * 100)
@@ -298,3 +304,120 @@ def test_repair_moves_a_damaged_ledger_aside_and_leaves_a_good_one(path):
     assert aside is not None and os.path.exists(aside) and not path.exists()
     assert a.acquire(1) and read(path).held_pages == 3  # a rebuilt it from its account
     a.close()
+
+
+def _capped_after_a_rebuild(path, held: int, floor: int = 0):
+    """``a`` holding ``held`` of 100 with ``floor``; the file deleted; ``b`` takes 80 in the
+    new file; ``a`` rejoins capped at the 20 left, shedding the rest."""
+    a = SharedBudget(path, 100, min_pages=floor, rejoin_grace_s=0)
+    assert a.acquire(held)
+    os.unlink(path)
+    b = SharedBudget(path, 100, rejoin_grace_s=0)
+    assert b.acquire(80)
+    a.available()
+    return a, b
+
+
+def test_a_capped_holder_that_sleeps_gets_its_own_limit_back_once_it_fits(path):
+    """A sleep's set_limits(min_pages=0) while capped kept the cap as the limit for good
+    and cleared the shed flag while the holder held more than it."""
+    a, b = _capped_after_a_rebuild(path, 30)
+    assert (a.max, a.shed, a.excess()) == (20, True, 10)
+    a.set_limits(min_pages=0)  # as Keeper.sleep does
+    assert a.shed and a.excess() == 10  # still over: still shedding
+    b.close()
+    a.release(10)
+    assert a.available() == 80 and (a.max, a.shed) == (100, False)  # its own limit back
+    a.close()
+
+
+def test_a_floor_lowered_on_rejoin_and_promised_again_comes_back(path):
+    """A floor lowered to what the others' floors left on rejoin was lost for good, and a
+    floor promised while capped was written back to the rejoin's."""
+    a = SharedBudget(path, 100, min_pages=30, rejoin_grace_s=0)
+    assert a.acquire(10)
+    os.unlink(path)
+    b = SharedBudget(path, 100, min_pages=80, rejoin_grace_s=0)
+    a.available()
+    assert (a.min, a.max) == (20, 100)  # what b's floor leaves
+    b.close()
+    a.available()
+    assert a.min == 30  # back once there is room
+    a.close()
+    a, b = _capped_after_a_rebuild(path, 30)
+    assert a.promise_floor(15) == 15  # promised while capped: kept
+    b.close()
+    a.release(10)
+    a.available()
+    assert (a.min, a.max) == (15, 100)
+    a.close()
+
+
+def test_a_lock_held_by_a_process_that_runs_is_waited_for_not_moved(path):
+    """The bound used to move any file whose lock was held past it, a slow holder's too:
+    only a stopped holder's lock makes a file stuck. (Another process holds it here,
+    awake.)"""
+    mine = SharedBudget(path, 10, lock_timeout_s=0.3, rejoin_grace_s=0)
+    p = _child(path, """
+        b._file.db.execute("BEGIN IMMEDIATE")
+        print("ready", flush=True)
+        time.sleep(30)
+        """)  # fmt: skip
+    try:
+        assert not mine.acquire(1) and mine.rebuilt == 0 and "lock" in mine.fault
+        assert not [f for f in os.listdir(path.parent) if ".stuck-" in f]
+    finally:
+        p.kill()
+        p.wait(timeout=60)
+    assert mine.acquire(1) and mine.rebuilt == 0
+    mine.close()
+
+
+def test_a_rebuild_that_cannot_be_made_is_a_refusal_and_the_keepalive_beats_on(path):
+    """A damaged ledger that cannot be moved aside (here: its recovery lock's name taken by
+    a directory) raised OSError from every serving call and killed the keepalive thread."""
+    a = SharedBudget(path, 10, lease_s=0.4, keepalive=True, rejoin_grace_s=0)
+    assert a.acquire(2)
+    (path.parent / (path.name + ".recover")).mkdir()
+    path.write_bytes(os.urandom(4096))
+    assert not a.acquire(1) and a.available() == 0 and "damaged" in a.fault
+    a.release(1)  # no error
+    time.sleep(0.3)
+    assert a._beater.is_alive()
+    (path.parent / (path.name + ".recover")).rmdir()
+    assert a.acquire(1) and held(a) == {a.id: 2}
+    a.close()
+
+
+def test_the_keepalive_never_undoes_an_acquire(path):
+    """The keepalive thread wrote the row from the account between acquire's commit and its
+    account's update, dropping the pages just taken from the row (another holder then took
+    them twice). Hammered here with a thread switch at nearly every bytecode."""
+    import sys
+    import threading
+
+    b, other = SharedBudget(path, 1000), SharedBudget(path)
+    stop = threading.Event()
+
+    def beat():
+        while not stop.is_set():
+            b.beat()
+            time.sleep(0.0005)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    t = threading.Thread(target=beat)
+    t.start()
+    try:
+        bad = 0
+        for _ in range(300):
+            assert b.acquire(1)
+            bad += held(other)[b.id] != b.held
+            b.release(1)
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(old)
+    assert bad == 0
+    b.close()
+    other.close()

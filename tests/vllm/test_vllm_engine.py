@@ -73,6 +73,9 @@ class Sampler(threading.Thread):
             self.peak = max(self.peak, status_mib(self.proc, "RssShmem"))
             time.sleep(0.02)
 
+    def peak_now(self) -> float:
+        return max(self.peak, status_mib(self.proc, "RssShmem"))
+
 
 @pytest.fixture(scope="module")
 def baseline():
@@ -96,12 +99,9 @@ def test_same_tokens_and_kv_memory_follows_the_load(baseline, prefix_caching):
     idle = status_mib(worker, "RssShmem")
     assert idle <= 0.10 * SPACE / MIB, idle
     assert anon0 - status_mib(worker, "RssAnon") >= 0.75 * SPACE / MIB  # vLLM's own holds it all
-    sampler = Sampler(worker)
-    sampler.start()
-    assert generate(llm) == tokens0
-    sampler.done.set()
-    sampler.join()
-    assert sampler.peak >= 100, sampler.peak  # 12 sequences of 1-3 blocks of 5.6 MiB
+    tokens, peak = generate_sampled(llm, worker)
+    assert tokens == tokens0
+    assert peak >= 100, peak  # 12 sequences of 1-3 blocks of 5.6 MiB
     after = settle(worker, 1 if not prefix_caching else bound + 0.5)
     if prefix_caching:
         assert 0 < after <= bound + 0.5, after  # cached blocks, at most the bound
@@ -114,13 +114,20 @@ def test_a_budget_below_the_load_preempts_with_the_same_tokens(baseline):
     tokens0, _ = baseline
     # 10 blocks of 5.6 MiB: one 1024-token sequence (8 blocks) and vLLM's null block fit
     llm, worker = start({"budget_mib": 57, "prefix_cache_mib": 0}, disable_log_stats=False)
+    tokens, peak = generate_sampled(llm, worker)
+    assert tokens == tokens0 and peak <= 57, peak
+    assert preemptions(llm) > 0  # it did preempt (the test used to take that on trust)
+
+
+def generate_sampled(llm: LLM, worker: psutil.Process) -> tuple[list[list[int]], float]:
+    """The tokens, and the peak of the worker's memfd-backed memory (MiB) meanwhile."""
     sampler = Sampler(worker)
     sampler.start()
-    assert generate(llm) == tokens0
-    sampler.done.set()
-    sampler.join()
-    assert sampler.peak <= 57, sampler.peak
-    assert preemptions(llm) > 0  # it did preempt (the test used to take that on trust)
+    try:
+        return generate(llm), sampler.peak_now()
+    finally:
+        sampler.done.set()
+        sampler.join()
 
 
 def preemptions(llm: LLM) -> int:
@@ -137,12 +144,8 @@ def test_a_prefix_cache_reset_mid_run_keeps_the_budget_and_the_tokens(baseline):
     llm, worker = start({"budget_mib": 57, "prefix_cache_mib": 12})
     assert generate(llm) == tokens0
     assert llm.reset_prefix_cache()
-    sampler = Sampler(worker)
-    sampler.start()
-    assert generate(llm) == tokens0
-    sampler.done.set()
-    sampler.join()
-    assert sampler.peak <= 57, sampler.peak
+    tokens, peak = generate_sampled(llm, worker)
+    assert tokens == tokens0 and peak <= 57, peak
     assert settle(worker, 12 + 6) <= 12 + 6  # cached blocks at most the bound, and a chunk
 
 

@@ -78,6 +78,10 @@ TTL_S = 0.002  # available() answers from a cached read this long (acquire alway
 # its own (a stopped process loses its pages after this long), and the longest a call waits
 # for another process's transaction before it rebuilds the ledger without it
 SERVING_LEASE_S = 5.0
+# a file rebuilt by a holder (damaged, stuck, deleted) gives no holder more pages for this
+# long, so that the live holders re-register what they hold (a serving one within a quarter
+# of its lease) before anyone grows into room that is theirs
+REJOIN_GRACE_S = 2.0
 SERVING_LOCK_TIMEOUT_S = 2.0
 
 
@@ -86,7 +90,9 @@ class SharedBudget:
     count against the total whether used or not), at most ``max_pages``. ``total_pages``
     creates the ledger when it does not exist (the first process); later ones may omit it.
     ``lock_timeout_s``: how long a call waits for another process's transaction before it
-    moves the stuck ledger aside and goes on in a new one. ``lease_s``: reap this holder
+    moves the stuck ledger aside and goes on in a new one (where the holder of its lock is
+    stopped). ``rejoin_grace_s``: after a ledger is rebuilt, how long nobody grows (the live
+    holders register first). ``lease_s``: reap this holder
     when it shows no sign of life for that long (None: only when its process dies);
     ``keepalive``: beat from a thread of its own (needs ``lease_s``). ``name``: a label the
     ledger shows (:mod:`vmcache.memory.ledger_admin` reads and limits holders by it).
@@ -102,6 +108,7 @@ class SharedBudget:
         max_pages: int | None = None,
         lock_timeout_s: float = 10.0,
         lease_s: float | None = None,
+        rejoin_grace_s: float = REJOIN_GRACE_S,
         keepalive: bool = False,
         name: str = "",
         unit_bytes: int | None = None,
@@ -111,6 +118,9 @@ class SharedBudget:
         self.path, self.name = os.fspath(path), name
         self.min = _pages("min_pages", min_pages)
         self.lock_timeout_s = _seconds("lock_timeout_s", lock_timeout_s)
+        self.rejoin_grace_s = float(rejoin_grace_s)
+        if not 0 <= self.rejoin_grace_s <= 600:
+            raise ValueError(f"rejoin_grace_s must be in [0, 600] seconds, got {rejoin_grace_s!r}")
         self.lease_s = None if lease_s is None else _seconds("lease_s", lease_s)
         if keepalive and self.lease_s is None:
             raise ValueError("keepalive beats within a lease: give lease_s")
@@ -221,29 +231,39 @@ class SharedBudget:
         self._beat_at = now
 
     def _rejoin(self, db) -> None:
-        """Register again with what this holder holds, within the total: where the others
-        leave less, its row's limit is what fits and it sheds to it (its own limits come
-        back once it fits, :meth:`_room`)."""
-        if self._meta(db, "total_pages") is None:
+        """Register again with what this holder holds, within the total (:meth:`_place`)."""
+        if self._meta(db, "total_pages") is None:  # the first into a new file
             db.execute(
-                "INSERT INTO meta VALUES ('total_pages', ?), ('schema', ?)", (self.total, SCHEMA)
+                "INSERT INTO meta VALUES ('total_pages', ?), ('schema', ?), ('rebuilt_at', ?)",
+                (self.total, SCHEMA, time.monotonic()),
             )
             if self.unit_bytes is not None:
                 db.execute("INSERT INTO meta VALUES ('unit_bytes', ?)", (self.unit_bytes,))
+        lo, hi = self._wanted()
+        self._insert(db, *self._place(db, lo, hi))
+        self.rejoined += 1
+
+    def _wanted(self) -> tuple[int, int]:
+        """The floor and limit this holder asked for (its row may show less while capped)."""
+        return (self._capped[1], self._capped[2]) if self._capped else (self.min, self.max)
+
+    def _place(self, db, lo: int, hi: int) -> tuple[int, int, bool]:
+        """The row (min, max, shed) of this holder wanting floor ``lo`` and limit ``hi`` with
+        what it holds now beside the others' rows: where they leave less than it holds, its
+        limit is what fits and it sheds to it; where their floors leave less than ``lo``, its
+        floor is what is left. What it wants is kept (``_capped``) until the row shows it,
+        and :meth:`_room` places it again at every read."""
         held, promised, floors = db.execute(
             "SELECT COALESCE(SUM(held), 0), COALESCE(SUM(MAX(0, min - held)), 0), "
-            "COALESCE(SUM(min), 0) FROM holders"
+            "COALESCE(SUM(min), 0) FROM holders WHERE id != ?",
+            (self.id,),
         ).fetchone()
         fits = max(0, self.total - held - promised)
-        lo, hi = self.min, self.max
-        if self._capped is not None:  # capped before and not yet back: what it wants
-            lo, hi = self._capped[1], self._capped[2]
-        cap = min(hi, fits)
-        lo_now = min(lo, cap, max(0, self.total - floors))
-        shed = self.held > cap
-        self._capped = (cap, lo, hi) if (shed or lo_now < lo) else None
-        self._insert(db, lo_now, cap if shed else hi, shed)
-        self.rejoined += 1
+        shed = self.held > min(hi, fits)
+        row_hi = min(hi, fits) if shed else hi
+        row_lo = min(lo, row_hi, max(0, self.total - floors))
+        self._capped = (row_hi, lo, hi) if (row_lo, row_hi) != (lo, hi) else None
+        return row_lo, row_hi, shed
 
     def _note(self, exc: BaseException) -> None:
         """A ledger fault a serving call does not raise (it refuses, or writes later)."""
@@ -268,12 +288,16 @@ class SharedBudget:
         rows = db.execute("SELECT id, held, min, max, want_until, shed FROM holders").fetchall()
         mine = next(r for r in rows if r[0] == self.id)
         if self._capped is not None:
-            mine = self._lift_cap(db, rows, mine, total)
+            mine = self._lift_cap(db, mine)
+            rows = [mine if r[0] == self.id else r for r in rows]
         self.min, self.max, self.shed = mine[2], mine[3], bool(mine[5])  # may be set outside
         held = sum(r[1] for r in rows)
         self.others_held = held - mine[1]  # what the other holders hold, as last read
         promised = sum(max(0, r[2] - r[1]) for r in rows if r[0] != self.id)
         room = min(mine[3] - mine[1], total - held - promised)
+        rebuilt_at = self._meta(db, "rebuilt_at")
+        if rebuilt_at is not None and time.monotonic() - rebuilt_at < self.rejoin_grace_s:
+            room = 0  # a new file: the live holders register what they hold first
         self.contended = any(r[4] > now for r in rows if r[0] != self.id)
         if self.contended:
             share = total // max(1, sum(1 for r in rows if r[1] or r[4] > now))
@@ -282,25 +306,19 @@ class SharedBudget:
                 room = min(room, max(mine[2], share) - mine[1])
         return max(0, room)
 
-    def _lift_cap(self, db, rows, mine, total: int) -> tuple:
-        """A row capped on rejoin gets this holder's own limits back once it fits (and its
-        floor once the others' floors leave room); a limit set from outside meanwhile wins."""
-        cap, lo, hi = self._capped
-        if mine[3] != cap:  # set from outside since: that is the limit now
+    def _lift_cap(self, db, mine) -> tuple:
+        """A capped row placed again (:meth:`_place`): its own limits back once it fits. A
+        limit set from outside meanwhile wins (it is what the holder wants now)."""
+        if mine[3] != self._capped[0]:  # set from outside since
             self._capped = None
             return mine
-        if mine[1] > cap:
-            return mine
-        floors = sum(r[2] for r in rows if r[0] != self.id)
-        lo_now = min(lo, max(0, total - floors))
-        db.execute(
-            "UPDATE holders SET min = ?, max = ?, shed = 0 WHERE id = ?", (lo_now, hi, self.id)
-        )
-        if lo_now == lo:
-            self._capped = None
-        else:
-            self._capped = (hi, lo, hi)
-        return (mine[0], mine[1], lo_now, hi, mine[4], 0)
+        lo, hi, shed = self._place(db, *self._wanted())
+        if (lo, hi, shed) != (mine[2], mine[3], bool(mine[5])):
+            db.execute(
+                "UPDATE holders SET min = ?, max = ?, shed = ? WHERE id = ?",
+                (lo, hi, int(shed), self.id),
+            )
+        return (mine[0], mine[1], lo, hi, mine[4], int(shed))
 
     def acquire(self, n: int) -> bool:
         """Take ``n`` pages, all or nothing; False when the budget cannot give them now, or
@@ -310,22 +328,27 @@ class SharedBudget:
             return True
         self._cached = None
         now = time.monotonic()
-        try:
-            with self._tx() as db:
-                if n > self._room(db, now):
+        # the account and the row change under one lock (the keepalive thread writes the row
+        # from the account: it must never see one without the other)
+        with self._file.mutex:
+            try:
+                with self._tx() as db:
+                    if n > self._room(db, now):
+                        if now >= self._wanted_at + WANT_S / 2:  # at most this often
+                            db.execute(
+                                "UPDATE holders SET want_until = ? WHERE id = ?",
+                                (now + WANT_S, self.id),
+                            )
+                            self._wanted_at = now
+                        return False
                     db.execute(
-                        "UPDATE holders SET want_until = ? WHERE id = ?", (now + WANT_S, self.id)
+                        "UPDATE holders SET held = ?, want_until = 0 WHERE id = ?",
+                        (self.held + n, self.id),
                     )
-                    self._wanted_at = now
-                    return False
-                db.execute(
-                    "UPDATE holders SET held = ?, want_until = 0 WHERE id = ?",
-                    (self.held + n, self.id),
-                )
-        except LedgerError as e:
-            self._note(e)
-            return False
-        self.held += n
+            except LedgerError as e:
+                self._note(e)
+                return False
+            self.held += n
         return True
 
     def want(self) -> None:
@@ -349,17 +372,18 @@ class SharedBudget:
         """Give back ``n`` pages: this holder's account drops now; its row follows in the
         same call or, where the ledger cannot be written now, in the next call that can."""
         n = _pages("pages", n)
-        if n > self.held:
-            raise ValueError(f"release of {n} pages, {self.held} held")
-        if self.closed:
-            raise LedgerError(f"ledger {self.path}: this SharedBudget is closed")
-        self._cached = None
-        self.held -= n
-        try:
-            with self._tx():
-                pass  # the transaction writes the row from the account
-        except LedgerError as e:
-            self._note(e)
+        with self._file.mutex:
+            if n > self.held:
+                raise ValueError(f"release of {n} pages, {self.held} held")
+            if self.closed:
+                raise LedgerError(f"ledger {self.path}: this SharedBudget is closed")
+            self._cached = None
+            self.held -= n
+            try:
+                with self._tx():
+                    pass  # the transaction writes the row from the account
+            except LedgerError as e:
+                self._note(e)
 
     def excess(self) -> int:
         """Pages held beyond the limit as last read (every :meth:`available` and
@@ -372,19 +396,29 @@ class SharedBudget:
         """This holder's guaranteed minimum and its most, now (None: unchanged), and its sleep
         flag (``asleep``), in one transaction. A minimum above the maximum, or more than the
         others leave unpromised, is a ``ValueError`` and changes nothing; a maximum below what
-        is held is an :meth:`excess` the pool gives back as its pages free."""
-        lo = self.min if min_pages is None else _pages("min_pages", min_pages)
+        is held is an :meth:`excess` the pool gives back as its pages free. A holder capped
+        on rejoining keeps what it wants and gets it once it fits."""
         self._cached = None
-        with self._tx() as db:
-            hi = db.execute("SELECT max FROM holders WHERE id = ?", (self.id,)).fetchone()[0]
-            hi = hi if max_pages is None else _pages("max_pages", max_pages)
-            self._check_floor(db, lo, hi)
+        with self._file.mutex, self._tx() as db:
+            row_hi, row_shed = db.execute(
+                "SELECT max, shed FROM holders WHERE id = ?", (self.id,)
+            ).fetchone()
+            want_lo, want_hi = self._wanted() if self._capped else (self.min, row_hi)
+            lo = want_lo if min_pages is None else _pages("min_pages", min_pages)
+            hi = want_hi if max_pages is None else _pages("max_pages", max_pages)
+            if lo > hi:
+                raise ValueError(f"min_pages {lo} exceeds max_pages {hi}")
             sleep = self.asleep if asleep is None else bool(asleep)
+            if self._capped:
+                lo, hi, shed = self._place(db, lo, hi)
+            else:
+                self._check_floor(db, lo)
+                shed = bool(row_shed) and self.held > hi  # a shed set from outside stays
             db.execute(
-                "UPDATE holders SET min = ?, max = ?, shed = 0, asleep = ? WHERE id = ?",
-                (lo, hi, int(sleep), self.id),
+                "UPDATE holders SET min = ?, max = ?, shed = ?, asleep = ? WHERE id = ?",
+                (lo, hi, int(shed), int(sleep), self.id),
             )
-        self.min, self.max, self.shed, self.asleep, self._capped = lo, hi, False, sleep, None
+            self.min, self.max, self.shed, self.asleep = lo, hi, shed, sleep
 
     def promise_floor(self, pages: int, *, asleep: bool | None = None) -> int:
         """Set the guaranteed minimum to ``pages`` or as much of it as fits now: within this
@@ -394,21 +428,25 @@ class SharedBudget:
         pages = _pages("min_pages", pages)
         sleep = self.asleep if asleep is None else bool(asleep)
         self._cached = None
-        with self._tx() as db:
-            hi = db.execute("SELECT max FROM holders WHERE id = ?", (self.id,)).fetchone()[0]
-            others = db.execute(
-                "SELECT COALESCE(SUM(min), 0) FROM holders WHERE id != ?", (self.id,)
-            ).fetchone()[0]
-            lo = max(0, min(pages, hi, self.total - others))
+        with self._file.mutex, self._tx() as db:
+            hi, shed = db.execute(
+                "SELECT max, shed FROM holders WHERE id = ?", (self.id,)
+            ).fetchone()
+            if self._capped:
+                lo, hi, shed = self._place(db, pages, self._capped[2])
+            else:
+                others = db.execute(
+                    "SELECT COALESCE(SUM(min), 0) FROM holders WHERE id != ?", (self.id,)
+                ).fetchone()[0]
+                lo = max(0, min(pages, hi, self.total - others))
             db.execute(
-                "UPDATE holders SET min = ?, asleep = ? WHERE id = ?", (lo, int(sleep), self.id)
+                "UPDATE holders SET min = ?, max = ?, shed = ?, asleep = ? WHERE id = ?",
+                (lo, hi, int(shed), int(sleep), self.id),
             )
-        self.min, self.max, self.asleep = lo, hi, sleep
+            self.min, self.max, self.shed, self.asleep = lo, hi, bool(shed), sleep
         return lo
 
-    def _check_floor(self, db, lo: int, hi: int) -> None:
-        if lo > hi:
-            raise ValueError(f"min_pages {lo} exceeds max_pages {hi}")
+    def _check_floor(self, db, lo: int) -> None:
         others = db.execute(
             "SELECT COALESCE(SUM(min), 0) FROM holders WHERE id != ?", (self.id,)
         ).fetchone()[0]

@@ -18,8 +18,8 @@ import os
 from dataclasses import dataclass
 
 from vmcache.memory.budget import _pages
-from vmcache.memory.ledger_file import LedgerFile
-from vmcache.memory.ledger_rows import LedgerError, move_aside
+from vmcache.memory.ledger_file import LedgerFile, damaged, locked
+from vmcache.memory.ledger_rows import LedgerError, lock_holders, move_aside
 
 
 @dataclass(frozen=True)
@@ -112,20 +112,31 @@ def set_limit(path, name: str, max_pages: int, *, shed: bool = False,
 
 
 def repair(path, timeout_s: float = 10.0) -> str | None:
-    """Move the ledger at ``path`` aside (kept as ``PATH.damaged-...``) when it cannot be
-    used: damaged, not a vmcache ledger, or locked by another process for ``timeout_s``.
-    The live holders re-register what they hold in a new file at the path on their next
-    call (a serving process within a quarter of its lease); a new holder creates it. Returns
-    the name it was moved to, or None when the ledger is readable (nothing to repair)."""
+    """Move the ledger at ``path`` aside (kept as ``PATH.damaged-...``) when it is damaged
+    (SQLite cannot read it as a ledger), or locked past ``timeout_s`` by a process that is
+    stopped. The live holders re-register what they hold in a new file at the path on their
+    next call (a serving process within a quarter of its lease); a new holder creates it.
+    Returns the name it was moved to; None when the ledger is readable (nothing to repair).
+    ``LedgerError`` for anything else (a file not to be trusted, another schema, a lock
+    held by a process that runs): nothing is moved."""
     path = os.fspath(path)
+    try:
+        st = os.lstat(path)  # the file judged is the file moved, not one put there since
+    except FileNotFoundError:
+        raise LedgerError(f"no ledger at {path}") from None
     try:
         read(path, timeout_s)
         return None
     except LedgerError as e:
-        if "no ledger at" in str(e) or "symbolic link" in str(e) or "owned by" in str(e):
-            raise  # not a damaged file of this user's: nothing this command should move
-    st = os.lstat(path)
-    aside = move_aside(path, (st.st_dev, st.st_ino), "damaged")
+        cause = e.__cause__
+        inode = (st.st_dev, st.st_ino)
+        stuck = locked(cause) and any(s in "Tt" for _, s in lock_holders(inode))
+        if not (damaged(cause) or stuck):
+            raise
+    try:
+        aside = move_aside(path, inode, "damaged", timeout_s)
+    except OSError as e:
+        raise LedgerError(f"ledger {path}: not moved aside: {e}") from e
     if aside is None:
-        raise LedgerError(f"ledger {path} was replaced meanwhile: run repair again if needed")
+        raise LedgerError(f"ledger {path} was replaced meanwhile: nothing moved")
     return aside

@@ -4,7 +4,9 @@ what a holder does when the file under the path is not the one it joined.
     transaction(recover)   BEGIN IMMEDIATE, reap dead holders, ... COMMIT (ROLLBACK on error)
       the path deleted or replaced     connect to the file there now (created if missing)
       the file damaged                 moved aside as PATH.damaged-<time>-<pid> (kept)
-      its lock held past the timeout   (a process stopped inside a transaction) removed
+      its lock held past the timeout   removed, where the holder of the lock is a stopped
+                                       process (SIGSTOP inside a transaction); a slow
+                                       one that runs is waited for at the next call
                                        and then, in either case, a new file at the path
     (``recover``: a holder, which can register again with what it holds; a reader such as
     ``vmcache-kv`` only reports, with the one command that recovers the file)
@@ -26,6 +28,7 @@ from vmcache.memory.ledger_rows import (
     SCHEMA,
     LedgerError,
     check_ledger_file,
+    lock_holders,
     move_aside,
     reap,
     repair_hint,
@@ -47,41 +50,51 @@ class LedgerFile:
         self.fault: str | None = None  # the last of them
         self.closed = False  # by its owner, for good (a reconnect closes and opens)
         self.mutex = threading.RLock()  # one transaction at a time on this connection
-        self.connect(create)
-
-    def connect(self, create: bool) -> None:
-        if create and not os.path.lexists(self.path):
-            try:  # private from the start (SQLite would create it with the umask's mode)
-                os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-            except FileExistsError:
-                pass
-        elif not os.path.lexists(self.path):
-            raise ValueError(f"no ledger at {self.path}: give total_pages")
-        st = check_ledger_file(self.path)
         try:
-            db = sqlite3.connect(
-                self.path,
-                timeout=self.lock_timeout_s,
-                isolation_level=None,
-                check_same_thread=False,
-            )
-            try:
-                db.execute("PRAGMA synchronous=NORMAL")
-                if st.st_size == 0:  # new (here or by another holder): the tables made
-                    db.executescript(f"BEGIN IMMEDIATE; {_TABLES} COMMIT;")
-                row = db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
-                if row is not None and row[0] != SCHEMA:
-                    raise LedgerError(
-                        f"ledger {self.path}: schema {row[0]}, this vmcache reads {SCHEMA}"
-                    )
-                if check_ledger_file(self.path).st_ino != st.st_ino:
-                    raise LedgerError(f"ledger {self.path} was replaced while it was opened")
-            except BaseException:
-                db.close()
-                raise
+            self.connect(create)
         except sqlite3.Error as exc:
             raise self.error(exc) from exc
-        self.db, self.inode, self.damaged = db, (st.st_dev, st.st_ino), False
+
+    def connect(self, create: bool) -> None:
+        """Open the file at the path (made, 0600, where ``create`` and it is missing).
+        ``LedgerError`` for a file not to be trusted, another schema or an ``OSError``;
+        SQLite's own errors as they are (:meth:`transaction` may recover from them: the
+        file's identity is known by then)."""
+        try:
+            if create and not os.path.lexists(self.path):
+                try:  # private from the start (SQLite would create it with the umask's mode)
+                    fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                    os.close(fd)
+                except FileExistsError:
+                    pass
+            elif not os.path.lexists(self.path):
+                raise ValueError(f"no ledger at {self.path}: give total_pages")
+            st = check_ledger_file(self.path)
+        except OSError as e:
+            raise LedgerError(f"ledger {self.path}: {e}") from e
+        self.inode = (st.st_dev, st.st_ino)
+        db = sqlite3.connect(
+            self.path, timeout=self.lock_timeout_s, isolation_level=None, check_same_thread=False
+        )
+        try:
+            db.execute("PRAGMA synchronous=NORMAL")
+            # a commit truncates the journal through its descriptor, never unlinks it by name:
+            # a process stopped mid-transaction whose file was moved aside cannot, once
+            # resumed, delete the journal of the new file at the path
+            db.execute("PRAGMA journal_mode=TRUNCATE")
+            if st.st_size == 0:  # new (here or by another holder): the tables made
+                db.executescript(f"BEGIN IMMEDIATE; {_TABLES} COMMIT;")
+            row = db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+            if row is not None and row[0] != SCHEMA:
+                raise LedgerError(
+                    f"ledger {self.path}: schema {row[0]}, this vmcache reads {SCHEMA}"
+                )
+            if check_ledger_file(self.path).st_ino != st.st_ino:
+                raise LedgerError(f"ledger {self.path} was replaced while it was opened")
+        except BaseException:
+            db.close()
+            raise
+        self.db, self.damaged = db, False
 
     def close(self) -> None:
         """For good: later transactions raise :class:`LedgerError`."""
@@ -115,18 +128,28 @@ class LedgerFile:
 
     def recover(self, exc: BaseException) -> bool:
         """After ``exc`` from the file this connection opened: a damaged file moved aside
-        (kept), a stuck one removed, and a new file connected at the path. False (nothing
-        done): not a fault that a new file mends."""
-        if not (locked(exc) or damaged(exc)) or self.inode is None:
+        (kept), a stuck one (its lock held by a process that is stopped) removed, and a new
+        file connected at the path. False (nothing done): not a fault that a new file mends,
+        a lock held by a process that runs (it is only slow: the caller refuses this once),
+        or the move could not be made."""
+        if self.inode is None or not (locked(exc) or damaged(exc)):
             return False
         why = "stuck" if locked(exc) else "damaged"
-        aside = move_aside(self.path, self.inode, why)
-        if aside is not None:
-            self.rebuilt += 1
-            if why == "stuck":  # nothing in it to keep: every live holder re-registers
-                for name in (aside, aside + "-journal"):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(name)
+        if why == "stuck":
+            holders = lock_holders(self.inode)
+            if not holders or not all(state in "Tt" for _, state in holders):
+                return False
+        try:
+            aside = move_aside(self.path, self.inode, why, self.lock_timeout_s)
+            if aside is not None:
+                self.rebuilt += 1
+                if why == "stuck":  # nothing in it to keep: every live holder re-registers
+                    for name in (aside, aside + "-journal"):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(name)
+        except OSError as e:
+            self.note(LedgerError(f"ledger {self.path}: {why}, and not moved aside: {e}"))
+            return False
         self.note(self.error(exc))
         self._drop()
         self.connect(create=True)
@@ -144,20 +167,23 @@ class LedgerFile:
         with self.mutex:
             if self.closed:
                 raise LedgerError(f"ledger {self.path}: this SharedBudget is closed")
-            try:
-                self._begin(recover, keep)
-            except sqlite3.Error as exc:
-                self._rollback()
-                if not (recover and self.recover(exc)):
-                    raise self.error(exc) from exc
+            for attempt in (0, 1):
                 try:
                     self._begin(recover, keep)
-                except sqlite3.Error as again:
+                    break
+                except sqlite3.Error as exc:
                     self._rollback()
-                    raise self.error(again) from again
-            except BaseException:
-                self._rollback()
-                raise
+                    if attempt or not recover:
+                        raise self.error(exc) from exc
+                    try:
+                        mended = self.recover(exc)
+                    except sqlite3.Error as again:
+                        raise self.error(again) from again
+                    if not mended:
+                        raise self.error(exc) from exc
+                except BaseException:
+                    self._rollback()
+                    raise
             try:
                 yield self.db
                 self.db.execute("COMMIT")

@@ -5,9 +5,11 @@ the schema, the error type, and which holders are dead (reaped by every transact
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import stat
 import time
+import uuid
 
 SCHEMA = 2  # 2: holders carry a name, a sleep flag and a shed flag (limits set from outside)
 _TABLES = """
@@ -85,27 +87,69 @@ def check_ledger_path(path: str) -> None:
         check_ledger_file(path)
 
 
-def move_aside(path: str, inode: tuple[int, int], why: str) -> str | None:
-    """Rename the ledger file at ``path`` to ``path.<why>-<time>-<pid>`` if it is still the
-    file ``inode`` (device, inode) names (another process may have replaced it already);
-    returns the new name, or None when it was not there. The holders that use it re-register
-    what they hold in a new file at ``path`` on their next call."""
+def move_aside(path: str, inode: tuple[int, int], why: str, timeout_s: float) -> str | None:
+    """Rename the ledger file at ``path`` (and its rollback journal) to a name of its own,
+    ``path.<why>-<time>-<random>``, if it is still the file ``inode`` (device, inode) names;
+    returns the new name, or None when it was not (another process moved it first). Movers
+    take turns on ``path.recover`` (``flock``, at most ``timeout_s``), so two that found
+    the same damage never move each other's new file. ``OSError`` when it cannot be done
+    (the directory read-only, the lock not had in time)."""
+    fd = os.open(path + ".recover", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    if (st.st_dev, st.st_ino) != inode:
-        return None
-    aside = f"{path}.{why}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise OSError(f"{path}.recover is held by another process") from None
+                time.sleep(0.01)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        if (st.st_dev, st.st_ino) != inode:
+            return None
+        base = os.path.basename(path)[:150]
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        aside = os.path.join(os.path.dirname(path), f"{base}.{why}-{stamp}-{uuid.uuid4().hex[:8]}")
         os.rename(path, aside)
-    except FileNotFoundError:
-        return None
-    # its rollback journal goes with it: left at the path, SQLite would take it for a hot
-    # journal of the new file there and play the old file's pages back into it
-    with contextlib.suppress(FileNotFoundError):
-        os.rename(path + "-journal", aside + "-journal")
-    return aside
+        # its rollback journal goes with it: left at the path, SQLite could take it for a hot
+        # journal of the new file there
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(path + "-journal", aside + "-journal")
+        return aside
+    finally:
+        os.close(fd)  # (the flock goes with it)
+
+
+def lock_holders(inode: tuple[int, int]) -> list[tuple[int, str]]:
+    """The other processes that hold a POSIX lock on the file ``inode`` names, each with its
+    state letter (``T``: stopped), from ``/proc/locks`` (no descriptor is opened: closing one
+    would drop this process's own SQLite locks on the file). Empty where unknown."""
+    dev, ino = inode
+    want = f"{os.major(dev):02x}:{os.minor(dev):02x}:{ino}"
+    out = []
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 6 or parts[1] != "POSIX" or parts[5] != want:
+            continue
+        pid = int(parts[4])
+        if pid == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        out.append((pid, state))
+    return out
 
 
 def reap(db, now: float, keep: str | None = None) -> int:
