@@ -244,9 +244,10 @@ def main(argv=None) -> int:
                     f.truncate(size // 2)
             elif fault == "delete":
                 os.unlink(ledger)
-            elif fault == "symlink":
-                os.unlink(ledger)
-                os.symlink(os.path.join(tmp, "bait.db"), ledger)
+            elif fault == "symlink":  # swapped in one rename (holders recreate a missing file)
+                link = os.path.join(tmp, "link")
+                os.symlink(os.path.join(tmp, "bait.db"), link)
+                os.replace(link, ledger)
                 time.sleep(3.0)
                 os.unlink(ledger)
             elif fault == "sleep_race":

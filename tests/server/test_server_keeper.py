@@ -125,3 +125,26 @@ def test_a_ledger_lost_while_two_models_serve_fails_no_request(real, fault, tmp_
         view = read(path)
         assert {h.name: h.held_pages for h in view.holders} == accounts
         assert sum(held_mib(r).values()) * 2**20 == view.held_pages * view.unit_bytes
+
+
+def test_a_wake_that_has_begun_and_runs_past_its_deadline_says_so(tmp_path):
+    """A call that had begun on the engine thread and ran past the second wait was answered
+    as "not begun; nothing changed" while it went on and took effect: now a 504 that says it
+    is still running, and it completes."""
+    from real_model import tiny_chat_checkpoint
+
+    from vmcache.server.cli import Running
+
+    directory = tiny_chat_checkpoint(tmp_path / "tiny")
+    args = parse_args(["--model", f"a={directory}", "--kv-budget-mib", "8", "--max-seq-len",
+                       "512", "--no-compile"])  # fmt: skip
+    with Running(build_server(args)[0]) as r:
+        served = r.server.models["a"]
+        served.sleep(2)  # the weights dropped: a wake loads them again (about a second)
+        served.sleep_timeout_s = 0.05
+        with pytest.raises(APIError) as err:
+            served.wake()
+        assert err.value.status == 504 and err.value.code == "in_progress"
+        until(lambda: not served.is_sleeping)  # it went on, as it said
+        served.sleep_timeout_s = 30
+        assert complete(r, "a", prompt(1, 20), 2).usage.completion_tokens == 2

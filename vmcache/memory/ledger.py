@@ -36,9 +36,10 @@ always be rebuilt from them:
     holder re-registers in a new file at the path: nothing waits on a stopped process
     longer than that bound;
   - with ``lease_s``, a holder that shows no sign of life for that long is reaped (a stopped
-    or hung process); ``keepalive=True`` beats from a thread of its own, so an idle or busy
-    process keeps its lease and a stopped one loses it. A reaped holder that resumes joins
-    again as above.
+    process, or one whose caller stopped calling); ``keepalive=True`` beats from a thread of
+    its own, so an idle or busy process keeps its lease and a stopped one loses it (a process
+    whose threads still run keeps it, however stuck its work). A reaped holder that resumes
+    joins again as above.
 The calls a cache makes while it serves (:meth:`SharedBudget.acquire`, ``release``,
 ``available``, ``want``) never raise for a ledger fault: a fault they cannot recover from
 (the path replaced by a symbolic link, say) is a refusal (``acquire`` False, ``available`` 0)
@@ -489,10 +490,10 @@ class SharedBudget:
         while not self._stop.wait(self._beat_every):
             try:
                 self.beat()
-            except LedgerError as e:
+            except Exception as e:  # noqa: BLE001 - the thread must outlive any one fault
                 if self.closed:
                     return
-                self._note(e)
+                self._file.note(e)
 
     def snapshot(self) -> dict:
         """The ledger now (dead holders reaped): the total and, per holder id, its pid and

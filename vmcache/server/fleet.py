@@ -100,8 +100,9 @@ class Ledger:
 
 def budget_for(ledger: Ledger, name: str, total_units: int):
     """Model ``name``'s holder of the ledger (floor 0 until its cache exists), on a lease its
-    own thread keeps: a server stopped (SIGSTOP) or hung loses its pages within the lease,
-    and no call waits on another process's transaction longer than the lock bound."""
+    own thread keeps: a server stopped (SIGSTOP) loses its pages within the lease (one whose
+    threads run keeps them), and no call waits on another process's transaction longer than
+    the lock bound."""
     return SharedBudget(
         ledger.path,
         total_units,

@@ -156,16 +156,19 @@ class Keeper:
                              "source to load them from again")  # fmt: skip
         b = self.budget
         if b is not None:  # first: a ledger that cannot record it leaves all as it was
-            floor = b.min
             b.set_limits(min_pages=0, asleep=True)
         try:
             freed = engine.kv.elastic.sleep(keep="none")
+            try:
+                if level == 2:
+                    freed += drop_weights(engine.runner.model)
+            except BaseException:
+                engine.kv.elastic.wake()
+                raise
         except BaseException:
-            if b is not None:
-                b.promise_floor(floor, asleep=False)
+            if b is not None:  # the floor back (a ledger fault here is retried by a tick)
+                self._promise_floor(asleep=False)
             raise
-        if level == 2:
-            freed += drop_weights(engine.runner.model)
         if engine.kv.config.device.type == "cpu":
             return_freed_heap()
         self.level = level

@@ -79,6 +79,11 @@ class _Live:
     token_s: list[float] = field(default_factory=list)  # its first sequence's tokens' times
 
 
+class InProgress(RuntimeError):
+    """A call :meth:`EngineLoop.query` ran past its deadline after it had begun: it goes on
+    and takes effect (unlike a ``TimeoutError``, which means it never ran)."""
+
+
 class EngineLoop:
     def __init__(self, engine, tokenizer, *, max_waiting: int = 256, idle_s: float = 0.05,
                  observer: Observer | None = None, state_every_s: float = 0.25,
@@ -170,7 +175,11 @@ class EngineLoop:
                 raise TimeoutError(f"the engine thread did not take it within {timeout_s} s; "
                                    "it was cancelled") from None  # fmt: skip
         # begun on the loop thread: its outcome is the answer, whatever it is
-        return fut.result(timeout_s)
+        try:
+            return fut.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise InProgress(f"begun on the engine thread, not done within {2 * timeout_s} s; "
+                             "it goes on") from None  # fmt: skip
 
     # --- the loop thread -----------------------------------------------------------------
     def _run(self) -> None:

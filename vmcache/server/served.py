@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from vmcache.memory.ledger_rows import LedgerError
 from vmcache.server.keeper import Keeper
-from vmcache.server.loop import EngineLoop
+from vmcache.server.loop import EngineLoop, InProgress
 from vmcache.server.protocol import APIError, Limits
 
 SLEEP_TIMEOUT_S = 120.0  # a sleep or wake waits this long for the engine thread (a reload)
@@ -71,6 +71,10 @@ class Served:
         call is cancelled: a sleep that timed out never sleeps the model later)."""
         try:
             return self.loop.query(fn, timeout_s=timeout_s or self.sleep_timeout_s)
+        except InProgress as e:
+            raise APIError(504, f"model {self.name!r}: the {what} is still running ({e}); "
+                           "ask /is_sleeping", type="server_error",
+                           code="in_progress") from None  # fmt: skip
         except TimeoutError as e:
             raise APIError(503, f"model {self.name!r}: the {what} was not begun ({e}); "
                            "nothing changed, try again", type="server_error",

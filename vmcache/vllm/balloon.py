@@ -140,7 +140,7 @@ class Balloon:
         """Blocks released with vLLM's ``unpin_blocks``: free in the pool but read until the
         pool hands them out again (it keeps a reuse watcher for each, the pool's
         ``_reuse_watchers``: an internal, named in the guide and checked by version)."""
-        return getattr(self.pool, "_reuse_watchers", {})
+        return self.pool._reuse_watchers  # (an AttributeError, not a silent {}, if it goes)
 
     def sweep(self) -> int:
         """Punch the pages of free blocks without a prefix hash (dead contents) and not

@@ -15,7 +15,7 @@ built.
     chunk_blocks      blocks taken from the budget at a time, and kept free between steps
     lock_timeout_s    the longest a ledger call waits for another process's transaction
                       before it goes on in a rebuilt ledger
-    lease_s           with a ledger: kept by a thread of its own; a stopped or hung engine
+    lease_s           with a ledger: kept by a thread of its own; a stopped engine
                       loses its blocks' budget after this long
 """
 

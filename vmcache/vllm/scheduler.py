@@ -37,6 +37,13 @@ class VmcacheScheduler(Scheduler):
         check_kv_groups(vllm_config, kv_cache_config)
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         self.memory = open_worker_memory(rendezvous_path(vllm_config.instance_id, 0))
+        try:
+            self._start(cfg, vllm_config)
+        except BaseException:
+            self.memory.close()  # its memfd's descriptor and its rendezvous gone with it
+            raise
+
+    def _start(self, cfg: VllmKVConfig, vllm_config) -> None:
         layout = self.memory.layout
         pool = self.kv_cache_manager.block_pool
         if layout.num_blocks != pool.num_gpu_blocks:
@@ -84,8 +91,10 @@ class VmcacheScheduler(Scheduler):
             floor = -(-int(floor_bytes) // self.group_bytes) * budget.k
             try:
                 inner.set_limits(min_pages=floor)
-            except ValueError as e:
-                inner.close()
+            except BaseException as e:
+                inner.close()  # its row, its keepalive thread
+                if not isinstance(e, ValueError):
+                    raise
                 raise ValueError(f"vmcache: a floor of {floor * UNIT_BYTES / MIB:.1f} MiB does not "
                                  f"fit the ledger beside the others' ({e}): lower "
                                  "vmcache.floor_mib") from None  # fmt: skip
@@ -135,11 +144,13 @@ class VmcacheScheduler(Scheduler):
         try:
             super().shutdown()
         finally:
-            self.balloon.close()
-            close = getattr(self.budget.inner, "close", None)
-            if close is not None:
-                close()
-            self.memory.close()
+            try:
+                self.balloon.close()
+                close = getattr(self.budget.inner, "close", None)
+                if close is not None:
+                    close()
+            finally:
+                self.memory.close()
 
     def _blocks_wanted(self) -> int:
         """Blocks the next step may allocate: each running request's next tokens, then the
