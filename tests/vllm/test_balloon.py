@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm.v1.core.block_pool")  # (not tests/vllm, a folder without vLLM)
 
 from vllm import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm.engine.arg_utils")
 MODEL = os.environ.get("VMCACHE_VLLM_MODEL")
 if not MODEL:
     pytest.skip("VMCACHE_VLLM_MODEL (the fp32 SmolLM2 directory) is not set: run `make test-vllm`",
