@@ -178,12 +178,7 @@ class SharedBudget:
         self.max = total if max_pages is None else max_pages
         if self.min > self.max:
             raise ValueError(f"min_pages {self.min} exceeds max_pages {self.max}")
-        promised = db.execute("SELECT COALESCE(SUM(min), 0) FROM holders").fetchone()[0]
-        if promised + self.min > total:
-            raise ValueError(
-                f"min_pages {self.min}: only {total - promised} of the {total} pages are not "
-                "promised to others"
-            )
+        self._check_floor(db, self.min)  # (its row is not there yet: the others' floors)
         self._insert(db, self.min, self.max, shed=False)
 
     # --- the file --------------------------------------------------------------------------
@@ -436,10 +431,7 @@ class SharedBudget:
             if self._capped:
                 lo, hi, shed = self._place(db, pages, self._capped[2])
             else:
-                others = db.execute(
-                    "SELECT COALESCE(SUM(min), 0) FROM holders WHERE id != ?", (self.id,)
-                ).fetchone()[0]
-                lo = max(0, min(pages, hi, self.total - others))
+                lo = max(0, min(pages, hi, self.total - self._others_floors(db)))
             db.execute(
                 "UPDATE holders SET min = ?, max = ?, shed = ?, asleep = ? WHERE id = ?",
                 (lo, hi, int(shed), int(sleep), self.id),
@@ -447,10 +439,13 @@ class SharedBudget:
             self.min, self.max, self.shed, self.asleep = lo, hi, bool(shed), sleep
         return lo
 
-    def _check_floor(self, db, lo: int) -> None:
-        others = db.execute(
+    def _others_floors(self, db) -> int:
+        return db.execute(
             "SELECT COALESCE(SUM(min), 0) FROM holders WHERE id != ?", (self.id,)
         ).fetchone()[0]
+
+    def _check_floor(self, db, lo: int) -> None:
+        others = self._others_floors(db)
         if others + lo > self.total:
             raise ValueError(
                 f"min_pages {lo}: only {self.total - others} of the {self.total} pages are not "
